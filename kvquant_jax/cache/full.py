@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvquant_jax.cache.interface import CacheScheme
+from kvquant_jax.cache import _rows
+from kvquant_jax.cache._rows import DTYPES, valid_rows  # noqa: F401  (re-exported)
+from kvquant_jax.cache.interface import SchemeBase
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
-
-DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
 @struct.dataclass
@@ -25,51 +25,47 @@ def scatter_rows(buf: jax.Array, rows: jax.Array, start: jax.Array, num_new: jax
     """Write ``rows[b, :, t]`` to ``buf[b, :, start[b] + t]`` for ``t < num_new[b]``; other slots unchanged.
 
     buf: ``[B, H, C, ...]``; rows: ``[B, H, T, ...]`` (same trailing dims); start, num_new: int32 ``[B]``.
-    Positions past capacity are dropped (the caller checks capacity on the host).
+    Positions past capacity are dropped (the caller checks capacity on the host).  One in-place scatter.
     """
     t = rows.shape[2]
-    cap = buf.shape[2]
-    pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]            # [B, T]
-    pos = jnp.where(jnp.arange(t)[None, :] < num_new[:, None], pos, cap)       # padding -> out of bounds (dropped)
-    b_idx = jnp.arange(buf.shape[0])[:, None]
-    moved = jnp.moveaxis(rows, 2, 1)                                           # [B, T, H, ...]
-    out = jnp.moveaxis(buf, 2, 1).at[b_idx, pos].set(moved.astype(buf.dtype), mode="drop")
-    return jnp.moveaxis(out, 1, 2)
-
-
-def valid_rows(lengths: jax.Array, capacity: int) -> jax.Array:
-    """bool ``[B, C]``: row ``i`` of sequence ``b`` is committed."""
-    return jnp.arange(capacity, dtype=jnp.int32)[None, :] < lengths[:, None]
+    pos = start[:, None] + _rows.arange_rows(t)[None, :]
+    return _rows.write_rows(buf, rows, pos, _rows.new_row_mask(num_new, t))
 
 
 @dataclasses.dataclass(frozen=True)
-class FullPrecisionScheme(CacheScheme):
+class FullPrecisionScheme(SchemeBase):
     """Store K and V unquantized in ``dtype`` ("fp32", "bf16" or "fp16")."""
 
+    family = "full"
+
     dtype: str = "fp32"
-    rope_theta: float = 10000.0
-    rope_pairing: str = "half_split"
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"full-precision cache dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        self._check_identity()
 
     @property
     def schema(self) -> CacheSchema:
         fmt = TensorFormat(payload=self.dtype, signed=True, zero="none", axis="tensor", qparam_dtype="none",
                            qparam_order="none")
-        return CacheSchema(scheme="full", key=fmt, value=fmt, residual_dtype=self.dtype,
-                           rope_theta=self.rope_theta, rope_pairing=self.rope_pairing)
+        return CacheSchema(scheme="full", key=fmt, value=fmt, residual_dtype=self.dtype, **self._identity())
 
     def init_layer(self, batch, capacity, num_kv_heads, head_dim):
         z = jnp.zeros((batch, num_kv_heads, capacity, head_dim), DTYPES[self.dtype])
         return FullLayerState(k=z, v=z)
 
     def append_layer(self, state, lengths, k, v, num_new):
-        kt = jnp.swapaxes(k, 1, 2)  # [B, Hkv, T, D]
-        vt = jnp.swapaxes(v, 1, 2)
-        return FullLayerState(k=scatter_rows(state.k, kt, lengths, num_new),
-                              v=scatter_rows(state.v, vt, lengths, num_new))
+        return FullLayerState(k=scatter_rows(state.k, _rows.head_major(k), lengths, num_new),
+                              v=scatter_rows(state.v, _rows.head_major(v), lengths, num_new))
+
+    def append_layer_with_status(self, state, lengths, k, v, num_new):
+        new = self.append_layer(state, lengths, k, v, num_new)
+        # a finite fp32 row can overflow fp16 / bf16 storage: that row would decode to inf
+        mask = _rows.new_row_mask(num_new, k.shape[1])[:, :, None, None]
+        dt = DTYPES[self.dtype]
+        fin = jnp.where(mask, jnp.isfinite(k.astype(dt)) & jnp.isfinite(v.astype(dt)), True)
+        return new, jnp.all(fin, axis=(1, 2, 3))
 
     def materialize_layer(self, state, lengths):
         valid = valid_rows(lengths, state.k.shape[2])
@@ -78,5 +74,11 @@ class FullPrecisionScheme(CacheScheme):
         v = jnp.where(m, state.v.astype(jnp.float32), jnp.float32(0))
         return k, v, valid
 
+    def validate_layer(self, state, lengths):
+        from kvquant_jax.cache import checks
+
+        checks.finite_rows("full-precision K", state.k, lengths)
+        checks.finite_rows("full-precision V", state.v, lengths)
+
     def layer_nbytes(self, state):
-        return {"residual": int(state.k.nbytes + state.v.nbytes)}
+        return {"residual": _rows.nbytes(state.k, state.v)}

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -78,8 +78,93 @@ class CacheScheme(abc.ABC):
         del state, lengths
 
     def layer_nbytes(self, state: LayerState) -> dict[str, int]:
-        """Real ``nbytes`` of one layer state by ledger category (see ``kvquant_jax.quant.ledger``)."""
+        """Real ``nbytes`` of one layer state by ledger category (see ``kvquant_jax.quant.ledger``).
+
+        Works on an unstacked layer state and on a stacked group state alike (it sums array ``nbytes``).
+        """
         raise NotImplementedError
+
+    # ----- optional parts of the contract (defaults suit schemes whose every row is stored independently) -----
+
+    #: family name used by the registry / serialization (``schema.scheme``).
+    family: ClassVar[str] = ""
+    #: state fields WITHOUT a batch axis (shared by every sequence, e.g. FP8 scales ``[Hkv]``): fork/reorder
+    #: leave them alone.  Every other field is ``[B, ...]`` (``[L_g, B, ...]`` stacked).
+    unbatched_fields: ClassVar[tuple[str, ...]] = ()
+    #: fields that a MULTI-row append may overwrite at slots visible at the old length (residual rings).  A
+    #: one-row append never does; :func:`kvquant_jax.cache.ops.publish` keeps the old ring contents when a
+    #: multi-row append is rejected, so a rejected prefill is harmless even when the cache was donated.
+    ring_fields: ClassVar[tuple[str, ...]] = ()
+
+    def append_layer_with_status(self, state: LayerState, lengths: jax.Array, k: jax.Array, v: jax.Array,
+                                 num_new: jax.Array) -> tuple[LayerState, jax.Array]:
+        """:meth:`append_layer` plus ``ok: bool [B]``: sequence ``b``'s valid rows were finite and encodable.
+
+        A sequence whose ``ok`` is False must not be published (its new rows may hold garbage).  Schemes whose
+        quantizer can reject finite inputs (a stored qparam that overflows its dtype) override this.
+        """
+        return self.append_layer(state, lengths, k, v, num_new), rows_finite(k, v, num_new)
+
+    def rebuild_start(self, old_lengths, new_lengths):
+        """Host-side (NumPy int ``[B]``): first position whose full-precision row a truncation from ``old_lengths``
+        to ``new_lengths`` must be given again (``== new_lengths`` where the held state suffices).
+
+        Only schemes that discard full-precision rows while they still matter for a shorter length (KIVI: a closed
+        K chunk or a V row that left the rolling tail) need rows; see ``kvquant_jax.cache.ops.truncate``.
+        """
+        del old_lengths
+        return new_lengths
+
+    def restore_rows_layer(self, state: LayerState, new_lengths: jax.Array, k: jax.Array, v: jax.Array,
+                           start: jax.Array) -> LayerState:
+        """Write original rows ``k, v: [B, T, Hkv, D]`` (row ``t`` = position ``start[b] + t``) back into whatever
+        full-precision region the state at ``new_lengths`` needs.  Default: nothing to restore."""
+        del new_lengths, k, v, start
+        return state
+
+    def config(self) -> dict[str, Any]:
+        """Plain-JSON constructor arguments plus ``family``: ``registry.scheme_from_config`` rebuilds the scheme."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
+        return {"family": self.family, **d}
+
+
+def rows_finite(k: jax.Array, v: jax.Array, num_new: jax.Array) -> jax.Array:
+    """bool ``[B]``: every valid row (``t < num_new[b]``) of ``k`` and ``v`` (``[B, T, Hkv, D]``) is finite."""
+    t = k.shape[1]
+    valid = (jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None])[:, :, None, None]
+    fin = jnp.where(valid, jnp.isfinite(k) & jnp.isfinite(v), True)
+    return jnp.all(fin, axis=(1, 2, 3))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchemeBase(CacheScheme):
+    """Identity fields every scheme carries into its schema (keyword-only, so subclasses keep positional fields).
+
+    Attributes:
+      rope_theta, rope_pairing: the RoPE convention of the keys (part of the ABI: 0x03E).
+      key_stage: "post_rope" (default) or "pre_rope": which keys the caller appends (the model rotates decoded
+        keys itself for "pre_rope").
+      model_id, tokenizer_hash: identity of what produced the rows ("" = not bound).
+      kernel_family: attention consumer family recorded in the schema.
+    """
+
+    rope_theta: float = 10000.0
+    rope_pairing: str = "half_split"
+    key_stage: str = "post_rope"
+    model_id: str = ""
+    tokenizer_hash: str = ""
+    kernel_family: str = "reference"
+
+    def _check_identity(self) -> None:
+        if self.rope_pairing not in ("half_split", "interleaved"):
+            raise ValueError(f"rope_pairing must be 'half_split' or 'interleaved', got {self.rope_pairing!r}")
+        if self.key_stage not in ("post_rope", "pre_rope"):
+            raise ValueError(f"key_stage must be 'post_rope' or 'pre_rope', got {self.key_stage!r}")
+
+    def _identity(self) -> dict[str, Any]:
+        return dict(rope_theta=float(self.rope_theta), rope_pairing=self.rope_pairing, key_stage=self.key_stage,
+                    model_id=self.model_id, tokenizer_hash=self.tokenizer_hash, kernel_family=self.kernel_family)
 
 
 @struct.dataclass
@@ -92,12 +177,15 @@ class KVCache:
       lengths: int32 ``[B]``: committed rows per sequence (prefix rows included).
       schemes: static tuple of ``(scheme, first_layer, num_layers)``, one per group.
       capacity: static row capacity ``C``.
+      num_kv_heads, head_dim: static ``Hkv`` and ``D`` (set by :func:`init_cache`).
     """
 
     groups: tuple
     lengths: jax.Array
     schemes: tuple = struct.field(pytree_node=False)
     capacity: int = struct.field(pytree_node=False)
+    num_kv_heads: int = struct.field(pytree_node=False, default=0)
+    head_dim: int = struct.field(pytree_node=False, default=0)
 
     @property
     def batch(self) -> int:
@@ -106,6 +194,15 @@ class KVCache:
     @property
     def num_layers(self) -> int:
         return sum(n for _, _, n in self.schemes)
+
+    @property
+    def per_layer_schemes(self) -> tuple:
+        return tuple(s for s, _, n in self.schemes for _ in range(n))
+
+    @property
+    def schemas(self) -> tuple:
+        """Per-layer :class:`CacheSchema` tuple (the ABI of every layer)."""
+        return tuple(s.schema for s in self.per_layer_schemes)
 
     def scheme_for_layer(self, layer: int) -> CacheScheme:
         for scheme, first, n in self.schemes:
@@ -141,7 +238,7 @@ def init_cache(schemes: CacheScheme | tuple[CacheScheme, ...] | list, *, num_lay
         one = scheme.init_layer(batch, capacity, num_kv_heads, head_dim)
         groups.append(jax.tree.map(lambda a, n=n: jnp.broadcast_to(a, (n,) + a.shape).copy(), one))
     return KVCache(groups=tuple(groups), lengths=jnp.zeros((batch,), jnp.int32), schemes=tuple(runs),
-                   capacity=capacity)
+                   capacity=capacity, num_kv_heads=num_kv_heads, head_dim=head_dim)
 
 
 def check_room(cache: KVCache, num_new) -> None:

@@ -1,0 +1,375 @@
+"""Benchmark: Pallas W8A8 / W4A8 GEMM (+ fused epilogue) vs XLA, and the fused RMSNorm->INT8 producer.
+
+Usage (GPU, e.g. the H200)::
+
+    PYTHONPATH=. python experiments/bench_w8a8.py --out /tmp/bench_w8a8        # writes .json and .md
+
+Phases:
+  1. ``check``: GPU parity of every kernel variant (compiled, not interpreted) against float64 NumPy oracles on odd
+     shapes (M, N not multiples of the block, K needing a smaller block_k / padding).
+  2. ``gemm``: M in {16, 256, 4096, 16384} x (K, N) in {(4096, 4096), (4096, 14336), (8192, 8192)}:
+     XLA bf16 matmul (bf16 out, fp32 accumulation), XLA int8 dot (preferred_element_type=int32, cuBLASLt) alone and
+     with the separate float32 epilogue (y = acc*s_x*s_w + bias -> bf16), our Pallas W8A8 (default tiles and a
+     small sweep), Pallas W4A8 and the affine-zero-point variant.
+  3. ``rmsnorm``: fused RMSNorm->INT8 achieved bandwidth (bytes = read x + w, write codes + scale + status),
+     against the unfused XLA reference and a device copy.
+
+Timing: each measured function is jitted over R distinct input sets (R rotating buffers, so weights/activations do
+not sit in the 60 MB L2 between launches), one call launches R kernels back to back; time = median over
+``--iters`` device-synchronised calls (after warmup) / R. R is chosen so a call is >= ~1.5 ms, bounding the
+per-call launch/sync overhead (~20-40 us) to a few percent.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform as _platform
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from pallas_kernels import rmsnorm_quantize as rq  # noqa: E402
+from pallas_kernels import w8a8_matmul as wm  # noqa: E402
+
+NT = (((1,), (1,)), ((), ()))
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# timing
+# ----------------------------------------------------------------------------------------------------------------
+def time_multi(fn, sets, iters, warmup=2):
+    """Median seconds per single invocation of fn over the rotating input sets."""
+    multi = jax.jit(lambda s: [fn(*a) for a in s])
+    jax.block_until_ready(multi(sets))  # compile + first run
+    for _ in range(warmup):
+        jax.block_until_ready(multi(sets))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(multi(sets))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) / len(sets), (max(ts) - min(ts)) / statistics.median(ts)
+
+
+def n_sets(est_s, per_set_bytes, target_s=1.5e-3, max_sets=64, mem_budget=24e9):
+    r = max(2, min(max_sets, math.ceil(target_s / max(est_s, 1e-7))))
+    return max(2, min(r, int(mem_budget // max(per_set_bytes, 1))))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# correctness on the device (compiled kernels)
+# ----------------------------------------------------------------------------------------------------------------
+def oracle_gemm(xq, sx, wq, sw, bias, zp):
+    acc = xq.astype(np.int64) @ wq.astype(np.int64).T
+    if zp is not None:
+        acc = acc - zp.astype(np.int64)[:, None] * wq.astype(np.int64).sum(1)[None, :]
+    y = acc * sx.astype(np.float64)[:, None] * sw.astype(np.float64)[None, :]
+    if bias is not None:
+        y = y + bias.astype(np.float64)[None, :]
+    return y, np.abs(acc * sx.astype(np.float64)[:, None] * sw.astype(np.float64)[None, :]) + (
+        0 if bias is None else np.abs(bias.astype(np.float64))[None, :])
+
+
+def oracle_rmsnorm(x, w, eps, qdtype):
+    x = np.asarray(x, np.float64)
+    y = x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + eps) * np.asarray(w, np.float64)
+    amax = np.abs(y).max(1)
+    scale = np.where(amax == 0, 1.0, amax / 127).astype(qdtype)
+    codes = np.clip(np.rint(y / scale.astype(np.float64)[:, None]), -127, 127)
+    return codes, scale
+
+
+def run_checks(results):
+    rng = np.random.default_rng(1)
+    out = []
+    for (m, n, k) in [(70, 200, 384), (16, 96, 4096), (300, 520, 1000), (1, 64, 256)]:
+        xq = rng.integers(-127, 128, (m, k), dtype=np.int8)
+        wq = rng.integers(-127, 128, (n, k), dtype=np.int8)
+        w4 = rng.integers(-7, 8, (n, k), dtype=np.int8)
+        sx = rng.uniform(0.01, 0.1, m).astype(np.float32)
+        sw = rng.uniform(0.001, 0.01, n).astype(np.float32)
+        b = rng.normal(size=n).astype(np.float32)
+        zp = rng.integers(-128, 128, m, dtype=np.int32)
+        for name, wmat, zz, od in [("w8a8", wq, None, jnp.float32), ("w8a8", wq, None, jnp.bfloat16),
+                                   ("w8a8_affine", wq, zp, jnp.float32), ("w4a8", w4, None, jnp.float32),
+                                   ("w4a8_affine", w4, zp, jnp.bfloat16)]:
+            try:
+                if name.startswith("w4a8"):
+                    y = wm.w4a8_matmul(jnp.asarray(xq), jnp.asarray(sx), wm.pack_int4(jnp.asarray(wmat)),
+                                       jnp.asarray(sw), jnp.asarray(b),
+                                       x_zero_point=None if zz is None else jnp.asarray(zz), out_dtype=od)
+                else:
+                    y = wm.w8a8_matmul(jnp.asarray(xq), jnp.asarray(sx), jnp.asarray(wmat), jnp.asarray(sw),
+                                       jnp.asarray(b), x_zero_point=None if zz is None else jnp.asarray(zz),
+                                       out_dtype=od)
+                ref, mag = oracle_gemm(xq, sx, wmat, sw, b, zz)
+                y = np.asarray(y.astype(jnp.float32), np.float64)
+                err = float(np.max(np.abs(y - ref) / (mag + 1e-30)))
+                tol = 1e-5 if od == jnp.float32 else 8e-3
+                ok = bool(np.isfinite(y).all() and err <= tol)
+            except Exception as e:  # noqa: BLE001
+                err, ok = repr(e)[:300], False
+            out.append(dict(kernel=name, m=m, n=n, k=k, out=jnp.dtype(od).name, max_rel_err=err, ok=ok))
+            log("check", out[-1])
+    for (m, k) in [(37, 5120), (300, 4096), (5, 96)]:
+        x = (rng.normal(size=(m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
+        x[1] = 0
+        xb = jnp.asarray(x, jnp.bfloat16)
+        w = rng.uniform(0.5, 1.5, k).astype(np.float32)
+        for qd in (np.float16, np.float32):
+            try:
+                c, s, st = rq.rmsnorm_quantize(xb, jnp.asarray(w), qparam_dtype=qd)
+                codes, scale = oracle_rmsnorm(np.asarray(xb.astype(jnp.float32)), w, 1e-6, qd)
+                cd = int(np.abs(np.asarray(c, np.int32) - codes).max())
+                srel = float(np.max(np.abs(np.asarray(s, np.float64) - scale.astype(np.float64)) / scale))
+                ok = cd <= 1 and srel <= (1e-3 if qd == np.float16 else 1e-5) and int(np.asarray(st).max()) == 0
+                ok = ok and float(np.mean(np.asarray(c, np.int32) != codes)) < 1e-3
+            except Exception as e:  # noqa: BLE001
+                cd, srel, ok = repr(e)[:300], None, False
+            out.append(dict(kernel="rmsnorm_quantize", m=m, k=k, qparam=np.dtype(qd).name, max_code_diff=cd,
+                            scale_rel_err=srel, ok=bool(ok)))
+            log("check", out[-1])
+    results["checks"] = out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GEMM benchmark
+# ----------------------------------------------------------------------------------------------------------------
+def sweep_configs(m):
+    if m <= 16:
+        return [wm.GemmConfig(16, 32, 512, 4, 4), wm.GemmConfig(16, 128, 256, 4, 4)]
+    if m <= 256:
+        return [wm.GemmConfig(128, 128, 128, 4, 4), wm.GemmConfig(64, 64, 256, 4, 4)]
+    return [wm.GemmConfig(128, 128, 128, 4, 4), wm.GemmConfig(256, 128, 128, 8, 3),
+            wm.GemmConfig(128, 256, 64, 8, 4)]
+
+
+def cfg_str(c):
+    return f"{c.block_m}x{c.block_n}x{c.block_k}/w{c.num_warps}s{c.num_stages}"
+
+
+def gemm_bench(results, args):
+    rows = []
+    ms = [int(v) for v in args.ms.split(",")]
+    kns = [tuple(int(t) for t in s.split("x")) for s in args.kns.split(",")]
+    for (k, n) in kns:
+        for m in ms:
+            if time.time() - T0 > args.budget_s:
+                log("budget exhausted; skipping", m, k, n)
+                continue
+            flops = 2.0 * m * n * k
+            est = max(flops / 7e14, (n * k + m * k + 2 * m * n) / 3.5e12)
+            r = n_sets(est, n * k * 3 + m * k * 3 + m * n * 8)
+            key = jax.random.PRNGKey(m * 7 + k * 13 + n)
+            sets8, setsbf, sets4 = [], [], []
+            for i in range(r):
+                k1, k2, k3, k4, k5, key = jax.random.split(key, 6)
+                x = jax.random.randint(k1, (m, k), -127, 128, jnp.int32).astype(jnp.int8)
+                w = jax.random.randint(k2, (n, k), -127, 128, jnp.int32).astype(jnp.int8)
+                sx = jax.random.uniform(k3, (m,), jnp.float32, 0.01, 0.1)
+                sw = jax.random.uniform(k4, (n,), jnp.float32, 0.001, 0.01)
+                b = jax.random.normal(k5, (n,), jnp.float32)
+                sets8.append((x, sx, w, sw, b))
+                setsbf.append((x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)))
+                sets4.append((x, sx, jax.random.bits(k2, (n, k // 2), jnp.uint8), sw, b))
+            jax.block_until_ready((sets8, setsbf, sets4))
+            row = dict(m=m, k=k, n=n, sets=r)
+
+            def rec(name, fn, sets, ops=flops):
+                if time.time() - T0 > args.budget_s:
+                    return
+                try:
+                    t, spread = time_multi(fn, sets, args.iters)
+                    row[name] = dict(us=t * 1e6, tops=ops / t / 1e12, spread=spread)
+                    log(f"M={m} K={k} N={n} {name}: {t * 1e6:9.1f} us  {ops / t / 1e12:7.1f} T/s  (spread {spread:.2f})")
+                except Exception as e:  # noqa: BLE001
+                    row[name] = dict(error=repr(e)[:400])
+                    log(f"M={m} K={k} N={n} {name}: ERROR {e!r}"[:600])
+
+            rec("xla_bf16", lambda x, w: lax.dot_general(x, w, NT, preferred_element_type=jnp.bfloat16), setsbf)
+            rec("xla_int8_dot", lambda x, sx, w, sw, b: lax.dot_general(x, w, NT, preferred_element_type=jnp.int32),
+                sets8)
+            rec("xla_int8_epi", lambda x, sx, w, sw, b: wm.w8a8_matmul_reference(x, sx, w, sw, b), sets8)
+            rec("pallas_w8a8", lambda x, sx, w, sw, b: wm.w8a8_matmul(x, sx, w, sw, b), sets8)
+            row.setdefault("pallas_w8a8", {})["cfg"] = cfg_str(wm.default_config(m, n, k, backend="gpu"))
+            if not args.no_sweep:
+                for c in sweep_configs(m):
+                    name = "sweep_" + cfg_str(c)
+                    rec(name, lambda x, sx, w, sw, b, c=c: wm.w8a8_matmul(
+                        x, sx, w, sw, b, block_m=c.block_m, block_n=c.block_n, block_k=c.block_k,
+                        num_warps=c.num_warps, num_stages=c.num_stages), sets8)
+            rec("pallas_w4a8", lambda x, sx, w, sw, b: wm.w4a8_matmul(x, sx, w, sw, b), sets4)
+            zp = jnp.full((m,), 3, jnp.int32)
+            wsums = [jnp.sum(s[2].astype(jnp.int32), axis=1) for s in sets8]
+            rec("pallas_w8a8_affine", lambda x, sx, w, sw, b, ws: wm.w8a8_matmul(
+                x, sx, w, sw, b, x_zero_point=zp, w_sum=ws), [s + (ws,) for s, ws in zip(sets8, wsums)])
+            best = None
+            for name, v in row.items():
+                if (name == "pallas_w8a8" or name.startswith("sweep_")) and isinstance(v, dict) and "us" in v:
+                    if best is None or v["us"] < row[best]["us"]:
+                        best = name
+            row["pallas_best"] = best
+            rows.append(row)
+            results["gemm"] = rows
+            del sets8, setsbf, sets4
+            write(results, args.out)
+    results["gemm"] = rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RMSNorm-quant bandwidth
+# ----------------------------------------------------------------------------------------------------------------
+def rms_bench(results, args):
+    rows = []
+    # device copy ceiling (read + write), 2 GiB bf16
+    xs = [jax.random.normal(jax.random.PRNGKey(i), (1 << 30,), jnp.bfloat16) for i in range(2)]
+    t, _ = time_multi(lambda a: a + jnp.bfloat16(1), [(a,) for a in xs], args.iters)
+    copy_bw = 2 * xs[0].nbytes / t / 1e9
+    results["copy_GBps"] = copy_bw
+    log(f"copy (x+1, bf16 2 GiB): {copy_bw:.0f} GB/s")
+    del xs
+    for k in (4096, 8192):
+        for m in (16, 256, 4096, 16384):
+            if time.time() - T0 > args.budget_s:
+                continue
+            nbytes = m * k * 2 + k * 2 + m * k + m * 4 + m * 4
+            r = n_sets(nbytes / 3.5e12, m * k * 3)
+            sets = []
+            for i in range(r):
+                kx, kw = jax.random.split(jax.random.PRNGKey(1000 + i))
+                sets.append((jax.random.normal(kx, (m, k), jnp.bfloat16),
+                             jax.random.uniform(kw, (k,), jnp.float32, 0.5, 1.5).astype(jnp.bfloat16)))
+            row = dict(m=m, k=k, bytes=nbytes, sets=r)
+            for name, fn in [
+                ("pallas_fused", lambda x, w: rq.rmsnorm_quantize(x, w, qparam_dtype=jnp.float16, check=False)),
+                ("pallas_fused_rows1", lambda x, w: rq.rmsnorm_quantize(x, w, qparam_dtype=jnp.float16, check=False,
+                                                                        block_rows=1, num_warps=4)),
+                ("xla_unfused_ref", lambda x, w: rq.rmsnorm_quantize_reference(x, w, qparam_dtype=jnp.float16,
+                                                                               check=False)),
+            ]:
+                try:
+                    t, spread = time_multi(fn, sets, args.iters)
+                    row[name] = dict(us=t * 1e6, GBps=nbytes / t / 1e9, frac_copy=nbytes / t / 1e9 / copy_bw)
+                    log(f"rmsnorm M={m} K={k} {name}: {t * 1e6:8.1f} us {nbytes / t / 1e9:7.0f} GB/s")
+                except Exception as e:  # noqa: BLE001
+                    row[name] = dict(error=repr(e)[:400])
+                    log(f"rmsnorm M={m} K={k} {name}: ERROR {e!r}"[:600])
+            rows.append(row)
+            results["rmsnorm"] = rows
+            write(results, args.out)
+    results["rmsnorm"] = rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# output
+# ----------------------------------------------------------------------------------------------------------------
+def fmt(v, key="us", f="{:.1f}"):
+    if not isinstance(v, dict):
+        return "-"
+    if "error" in v:
+        return "ERR"
+    return f.format(v[key])
+
+
+def markdown(results):
+    lines = [f"Device: {results['device']}; JAX {results['jax']}; {results['date']}", ""]
+    if "checks" in results:
+        bad = [c for c in results["checks"] if not c["ok"]]
+        lines.append(f"GPU parity checks: {len(results['checks']) - len(bad)}/{len(results['checks'])} passed")
+        for c in bad:
+            lines.append(f"- FAILED: {c}")
+        lines.append("")
+    if results.get("gemm"):
+        lines += ["| M | K | N | XLA bf16 us (TFLOP/s) | XLA int8 dot us (TOPS) | XLA int8+epi us | Pallas W8A8 us "
+                  "(TOPS) [default tiles] | best Pallas us (TOPS) [tiles] | best / bf16 | best / int8+epi | "
+                  "W4A8 us | affine W8A8 us |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in results["gemm"]:
+            b = r.get("xla_bf16", {})
+            e = r.get("xla_int8_epi", {})
+            best = r.get(r.get("pallas_best") or "", {})
+            bname = r.get("pallas_best") or "-"
+            bcfg = r.get("pallas_w8a8", {}).get("cfg", "") if bname == "pallas_w8a8" else bname.replace("sweep_", "")
+            sp_bf = f"{b['us'] / best['us']:.2f}x" if "us" in b and "us" in best else "-"
+            sp_e = f"{e['us'] / best['us']:.2f}x" if "us" in e and "us" in best else "-"
+            lines.append(
+                f"| {r['m']} | {r['k']} | {r['n']} | {fmt(b)} ({fmt(b, 'tops', '{:.0f}')}) | "
+                f"{fmt(r.get('xla_int8_dot'))} ({fmt(r.get('xla_int8_dot'), 'tops', '{:.0f}')}) | {fmt(e)} | "
+                f"{fmt(r.get('pallas_w8a8'))} ({fmt(r.get('pallas_w8a8'), 'tops', '{:.0f}')}) "
+                f"[{r.get('pallas_w8a8', {}).get('cfg', '')}] | {fmt(best)} ({fmt(best, 'tops', '{:.0f}')}) [{bcfg}] | "
+                f"{sp_bf} | {sp_e} | {fmt(r.get('pallas_w4a8'))} | {fmt(r.get('pallas_w8a8_affine'))} |")
+        lines.append("")
+    if results.get("rmsnorm"):
+        lines += [f"Copy ceiling (x+1 on 2 GiB bf16, read+write): {results.get('copy_GBps', 0):.0f} GB/s", "",
+                  "| M | K | fused us | fused GB/s | % copy | fused rows=1 us (GB/s) | XLA unfused ref us (GB/s) |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in results["rmsnorm"]:
+            f_ = r.get("pallas_fused", {})
+            lines.append(
+                f"| {r['m']} | {r['k']} | {fmt(f_)} | {fmt(f_, 'GBps', '{:.0f}')} | "
+                f"{fmt(f_, 'frac_copy', '{:.0%}')} | {fmt(r.get('pallas_fused_rows1'))} "
+                f"({fmt(r.get('pallas_fused_rows1'), 'GBps', '{:.0f}')}) | {fmt(r.get('xla_unfused_ref'))} "
+                f"({fmt(r.get('xla_unfused_ref'), 'GBps', '{:.0f}')}) |")
+    return "\n".join(lines) + "\n"
+
+
+def write(results, out):
+    base = out[:-5] if out.endswith(".json") else out
+    os.makedirs(os.path.dirname(os.path.abspath(base)), exist_ok=True)
+    with open(base + ".json", "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    with open(base + ".md", "w") as f:
+        f.write(markdown(results))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True, help="output path prefix (writes PREFIX.json and PREFIX.md)")
+    p.add_argument("--phases", default="check,gemm,rmsnorm")
+    p.add_argument("--ms", default="16,256,4096,16384")
+    p.add_argument("--kns", default="4096x4096,4096x14336,8192x8192")
+    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--budget-s", type=float, default=1e9, help="skip remaining measurements after this many s")
+    args = p.parse_args()
+    dev = jax.devices()[0]
+    import jaxlib
+
+    results = dict(device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__, jaxlib=jaxlib.__version__, python=_platform.python_version(),
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   argv=sys.argv)
+    log(results)
+    phases = args.phases.split(",")
+    try:
+        if "check" in phases:
+            run_checks(results)
+            write(results, args.out)
+        if "gemm" in phases:
+            gemm_bench(results, args)
+        if "rmsnorm" in phases:
+            rms_bench(results, args)
+    except Exception:  # noqa: BLE001
+        results["fatal"] = traceback.format_exc()
+        log(results["fatal"])
+    write(results, args.out)
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Row plumbing shared by the schemes: head-major writes, residual-ring windows, validity masks (all jit-friendly).
+
+Everything here works on head-major arrays ``[B, H, N, ...]`` (``N`` = capacity rows, group rows or ring slots)
+with per-sequence int32 ``[B]`` positions, and never transposes a capacity-sized buffer: writes are one scatter
+into the buffer as stored, so a donated cache is updated in place.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+def head_major(x: jax.Array) -> jax.Array:
+    """``[B, T, H, D] -> [B, H, T, D]`` (only ever applied to the new rows, never to a cache buffer)."""
+    return jnp.swapaxes(x, 1, 2)
+
+
+def arange_rows(n: int) -> jax.Array:
+    return jnp.arange(n, dtype=jnp.int32)
+
+
+def new_row_mask(num_new: jax.Array, t: int) -> jax.Array:
+    """bool ``[B, T]``: row ``t`` of sequence ``b`` is a real (non-padding) new row."""
+    return arange_rows(t)[None, :] < num_new[:, None]
+
+
+def write_rows(buf: jax.Array, rows: jax.Array, index: jax.Array, keep: jax.Array) -> jax.Array:
+    """``buf[b, h, index[b, j]] = rows[b, h, j]`` where ``keep[b, j]``; other slots unchanged.
+
+    buf: ``[B, H, N, ...]``; rows: ``[B, H, W, ...]`` (same trailing dims, cast to ``buf.dtype``);
+    index, keep: ``[B, W]``.  Dropped rows are pointed out of bounds (``mode="drop"``).
+    """
+    b, h, n = buf.shape[:3]
+    idx = jnp.where(keep, index, jnp.int32(n))
+    bi = jnp.arange(b, dtype=jnp.int32)[:, None, None]
+    hi = jnp.arange(h, dtype=jnp.int32)[None, :, None]
+    return buf.at[bi, hi, idx[:, None, :]].set(rows.astype(buf.dtype), mode="drop")
+
+
+def take_rows(buf: jax.Array, index: jax.Array) -> jax.Array:
+    """``out[b, h, j] = buf[b, h, index[b, j]]`` for in-range ``index`` (``[B, W]``); ``buf [B, H, N, ...]``."""
+    b, h = buf.shape[:2]
+    bi = jnp.arange(b, dtype=jnp.int32)[:, None, None]
+    hi = jnp.arange(h, dtype=jnp.int32)[None, :, None]
+    return buf[bi, hi, index[:, None, :]]
+
+
+def window(ring: jax.Array | None, new: jax.Array, base: jax.Array, lengths: jax.Array, num_new: jax.Array,
+           width: int) -> jax.Array:
+    """float32 rows of positions ``base[b] + j`` (``j < width``), head-major ``[B, H, width, D]``.
+
+    A position below ``lengths[b]`` is read from the residual ring (slot ``p mod S``; the caller guarantees it is
+    live there), one in ``[lengths, lengths + num_new)`` from the new rows ``new [B, H, T, D]``; anything beyond
+    is zero (padding never reaches a quantizer).
+    """
+    t = new.shape[2]
+    pos = base[:, None] + arange_rows(width)[None, :]                          # [B, W]
+    rel = pos - lengths[:, None]
+    out = take_rows(new, jnp.clip(rel, 0, t - 1)).astype(jnp.float32)
+    if ring is not None and ring.shape[2] > 0:
+        from_ring = take_rows(ring, pos % ring.shape[2]).astype(jnp.float32)
+        out = jnp.where((rel < 0)[:, None, :, None], from_ring, out)
+    live = (rel < num_new[:, None])[:, None, :, None]
+    return jnp.where(live, out, jnp.float32(0))
+
+
+def ring_write_new(ring: jax.Array, new: jax.Array, lengths: jax.Array, num_new: jax.Array,
+                   frontier_after: jax.Array) -> jax.Array:
+    """Put new row ``t`` (position ``p = lengths + t``) into ring slot ``p mod S`` iff it stays full precision at
+    the new length, i.e. ``frontier_after <= p < lengths + num_new``.  ``new [B, H, T, D]``."""
+    s = ring.shape[2]
+    if s == 0:
+        return ring
+    t = new.shape[2]
+    pos = lengths[:, None] + arange_rows(t)[None, :]
+    keep = new_row_mask(num_new, t) & (pos >= frontier_after[:, None])
+    return write_rows(ring, new, pos % s, keep)
+
+
+def ring_restore(ring: jax.Array, rows: jax.Array, start: jax.Array, lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """Write given rows (``rows [B, H, T, D]``, row ``t`` = position ``start + t``) into ring slots for the positions
+    in ``[lo, hi)`` (the ring's live span at the target length)."""
+    s = ring.shape[2]
+    if s == 0:
+        return ring
+    t = rows.shape[2]
+    pos = start[:, None] + arange_rows(t)[None, :]
+    keep = (pos >= lo[:, None]) & (pos < hi[:, None])
+    return write_rows(ring, rows, pos % s, keep)
+
+
+def ring_view(ring: jax.Array, capacity: int) -> jax.Array:
+    """float32 ``[B, H, C, D]``: row ``i`` = ring slot ``i mod S`` (meaningful only where ``i`` is live)."""
+    s = ring.shape[2]
+    idx = jnp.arange(capacity, dtype=jnp.int32) % max(s, 1)
+    return ring[:, :, idx].astype(jnp.float32)
+
+
+def valid_rows(lengths: jax.Array, capacity: int) -> jax.Array:
+    """bool ``[B, C]``: row ``i`` of sequence ``b`` is committed."""
+    return arange_rows(capacity)[None, :] < lengths[:, None]
+
+
+def rows_below(frontier: jax.Array, capacity: int) -> jax.Array:
+    """bool ``[B, 1, C, 1]`` broadcastable mask of rows ``i < frontier[b]``."""
+    return (arange_rows(capacity)[None, :] < frontier[:, None])[:, None, :, None]
+
+
+def nbytes(*arrays) -> int:
+    return int(sum(int(a.nbytes) for a in arrays))
+
+
+def host(x) -> np.ndarray:
+    return np.asarray(jax.device_get(x))
+
+
+def expand_group_rows(p: jax.Array, group: int, capacity: int) -> jax.Array:
+    """Per-token-group qparams ``[B, H, C // G, ...]`` -> per-row ``[B, H, C, ...]`` (rows past the last whole
+    group repeat nothing meaningful: they are zero-filled and never inside a quantized frontier)."""
+    rep = jnp.repeat(p, group, axis=2)
+    pad = capacity - rep.shape[2]
+    if pad:
+        rep = jnp.concatenate([rep, jnp.zeros(rep.shape[:2] + (pad,) + rep.shape[3:], rep.dtype)], axis=2)
+    return rep
+
+
+# ----- quantizer status policy shared by the integer schemes -----
+def split_status(status: jax.Array):
+    """``(narrow, hard)`` bool masks of a quantizer status array.
+
+    Cache policy (declared here, mirrored by the tests' shadow model): a non-zero group whose stored scale would
+    underflow or be subnormal is *too narrow to encode*; the quantizers already give it all-zero codes, and the
+    cache stores the exact sentinel scale 1 for it, so it decodes like a constant group (symmetric: to 0; affine
+    "min": to its stored min).  Its error is below ``qmax * finfo(qparam).tiny`` (e.g. 7.8e-3 for int8 / fp16
+    scales).  Every other flag (non-finite input, overflowing scale, non-finite min/offset) is *hard*: the append
+    reports ``ok = False`` for that sequence and nothing is published.
+    """
+    from kvquant_jax.quant._common import QuantStatus
+
+    narrow_bits = int(QuantStatus.SCALE_UNDERFLOW | QuantStatus.SCALE_SUBNORMAL)
+    narrow = (status & jnp.int32(narrow_bits)) != 0
+    hard = (status & jnp.int32(~narrow_bits)) != 0
+    return narrow, hard
+
+
+def sentinel_scale(scale: jax.Array, narrow: jax.Array) -> jax.Array:
+    """Replace too-narrow groups' scales by the exact sentinel 1 (same dtype)."""
+    return jnp.where(narrow, jnp.ones((), scale.dtype), scale)
+
+
+def any_bad_rows(hard: jax.Array, row_keep: jax.Array) -> jax.Array:
+    """bool ``[B]``: some kept row (``row_keep [B, W]``) has a hard flag; ``hard [B, H, W, ...]``."""
+    h = hard.reshape(hard.shape[:3] + (-1,)).any(axis=(1, 3))            # [B, W]
+    return jnp.any(h & row_keep, axis=1)

@@ -1,0 +1,63 @@
+"""Host-side invariant checks used by ``validate_layer`` implementations (NumPy; never on the hot path).
+
+Every check looks only at rows / groups / ring slots that the committed lengths expose: invisible slots may hold
+anything (the frontier rule lets a rejected append leave garbage there).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kvquant_jax.cache._rows import host
+
+
+def _rows_mask(lengths, n: int, frontier=None) -> np.ndarray:
+    """bool ``[B, n]``: row ``i`` is below ``frontier`` (default: below ``lengths``)."""
+    lim = host(lengths if frontier is None else frontier).astype(np.int64)
+    return np.arange(n)[None, :] < lim[:, None]
+
+
+def finite_rows(what: str, arr, lengths, frontier=None, axis_rows: int = 2) -> None:
+    """Rows ``i < frontier`` (default ``lengths``) of ``arr [B, H, N, ...]`` (rows on ``axis_rows``) are finite."""
+    a = host(arr).astype(np.float64)
+    a = np.moveaxis(a, axis_rows, 2)
+    mask = _rows_mask(lengths, a.shape[2], frontier)
+    for b in range(a.shape[0]):
+        rows = a[b][:, mask[b]]
+        if rows.size and not np.isfinite(rows).all():
+            raise ValueError(f"{what}: sequence {b} exposes non-finite stored values")
+
+
+def positive_normal(what: str, arr, lengths, frontier=None, tiny: float | None = None) -> None:
+    """Visible scales are finite, positive and at least ``tiny`` (the qparam dtype's smallest normal)."""
+    a = host(arr)
+    t = float(np.finfo(a.dtype).tiny) if tiny is None else tiny
+    a = a.astype(np.float64)
+    mask = _rows_mask(lengths, a.shape[2], frontier)
+    for b in range(a.shape[0]):
+        s = a[b][:, mask[b]]
+        if s.size and not (np.isfinite(s).all() and (s >= t).all()):
+            raise ValueError(f"{what}: sequence {b} exposes a scale that is not a finite positive normal number")
+
+
+def codes_in_range(what: str, codes, lengths, lo: int, hi: int, frontier=None) -> None:
+    """Visible unpacked codes (``[B, H, N, D]`` uint8) lie in ``[lo, hi]``."""
+    c = host(codes).astype(np.int64)
+    mask = _rows_mask(lengths, c.shape[2], frontier)
+    for b in range(c.shape[0]):
+        v = c[b][:, mask[b]]
+        if v.size and (v.min() < lo or v.max() > hi):
+            raise ValueError(f"{what}: sequence {b} exposes codes outside [{lo}, {hi}] "
+                             f"(min {v.min()}, max {v.max()})")
+
+
+def ring_finite(what: str, ring, lo, hi) -> None:
+    """Live ring slots (positions ``[lo, hi)``, slot ``p mod S``) are finite."""
+    r = host(ring).astype(np.float64)
+    s = r.shape[2]
+    lo, hi = host(lo).astype(np.int64), host(hi).astype(np.int64)
+    for b in range(r.shape[0]):
+        if hi[b] - lo[b] > s:
+            raise ValueError(f"{what}: sequence {b} needs {hi[b] - lo[b]} live ring slots but the ring has {s}")
+        slots = np.arange(lo[b], hi[b]) % max(s, 1)
+        if slots.size and not np.isfinite(r[b][:, slots]).all():
+            raise ValueError(f"{what}: sequence {b} exposes a non-finite residual row")

@@ -1,0 +1,196 @@
+"""FP8 cache (E4M3 / E5M2) with per-tensor or per-KV-head scales (design notes 0x0A, 0x0AA, 0x0AC).
+
+``code = fp8(clip(x / scale, -max, max))`` (saturating, round to nearest even; ``kvquant_jax.quant.fp8``),
+``x_hat = float(code) * scale``.
+
+Scale sources (``scales=``, recorded in the schema: ``calibration_id`` and ``extra.scale_source``):
+
+* ``"uncalibrated"``: every scale is 1.0 -- a representation choice, not a range fit (0x0AA).
+* ``"warmup"``: the scales are observed from the first appended batch (``amax / fp8_max`` over that batch's valid
+  rows, per tensor or per head; ``amax == 0`` gives 1.0) and then frozen.  The scale is *state*: it is written only
+  while every committed length is 0 (then no stored row depends on it: the frontier rule), so "frozen" is a
+  function of the committed lengths: the cache is warm iff it holds any row.  Truncating every sequence to 0
+  therefore returns a cache equal to a fresh one (the next append warms up again); truncating to a positive length
+  keeps the scale the surviving rows were encoded with.
+* ``"calibrated"``: scales come from data: ``k_scales`` / ``v_scales`` on the scheme (one value per tensor, or one
+  per KV head, same for every layer) or per layer through :func:`load_scales`.  ``calibration_id`` names the
+  artifact and must be given.
+
+Layout: ``k, v: [B, Hkv, C, D]`` float8_e4m3fn / float8_e5m2; ``k_scale, v_scale: float32 [Hkv]`` with NO batch
+axis (one scale set per layer shared by every sequence; a per-tensor scale is broadcast to every head).
+Layers a mixed policy skips stay full precision (:mod:`kvquant_jax.cache.mixed`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvquant_jax.cache import _rows, checks
+from kvquant_jax.cache.interface import KVCache, SchemeBase, rows_finite
+from kvquant_jax.cache.schema import CacheSchema, TensorFormat
+from kvquant_jax.quant.fp8 import dequantize_fp8, fp8_dtype, fp8_max, quantize_fp8
+
+SCALE_SOURCES = ("uncalibrated", "warmup", "calibrated")
+SCALE_AXES = ("tensor", "head")
+
+
+@struct.dataclass
+class FP8LayerState:
+    """k, v: fp8 ``[B, Hkv, C, D]``; k_scale, v_scale: float32 ``[Hkv]`` (unbatched)."""
+
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array
+    v_scale: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Scheme(SchemeBase):
+    """FP8 K/V with external scales.
+
+    Attributes:
+      fmt: "e4m3" or "e5m2".
+      scales: "uncalibrated" (1.0), "warmup" (first batch, then frozen) or "calibrated" (given).
+      scale_axis: "tensor" (one K and one V scale per layer) or "head" (one per KV head).
+      k_scales, v_scales: calibrated values (tuple of 1 or Hkv floats) used by ``init_layer``; empty means 1.0
+        until :func:`load_scales` sets per-layer values.
+      calibration_id: identity of the scale artifact (required for "calibrated").
+    """
+
+    family = "fp8"
+    unbatched_fields = ("k_scale", "v_scale")
+
+    fmt: str = "e4m3"
+    scales: str = "uncalibrated"
+    scale_axis: str = "tensor"
+    k_scales: tuple = ()
+    v_scales: tuple = ()
+    calibration_id: str = ""
+
+    def __post_init__(self):
+        fp8_dtype(self.fmt)
+        if self.scales not in SCALE_SOURCES:
+            raise ValueError(f"fp8: scales must be one of {SCALE_SOURCES}, got {self.scales!r}")
+        if self.scale_axis not in SCALE_AXES:
+            raise ValueError(f"fp8: scale_axis must be one of {SCALE_AXES}, got {self.scale_axis!r}")
+        object.__setattr__(self, "k_scales", tuple(float(x) for x in self.k_scales))
+        object.__setattr__(self, "v_scales", tuple(float(x) for x in self.v_scales))
+        if self.scales != "calibrated" and (self.k_scales or self.v_scales or self.calibration_id):
+            raise ValueError("fp8: k_scales / v_scales / calibration_id only apply to scales='calibrated'")
+        if self.scales == "calibrated" and not self.calibration_id:
+            raise ValueError("fp8: scales='calibrated' needs a calibration_id naming the scale artifact")
+        for name, vals in (("k_scales", self.k_scales), ("v_scales", self.v_scales)):
+            if self.scale_axis == "tensor" and len(vals) > 1:
+                raise ValueError(f"fp8: per-tensor {name} must hold one value, got {len(vals)}")
+            if any(not np.isfinite(x) or x < np.finfo(np.float32).tiny for x in vals):
+                raise ValueError(f"fp8: {name} must be finite, positive, normal float32 values, got {vals}")
+        self._check_identity()
+
+    @property
+    def schema(self) -> CacheSchema:
+        fmt = TensorFormat(payload=self.fmt, signed=True, zero="none", axis=self.scale_axis, group_size=0,
+                           qparam_dtype="fp32", qparam_order="scale")
+        cal = {"uncalibrated": "uncalibrated", "warmup": "warmup"}.get(self.scales, self.calibration_id)
+        return CacheSchema(scheme="fp8", key=fmt, value=fmt, residual_dtype="none", calibration_id=cal,
+                           extra=(("scale_source", self.scales),), **self._identity())
+
+    def _initial(self, vals, num_kv_heads):
+        if not vals:
+            return jnp.ones((num_kv_heads,), jnp.float32)
+        if len(vals) not in (1, num_kv_heads):
+            raise ValueError(f"fp8: {len(vals)} calibrated scales for {num_kv_heads} KV heads")
+        return jnp.broadcast_to(jnp.asarray(vals, jnp.float32), (num_kv_heads,))
+
+    def init_layer(self, batch, capacity, num_kv_heads, head_dim):
+        z = jnp.zeros((batch, num_kv_heads, capacity, head_dim), fp8_dtype(self.fmt))
+        return FP8LayerState(k=z, v=z, k_scale=self._initial(self.k_scales, num_kv_heads),
+                             v_scale=self._initial(self.v_scales, num_kv_heads))
+
+    def _warmup(self, x, mask, old, warm):
+        """Scale observed on the valid new rows ``x [B, H, T, D]`` unless the cache is already warm."""
+        mag = jnp.where(mask[:, None, :, None], jnp.abs(x.astype(jnp.float32)), jnp.float32(0))
+        amax = jnp.max(mag, axis=(0, 2, 3))                                            # [H]
+        if self.scale_axis == "tensor":
+            amax = jnp.broadcast_to(jnp.max(amax), amax.shape)
+        fresh = jnp.where(amax == 0, jnp.float32(1), amax / jnp.float32(fp8_max(self.fmt)))
+        return jnp.where(warm, old, fresh)
+
+    def append_layer(self, state, lengths, k, v, num_new):
+        t = k.shape[1]
+        mask = _rows.new_row_mask(num_new, t)
+        kt, vt = _rows.head_major(k), _rows.head_major(v)
+        k_scale, v_scale = state.k_scale, state.v_scale
+        if self.scales == "warmup":
+            warm = jnp.any(lengths > 0)
+            k_scale = self._warmup(kt, mask, k_scale, warm)
+            v_scale = self._warmup(vt, mask, v_scale, warm)
+        pos = lengths[:, None] + _rows.arange_rows(t)[None, :]
+        kc = quantize_fp8(kt, k_scale, self.fmt, head_axis=1)
+        vc = quantize_fp8(vt, v_scale, self.fmt, head_axis=1)
+        return FP8LayerState(k=_rows.write_rows(state.k, kc, pos, mask), v=_rows.write_rows(state.v, vc, pos, mask),
+                             k_scale=k_scale, v_scale=v_scale)
+
+    def append_layer_with_status(self, state, lengths, k, v, num_new):
+        return self.append_layer(state, lengths, k, v, num_new), rows_finite(k, v, num_new)
+
+    def materialize_layer(self, state, lengths):
+        valid = _rows.valid_rows(lengths, state.k.shape[2])
+        m = valid[:, None, :, None]
+        k = jnp.where(m, dequantize_fp8(state.k, state.k_scale, head_axis=1), jnp.float32(0))
+        v = jnp.where(m, dequantize_fp8(state.v, state.v_scale, head_axis=1), jnp.float32(0))
+        return k, v, valid
+
+    def validate_layer(self, state, lengths):
+        for name, codes, scale in (("K", state.k, state.k_scale), ("V", state.v, state.v_scale)):
+            s = np.asarray(scale, np.float64)
+            if not (np.isfinite(s).all() and (s >= np.finfo(np.float32).tiny).all()):
+                raise ValueError(f"fp8 {name} scale must be finite, positive and normal, got {s}")
+            if self.scale_axis == "tensor" and s.size and not (s == s.reshape(-1)[0]).all():
+                raise ValueError(f"fp8 {name}: a per-tensor scale differs between heads: {s}")
+            if self.scales == "uncalibrated" and not (s == 1).all():
+                raise ValueError(f"fp8 {name}: uncalibrated scales must be 1.0, got {s}")
+            checks.finite_rows(f"fp8 {name} codes", codes, lengths)
+
+    def layer_nbytes(self, state):
+        return {"codes": _rows.nbytes(state.k, state.v), "qparams": _rows.nbytes(state.k_scale, state.v_scale)}
+
+
+def load_scales(cache: KVCache, k_scales, v_scales) -> KVCache:
+    """Set per-layer calibrated scales of every FP8 layer of ``cache`` (before any row is appended).
+
+    ``k_scales, v_scales``: arrays ``[L]`` (per tensor) or ``[L, Hkv]`` indexed by GLOBAL layer; entries of
+    layers that are not FP8 (skipped / full-precision layers of a mixed policy) are ignored.  Raises if a layer's
+    scheme is not ``scales="calibrated"`` or the cache already holds rows (that would reinterpret history).
+    """
+    if np.asarray(jax.device_get(cache.lengths)).any():
+        raise ValueError("fp8.load_scales: the cache already holds rows; scales must be set before the first "
+                         "append (changing them would reinterpret stored codes)")
+    ks = np.asarray(k_scales, np.float32)
+    vs = np.asarray(v_scales, np.float32)
+    groups = list(cache.groups)
+    for g, (scheme, first, n) in enumerate(cache.schemes):
+        if not isinstance(scheme, FP8Scheme):
+            continue
+        if scheme.scales != "calibrated":
+            raise ValueError(f"fp8.load_scales: layers {first}..{first + n - 1} use scales={scheme.scales!r}, "
+                             "not 'calibrated'")
+        h = groups[g].k_scale.shape[-1]
+        new = {}
+        for name, arr in (("k_scale", ks), ("v_scale", vs)):
+            sel = arr[first:first + n]
+            if sel.shape[0] != n:
+                raise ValueError(f"fp8.load_scales: {name} has {arr.shape[0]} layers, need layer {first + n - 1}")
+            sel = sel.reshape(n, -1)
+            if scheme.scale_axis == "tensor" and sel.shape[1] != 1:
+                raise ValueError(f"fp8.load_scales: per-tensor scheme needs one {name} per layer")
+            if sel.shape[1] not in (1, h):
+                raise ValueError(f"fp8.load_scales: {name} has {sel.shape[1]} values per layer for {h} KV heads")
+            if not (np.isfinite(sel).all() and (sel >= np.finfo(np.float32).tiny).all()):
+                raise ValueError(f"fp8.load_scales: {name} must be finite, positive and normal")
+            new[name] = jnp.asarray(np.broadcast_to(sel, (n, h)).copy())
+        groups[g] = groups[g].replace(**new)
+    return cache.replace(groups=tuple(groups))

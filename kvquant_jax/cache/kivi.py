@@ -1,0 +1,307 @@
+"""KIVI: keys per channel over groups of G tokens, values per token, a full-precision recent residual (0x06).
+
+Quantizer (``kvquant_jax.quant.affine``, ``zero="min"``): ``scale = (max - min) / (2^b - 1)`` and ``min`` stored in
+the qparam dtype, ``u = clip(rint((x - min) / scale), 0, 2^b - 1)``, ``x_hat = u * scale + min``.  K groups are
+``G`` consecutive tokens of one channel of one head; V groups are ``G_d`` consecutive head-dim elements of one
+token of one head (``G_d = v_group_size``, 0 = the whole head vector).  Constant and too-narrow groups store the
+sentinel scale 1 with zero codes and decode to their stored min (``_rows.split_status``).
+
+Frontiers (pure functions of the committed length ``L``; nothing else is stored):
+
+``residual_rule="kivi"`` (the official implementation's closure):
+    K quantized frontier ``(L // R) * R``: K closes a whole R-token residual chunk (R/G groups) when it fills.
+    V quantized frontier ``max(0, L - R)``: V rows leave a rolling R-row tail one at a time.
+    So K's and V's quantized frontiers differ (K keeps ``L mod R`` fp rows, V keeps ``min(L, R)``).
+``residual_rule="synchronized"`` (the design notes' teaching variant, 0x06B / 0x04B):
+    K and V share ``q(L) = min(G * floor(L / G), G * ceil(max(0, L - R) / G))``: whenever more than R rows are
+    full precision, the oldest whole G-row groups close, so the tail holds ``(R - G, R]`` rows once ``L > R``.
+``R = 0`` (allowed for both rules): there is no recent window, but a K group can only close when its G rows exist,
+    so K's frontier is ``G * floor(L / G)`` and the incomplete K group stays full precision (in a G-slot ring).
+    V is quantized immediately under "kivi" (per-token qparams need no other rows) and with K's groups under
+    "synchronized".
+``R`` must be a multiple of ``G``.  Everything is independent of the path: appending rows one at a time or all at
+once gives the same codes (a closed group depends only on its own rows), which is what makes prefill, decode and
+truncate-then-append agree.
+
+Residual rings (layout: ``k_res [B, Hkv, S_k, D]``, ``v_res [B, Hkv, S_v, D]``, slot = position mod S):
+    "kivi":         ``S_k = R`` (live span ``L mod R < R``), ``S_v = R + 1`` (live span ``<= R``, plus the slot a
+                    one-row append writes).  ``R = 0``: ``S_k = G``, ``S_v = 0``.
+    "synchronized": ``S_k = S_v = R + 1`` (``G`` when ``R = 0``).
+A one-row append writes the ring slot of position ``L`` (never live at ``L``), the code rows / groups past the old
+frontier, and nothing else; a multi-row append may reuse live ring slots (``ring_fields``: ``ops.publish`` keeps
+the old rings when such an append is rejected).
+
+Quantized layout: ``k_codes, v_codes: uint8 [B, Hkv, C, D*b/8]`` (packed along head_dim); ``k_scale, k_min:
+[B, Hkv, C // G, D]``; ``v_scale, v_min: [B, Hkv, C, D // G_d]`` (qparam dtype).  Row ``i`` of the code arrays is
+position ``i``; K group ``j`` covers positions ``[j G, (j + 1) G)``.
+
+Truncation: a closed K group or a V row that left the tail cannot be reopened exactly from its codes.  A truncation
+whose shorter length needs such rows in full precision again reports them through :meth:`KIVIScheme.rebuild_start`
+and ``ops.truncate`` requires the original rows (or raises) -- see ``kvquant_jax/cache/ops.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvquant_jax.cache import _rows, checks
+from kvquant_jax.cache._rows import DTYPES
+from kvquant_jax.cache.interface import SchemeBase, rows_finite
+from kvquant_jax.cache.schema import CacheSchema, TensorFormat
+from kvquant_jax.quant.affine import dequantize_affine, quantize_affine_with_status
+from kvquant_jax.quant.packing import pack_bits, unpack_bits
+
+RULES = ("kivi", "synchronized")
+
+
+@struct.dataclass
+class KIVILayerState:
+    k_codes: jax.Array
+    k_scale: jax.Array
+    k_min: jax.Array
+    v_codes: jax.Array
+    v_scale: jax.Array
+    v_min: jax.Array
+    k_res: jax.Array
+    v_res: jax.Array
+
+
+def kivi_ring_sizes(rule: str, residual: int, group: int) -> tuple[int, int]:
+    """``(S_k, S_v)`` ring slots for a closure rule (shared with the byte ledger)."""
+    if rule == "kivi":
+        return (residual, residual + 1) if residual else (group, 0)
+    return (residual + 1, residual + 1) if residual else (group, group)
+
+
+def kivi_frontiers(lengths, rule: str, residual: int, group: int):
+    """``(k_frontier, v_frontier)`` for int arrays (NumPy or JAX) of committed lengths."""
+    xp = jnp if isinstance(lengths, jax.Array) else np
+    whole = (lengths // group) * group
+    if rule == "kivi":
+        if residual:
+            return (lengths // residual) * residual, xp.maximum(lengths - residual, 0)
+        return whole, lengths
+    closed = ((xp.maximum(lengths - residual, 0) + group - 1) // group) * group
+    q = xp.minimum(whole, closed)
+    return q, q
+
+
+@dataclasses.dataclass(frozen=True)
+class KIVIScheme(SchemeBase):
+    """KIVI K-per-channel / V-per-token cache with a full-precision residual.
+
+    Attributes:
+      k_bits, v_bits: code widths (1, 2, 4 or 8; the paper uses 2 or 4).
+      group_size: G, tokens per K channel group (and the closure granularity).
+      v_group_size: G_d, head-dim elements per V qparam group (0: the whole head vector).
+      residual: R, recent full-precision rows (multiple of G; 0 allowed, see module doc).
+      residual_rule: "kivi" (official closure) or "synchronized".
+      qparam_dtype: scale/min storage ("fp16" default, "bf16", "fp32").
+      residual_dtype: residual ring storage ("fp16" default as in the paper's fp16 models, "bf16", "fp32").
+    """
+
+    family = "kivi"
+    ring_fields = ("k_res", "v_res")
+
+    k_bits: int = 2
+    v_bits: int = 2
+    group_size: int = 32
+    v_group_size: int = 32
+    residual: int = 128
+    residual_rule: str = "kivi"
+    qparam_dtype: str = "fp16"
+    residual_dtype: str = "fp16"
+
+    def __post_init__(self):
+        for name in ("k_bits", "v_bits"):
+            if getattr(self, name) not in (1, 2, 4, 8):
+                raise ValueError(f"kivi: {name} must be 1, 2, 4 or 8, got {getattr(self, name)!r}")
+        if self.group_size < 1:
+            raise ValueError(f"kivi: group_size must be >= 1, got {self.group_size}")
+        if self.v_group_size < 0:
+            raise ValueError(f"kivi: v_group_size must be >= 0, got {self.v_group_size}")
+        if self.residual < 0 or self.residual % self.group_size:
+            raise ValueError(f"kivi: residual ({self.residual}) must be a non-negative multiple of group_size "
+                             f"({self.group_size})")
+        if self.residual_rule not in RULES:
+            raise ValueError(f"kivi: residual_rule must be one of {RULES}, got {self.residual_rule!r}")
+        for name in ("qparam_dtype", "residual_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"kivi: {name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
+        self._check_identity()
+
+    # ----- static description -----
+    @property
+    def schema(self) -> CacheSchema:
+        key = TensorFormat(payload=f"uint{self.k_bits}", signed=False, zero="min", axis="channel",
+                           group_size=self.group_size, qparam_dtype=self.qparam_dtype, qparam_order="scale,min")
+        value = TensorFormat(payload=f"uint{self.v_bits}", signed=False, zero="min", axis="token",
+                             group_size=self.v_group_size, qparam_dtype=self.qparam_dtype, qparam_order="scale,min")
+        return CacheSchema(scheme="kivi", key=key, value=value, residual=self.residual,
+                           residual_rule=self.residual_rule, residual_dtype=self.residual_dtype, **self._identity())
+
+    @property
+    def ring_sizes(self) -> tuple[int, int]:
+        return kivi_ring_sizes(self.residual_rule, self.residual, self.group_size)
+
+    def frontiers(self, lengths):
+        """``(k_frontier, v_frontier)``: rows below are quantized; ``[frontier, length)`` is full precision."""
+        return kivi_frontiers(lengths, self.residual_rule, self.residual, self.group_size)
+
+    def _v_group(self, head_dim: int) -> int:
+        g = self.v_group_size or head_dim
+        if head_dim % g:
+            raise ValueError(f"kivi: head_dim {head_dim} is not a multiple of v_group_size {g}")
+        for bits in (self.k_bits, self.v_bits):
+            if (head_dim * bits) % 8:
+                raise ValueError(f"kivi: head_dim {head_dim} * {bits} bits does not fill whole bytes")
+        return g
+
+    # ----- state -----
+    def init_layer(self, batch, capacity, num_kv_heads, head_dim):
+        gd = self._v_group(head_dim)
+        qd, rd = DTYPES[self.qparam_dtype], DTYPES[self.residual_dtype]
+        s_k, s_v = self.ring_sizes
+        lead = (batch, num_kv_heads)
+        return KIVILayerState(
+            k_codes=jnp.zeros(lead + (capacity, head_dim * self.k_bits // 8), jnp.uint8),
+            k_scale=jnp.ones(lead + (capacity // self.group_size, head_dim), qd),
+            k_min=jnp.zeros(lead + (capacity // self.group_size, head_dim), qd),
+            v_codes=jnp.zeros(lead + (capacity, head_dim * self.v_bits // 8), jnp.uint8),
+            v_scale=jnp.ones(lead + (capacity, head_dim // gd), qd),
+            v_min=jnp.zeros(lead + (capacity, head_dim // gd), qd),
+            k_res=jnp.zeros(lead + (s_k, head_dim), rd),
+            v_res=jnp.zeros(lead + (s_v, head_dim), rd))
+
+    def _close(self, codes, scale, mn, ring, new, base, lengths, num_new, n_rows, width, per_channel):
+        """Quantize the rows of positions ``[base, base + n_rows)`` (``n_rows <= width``, static ``width``) and
+        write their codes and qparams.  Returns the updated arrays and ``bad [B]`` (a hard quantizer flag)."""
+        bits = self.k_bits if per_channel else self.v_bits
+        win = _rows.window(ring, new, base, lengths, num_new, width)                 # [B, H, W, D] f32
+        if per_channel:
+            q, status = quantize_affine_with_status(win, bits, axis=2, group_size=self.group_size,
+                                                    qparam_dtype=DTYPES[self.qparam_dtype], zero="min")
+        else:
+            q, status = quantize_affine_with_status(win, bits, axis=3, group_size=self._v_group(win.shape[-1]),
+                                                    qparam_dtype=DTYPES[self.qparam_dtype], zero="min")
+        narrow, hard = _rows.split_status(status)
+        q_scale = _rows.sentinel_scale(q.scale, narrow)
+        j = _rows.arange_rows(width)[None, :]
+        row_keep = j < n_rows[:, None]
+        codes = _rows.write_rows(codes, pack_bits(q.codes, bits, axis=-1), base[:, None] + j, row_keep)
+        if per_channel:
+            g = self.group_size
+            gj = _rows.arange_rows(width // g)[None, :]
+            keep = gj * g < n_rows[:, None]
+            gidx = base[:, None] // g + gj
+        else:
+            keep, gidx = row_keep, base[:, None] + j
+        scale = _rows.write_rows(scale, q_scale, gidx, keep)
+        mn = _rows.write_rows(mn, q.zero_or_min, gidx, keep)
+        return codes, scale, mn, _rows.any_bad_rows(hard, keep)
+
+    def append_layer_with_status(self, state, lengths, k, v, num_new):
+        t = k.shape[1]
+        g = self.group_size
+        s_k, s_v = self.ring_sizes
+        rd = DTYPES[self.residual_dtype]
+        kt, vt = _rows.head_major(k), _rows.head_major(v)
+        after = lengths + num_new
+        fk0, fv0 = self.frontiers(lengths)
+        fk1, fv1 = self.frontiers(after)
+        st = state
+        bad = jnp.zeros(lengths.shape, jnp.bool_)
+
+        width_k = ((s_k - 1 + t) // g) * g                      # >= any K frontier growth of this append
+        if width_k:
+            kc, ks, km, kbad = self._close(st.k_codes, st.k_scale, st.k_min, st.k_res, kt, fk0, lengths, num_new,
+                                           fk1 - fk0, width_k, per_channel=True)
+            st = st.replace(k_codes=kc, k_scale=ks, k_min=km)
+            bad = bad | kbad
+        width_v = t if self.residual_rule == "kivi" else ((s_v - 1 + t) // g) * g
+        if width_v:
+            vc, vs, vm, vbad = self._close(st.v_codes, st.v_scale, st.v_min, st.v_res, vt, fv0, lengths, num_new,
+                                           fv1 - fv0, width_v, per_channel=False)
+            st = st.replace(v_codes=vc, v_scale=vs, v_min=vm)
+            bad = bad | vbad
+
+        k_new, v_new = kt.astype(rd), vt.astype(rd)
+        st = st.replace(k_res=_rows.ring_write_new(st.k_res, k_new, lengths, num_new, fk1),
+                        v_res=_rows.ring_write_new(st.v_res, v_new, lengths, num_new, fv1))
+        # rows kept full precision must survive the residual dtype (a finite fp32 row can overflow fp16)
+        pos = lengths[:, None] + _rows.arange_rows(t)[None, :]
+        valid = _rows.new_row_mask(num_new, t)
+        k_fin = jnp.all(jnp.isfinite(k_new), axis=(1, 3)) | (pos < fk1[:, None]) | ~valid
+        v_fin = jnp.all(jnp.isfinite(v_new), axis=(1, 3)) | (pos < fv1[:, None]) | ~valid
+        ok = rows_finite(k, v, num_new) & ~bad & jnp.all(k_fin & v_fin, axis=1)
+        return st, ok
+
+    def append_layer(self, state, lengths, k, v, num_new):
+        return self.append_layer_with_status(state, lengths, k, v, num_new)[0]
+
+    def _dequant(self, state, capacity, head_dim):
+        g = self.group_size
+        n_groups = -(-capacity // g)
+        ks, km = state.k_scale, state.k_min
+        if ks.shape[2] < n_groups:                                  # capacity % G: the tail never closes
+            pad = [(0, 0)] * 2 + [(0, n_groups - ks.shape[2]), (0, 0)]
+            ks, km = jnp.pad(ks, pad, constant_values=1), jnp.pad(km, pad)
+        k_u = unpack_bits(state.k_codes, self.k_bits, axis=-1, count=head_dim)
+        v_u = unpack_bits(state.v_codes, self.v_bits, axis=-1, count=head_dim)
+        kq = dequantize_affine(k_u, ks, km, axis=2, group_size=g, zero="min")
+        vq = dequantize_affine(v_u, state.v_scale, state.v_min, axis=3, group_size=self._v_group(head_dim),
+                               zero="min")
+        return kq, vq
+
+    def materialize_layer(self, state, lengths):
+        capacity = state.k_codes.shape[2]
+        head_dim = state.k_res.shape[-1]
+        kq, vq = self._dequant(state, capacity, head_dim)
+        fk, fv = self.frontiers(lengths)
+        valid = _rows.valid_rows(lengths, capacity)
+        vm = valid[:, None, :, None]
+
+        def combine(quant, ring, frontier):
+            out = quant
+            if ring.shape[2]:
+                out = jnp.where(_rows.rows_below(frontier, capacity), quant, _rows.ring_view(ring, capacity))
+            return jnp.where(vm, out, jnp.float32(0))
+
+        return combine(kq, state.k_res, fk), combine(vq, state.v_res, fv), valid
+
+    # ----- truncation -----
+    def rebuild_start(self, old_lengths, new_lengths):
+        old = np.asarray(old_lengths, np.int64)
+        new = np.asarray(new_lengths, np.int64)
+        start = new.copy()
+        for f_new, f_old in zip(self.frontiers(new), self.frontiers(old)):
+            need = f_new < np.minimum(f_old, new)                   # rows [f_new, min(f_old, new)) are codes now
+            start = np.where(need, np.minimum(start, f_new), start)
+        return start
+
+    def restore_rows_layer(self, state, new_lengths, k, v, start):
+        rd = DTYPES[self.residual_dtype]
+        fk, fv = self.frontiers(new_lengths)
+        return state.replace(
+            k_res=_rows.ring_restore(state.k_res, _rows.head_major(k).astype(rd), start, fk, new_lengths),
+            v_res=_rows.ring_restore(state.v_res, _rows.head_major(v).astype(rd), start, fv, new_lengths))
+
+    # ----- checks and bytes -----
+    def validate_layer(self, state, lengths):
+        lengths = np.asarray(jax.device_get(lengths), np.int64)
+        fk, fv = self.frontiers(lengths)
+        checks.positive_normal("kivi K scale", state.k_scale, lengths, frontier=fk // self.group_size)
+        checks.finite_rows("kivi K min", state.k_min, lengths, frontier=fk // self.group_size)
+        checks.positive_normal("kivi V scale", state.v_scale, lengths, frontier=fv)
+        checks.finite_rows("kivi V min", state.v_min, lengths, frontier=fv)
+        checks.ring_finite("kivi K residual", state.k_res, fk, lengths)
+        checks.ring_finite("kivi V residual", state.v_res, fv, lengths)
+
+    def layer_nbytes(self, state):
+        return {"codes": _rows.nbytes(state.k_codes, state.v_codes),
+                "qparams": _rows.nbytes(state.k_scale, state.k_min, state.v_scale, state.v_min),
+                "residual": _rows.nbytes(state.k_res, state.v_res)}

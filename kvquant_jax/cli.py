@@ -1,0 +1,135 @@
+"""``kvq`` command line: fetch-model, generate, ppl, ledger, eval, sweep."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _add_model_args(p):
+    p.add_argument("--model", default=None,
+                   help="known model name (default smollm2-135m, fetched on first use), a .gguf file or a HF folder")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute/weight dtype")
+    p.add_argument("--rope-pairing", default="half_split", choices=["half_split", "interleaved"])
+
+
+def _scheme(spec, cfg):
+    if spec is None:
+        return None
+    from kvquant_jax.cache.registry import make_scheme
+
+    return make_scheme(spec, rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
+
+
+def cmd_fetch(args):
+    from kvquant_jax.models.fetch import fetch_model
+
+    print(fetch_model(args.name))
+
+
+def cmd_generate(args):
+    from kvquant_jax.models import load_model
+    from kvquant_jax.serving.generate import generate
+    from kvquant_jax.serving.sampling import SamplingParams
+
+    if not args.prompt or not args.prompt.strip():
+        raise SystemExit("error: --prompt is empty")
+    m = load_model(args.model, dtype=args.dtype, rope_pairing=args.rope_pairing, verbose=True)
+    tok = m.tokenizer
+    use_chat = not args.raw and tok.chat_template is not None
+    ids = tok.encode_chat(args.prompt, system=args.system) if use_chat else tok.encode(args.prompt, add_bos=False)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    res = generate(m.params, m.cfg, [ids], max_new_tokens=args.max_new_tokens, scheme=_scheme(args.cache, m.cfg),
+                   capacity=args.capacity, sampling=sampling, seed=args.seed, attention_impl=args.attention)
+    print(tok.decode(res.tokens[0]))
+    if args.verbose:
+        n = len(res.tokens[0])
+        print(json.dumps({"prompt_tokens": len(ids), "new_tokens": n, "load_s": round(m.load_seconds, 3),
+                          "prefill_s": round(res.prefill_seconds, 3), "decode_s": round(res.decode_seconds, 3),
+                          "decode_tok_per_s_incl_compile": round(max(n - 1, 0) / max(res.decode_seconds, 1e-9), 2)}),
+              file=sys.stderr)
+
+
+def cmd_ppl(args):
+    from kvquant_jax.data import load_corpus
+    from kvquant_jax.eval.ppl import perplexity
+    from kvquant_jax.models import load_model
+
+    m = load_model(args.model, dtype=args.dtype, rope_pairing=args.rope_pairing, verbose=True)
+    corpus = load_corpus(args.corpus, split="test")
+    print(f"[kvq] corpus: {corpus.name} ({corpus.source})", file=sys.stderr)
+    t0 = time.perf_counter()
+    ids = m.tokenizer.encode(corpus.text)
+    tok_s = time.perf_counter() - t0
+    nll_fn = None
+    if args.cache:
+        from kvquant_jax.eval.quantized_ppl import make_nll_fn
+
+        nll_fn = make_nll_fn(_scheme(args.cache, m.cfg), chunk=args.chunk)
+    res = perplexity(m.params, m.cfg, ids, seq_len=args.seq_len, max_segments=args.max_segments,
+                     bos_id=m.cfg.bos_id if args.bos else None, nll_fn=nll_fn, progress=args.progress)
+    out = {"ppl": res.ppl, "nll": res.nll, "tokens": res.tokens, "segments": res.segments, "seq_len": res.seq_len,
+           "bos": res.bos, "model": m.path, "model_sha256": m.cfg.sha256, "corpus": corpus.name,
+           "corpus_sha256": corpus.sha256, "cache": args.cache or "none", "dtype": args.dtype,
+           "load_s": round(m.load_seconds, 3), "tokenize_s": round(tok_s, 3), "eval_s": round(res.seconds, 3)}
+    print(json.dumps(out))
+
+
+def cmd_ledger(args):
+    from kvquant_jax.quant.ledger import ledger_from_config
+
+    print(ledger_from_config(args.config))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="kvq", description="kvquant_jax: live-data quantization for LLM serving")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("fetch-model", help="fetch and verify a known model into $KVQ_CACHE_DIR")
+    p.add_argument("name", nargs="?", default="smollm2-135m")
+    p.set_defaults(func=cmd_fetch)
+
+    p = sub.add_parser("generate", help="generate a completion")
+    _add_model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--system", default=None, help="system message (chat template)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache", default=None, help="cache scheme (e.g. fp32, bf16, fp8_e4m3, int8, int4, qserve4, kivi2)")
+    p.add_argument("--capacity", type=int, default=None)
+    p.add_argument("--attention", default="reference", choices=["reference", "kernel", "auto"])
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("ppl", help="perplexity (transformers convention: no BOS, contiguous segments)")
+    _add_model_args(p)
+    p.add_argument("--corpus", default=None, help="text file, 'wikitext2', or 'builtin' (default: WikiText-2 test "
+                                                  "from $KVQ_DATA_DIR or ../shared/data, else built-in)")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--max-segments", type=int, default=8)
+    p.add_argument("--bos", action="store_true", help="prepend BOS to each segment (not the default)")
+    p.add_argument("--cache", default=None, help="evaluate through a quantized cache scheme")
+    p.add_argument("--chunk", type=int, default=128, help="chunk size of the quantized-cache fast path")
+    p.add_argument("--progress", action="store_true")
+    p.set_defaults(func=cmd_ppl)
+
+    p = sub.add_parser("ledger", help="print the byte ledger of a cache config")
+    p.add_argument("config")
+    p.set_defaults(func=cmd_ledger)
+
+    args = ap.parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"kvq: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

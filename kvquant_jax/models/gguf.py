@@ -1,0 +1,156 @@
+"""Load a LLaMA-architecture GGUF into a params pytree (``gguf`` package for parsing and dequantization).
+
+llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` within each head so that llama.cpp can apply RoPE
+to adjacent channel pairs (2i, 2i+1). We either undo that permutation (``rope_pairing="half_split"``: Q/K rows in
+HF order, RoPE pairs i <-> i + d/2, K cache values identical to transformers') or keep the file's order and apply
+interleaved RoPE (``rope_pairing="interleaved"``). Both give identical logits; the choice changes which channels
+form a RoPE pair in the stored K cache, so it is recorded in the config and in every cache schema.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from kvquant_jax.models.config import LlamaConfig
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K",
+                   "Q2_K", "Q3_K")
+
+
+class GGUFError(ValueError):
+    """A GGUF file that kvquant_jax cannot load (wrong architecture, unsupported tensor type, missing tensor)."""
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def read_metadata(reader) -> dict:
+    return {k: _field(reader, k) for k in reader.fields if not k.startswith("tokenizer.ggml.") or
+            k in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.model",
+                  "tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token", "tokenizer.ggml.padding_token_id")}
+
+
+def config_from_gguf(reader, *, rope_pairing: str = "half_split", name: str = "", sha256: str = "") -> LlamaConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise GGUFError(f"GGUF architecture is {arch!r}; kvquant_jax loads 'llama' models only")
+    p = "llama."
+    hidden = int(_field(reader, p + "embedding_length"))
+    heads = int(_field(reader, p + "attention.head_count"))
+    kv = int(_field(reader, p + "attention.head_count_kv", heads))
+    head_dim = int(_field(reader, p + "attention.key_length", hidden // heads))
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, p + "vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    return LlamaConfig(
+        vocab_size=int(vocab), hidden_size=hidden,
+        intermediate_size=int(_field(reader, p + "feed_forward_length")),
+        num_layers=int(_field(reader, p + "block_count")), num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)), rope_pairing=rope_pairing,
+        rms_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position=int(_field(reader, p + "context_length", 2048)),
+        tie_embeddings="output.weight" not in names,
+        bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
+        eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
+        name=name or str(_field(reader, "general.name", "llama")), sha256=sha256)
+
+
+def dequantize_tensor(t) -> np.ndarray:
+    """float32 array in the file's logical row-major shape ``[ne_{n-1}, ..., ne_0]`` (torch ``[out, in]``)."""
+    import gguf
+
+    tname = t.tensor_type.name
+    if tname not in SUPPORTED_TYPES:
+        raise GGUFError(f"tensor {t.name}: unsupported GGUF tensor type {tname} (supported: {SUPPORTED_TYPES})")
+    try:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:  # pragma: no cover - depends on the gguf version
+        raise GGUFError(f"tensor {t.name}: gguf cannot dequantize {tname}: {e}") from e
+    shape = tuple(int(s) for s in reversed(t.shape))
+    return np.asarray(arr, dtype=np.float32).reshape(shape)
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: ``w: [n_head * d, in]`` in interleaved-pair order -> HF order."""
+    d2 = w.shape[0] // n_head // 2
+    return w.reshape(n_head, d2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str | Path, *, rope_pairing: str = "half_split", sha256: str = "") -> tuple[LlamaConfig, dict]:
+    """Read a llama GGUF. Returns ``(config, params)`` with float32 NumPy arrays laid out for ``x @ W``.
+
+    params: ``embed [V, H]``, ``final_norm [H]``, optional ``lm_head [H, V]``, and ``layers`` with arrays stacked
+    on a leading layer axis: ``attn_norm [L, H]``, ``wq [L, H, Hq*D]``, ``wk/wv [L, H, Hkv*D]``,
+    ``wo [L, Hq*D, H]``, ``ffn_norm [L, H]``, ``w_gate/w_up [L, H, F]``, ``w_down [L, F, H]``.
+    """
+    import gguf
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model file not found: {path}")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise GGUFError(f"{path}: not a readable GGUF file ({e})") from e
+    cfg = config_from_gguf(reader, rope_pairing=rope_pairing, name=path.stem, sha256=sha256)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def get(name):
+        if name not in tensors:
+            raise GGUFError(f"{path}: missing tensor {name}")
+        return dequantize_tensor(tensors[name])
+
+    keep_file_order = rope_pairing == "interleaved"
+    layers: dict[str, list] = {k: [] for k in ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up",
+                                               "w_down")}
+    for i in range(cfg.num_layers):
+        b = f"blk.{i}."
+        wq, wk = get(b + "attn_q.weight"), get(b + "attn_k.weight")
+        if not keep_file_order:
+            wq, wk = unpermute_qk(wq, cfg.num_heads), unpermute_qk(wk, cfg.num_kv_heads)
+        layers["attn_norm"].append(get(b + "attn_norm.weight"))
+        layers["wq"].append(wq.T)
+        layers["wk"].append(wk.T)
+        layers["wv"].append(get(b + "attn_v.weight").T)
+        layers["wo"].append(get(b + "attn_output.weight").T)
+        layers["ffn_norm"].append(get(b + "ffn_norm.weight"))
+        layers["w_gate"].append(get(b + "ffn_gate.weight").T)
+        layers["w_up"].append(get(b + "ffn_up.weight").T)
+        layers["w_down"].append(get(b + "ffn_down.weight").T)
+    params = {
+        "embed": get("token_embd.weight"),
+        "final_norm": get("output_norm.weight"),
+        "layers": {k: np.ascontiguousarray(np.stack(v)) for k, v in layers.items()},
+    }
+    if not cfg.tie_embeddings:
+        params["lm_head"] = np.ascontiguousarray(get("output.weight").T)
+    return cfg, params
+
+
+def tokenizer_metadata(path: str | Path) -> dict:
+    """Vocabulary, merges, token types, special ids and chat template from the GGUF metadata."""
+    import gguf
+
+    return tokenizer_metadata_from_reader(gguf.GGUFReader(str(path)))
+
+
+def tokenizer_metadata_from_reader(reader) -> dict:
+    out = {
+        "model": _field(reader, "tokenizer.ggml.model"),
+        "pre": _field(reader, "tokenizer.ggml.pre"),
+        "tokens": list(_field(reader, "tokenizer.ggml.tokens") or []),
+        "merges": list(_field(reader, "tokenizer.ggml.merges") or []),
+        "token_type": list(_field(reader, "tokenizer.ggml.token_type") or []),
+        "bos_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+        "add_bos": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "chat_template": _field(reader, "tokenizer.chat_template"),
+    }
+    return out

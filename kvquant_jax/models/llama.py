@@ -1,0 +1,188 @@
+"""LLaMA decoder as a pure function of (params, tokens, cache) -> (logits, cache', ok).
+
+Shapes: B batch, T tokens in this forward, H hidden, Hq query heads, Hkv KV heads, D head_dim, G = Hq // Hkv,
+C cache capacity, V vocab.  Layers run under ``lax.scan`` over parameters stacked on a leading layer axis; cache
+layer states are stacked the same way (one stacked group per run of layers sharing a scheme).
+
+Attention contract (design notes 0x06D): the current forward attends with the EXACT K/V it just produced (causal
+within the chunk) plus the retained history decoded from the cache's stored representation, under ONE softmax;
+the stored representation (quantized or not) only affects what later forwards read.  Quantization affects
+retention only.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from kvquant_jax.cache.interface import KVCache
+from kvquant_jax.models.config import LlamaConfig
+from kvquant_jax.models.rope import apply_rope
+
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+NEG_INF = -1e30
+
+
+def cast_params(params: dict, dtype: str = "fp32") -> dict:
+    """NumPy/JAX params -> jnp arrays in ``dtype`` (norm weights stay float32)."""
+    dt = DTYPES[dtype]
+
+    def cast(path, a):
+        name = jax.tree_util.keystr(path)
+        return jnp.asarray(a, jnp.float32 if "norm" in name else dt)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32; returns x's dtype. x: [..., H], w: [H]."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + jnp.float32(eps))
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def _dot(x, w):
+    return jnp.matmul(x, w.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
+
+
+def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
+           hist: tuple[jax.Array, jax.Array, jax.Array] | None) -> jax.Array:
+    """One softmax over [history, current chunk].
+
+    q: [B, T, Hq, D]; k_cur, v_cur: [B, T, Hkv, D]; num_new: int32 [B] (keys t >= num_new are padding);
+    hist: optional (k [B, Hkv, C, D] f32, v [B, Hkv, C, D] f32, valid bool [B, C]).
+    Returns [B, T, Hq, D] in q's dtype; scores and softmax in float32.
+    """
+    b, t, hq, d = q.shape
+    hkv = k_cur.shape[2]
+    g = hq // hkv
+    scale = jnp.float32(1.0 / (d ** 0.5))
+    qf = q.astype(jnp.float32).reshape(b, t, hkv, g, d)
+    kc, vc = k_cur.astype(jnp.float32), v_cur.astype(jnp.float32)
+    hp = jax.lax.Precision.HIGHEST
+    s_cur = jnp.einsum("btkgd,bskd->bkgts", qf, kc, precision=hp) * scale          # [B, Hkv, G, T, S=T]
+    ti = jnp.arange(t)
+    causal = (ti[None, :] <= ti[:, None])[None] & (ti[None, None, :] < num_new[:, None, None])  # [B, T, S]
+    s_cur = jnp.where(causal[:, None, None], s_cur, jnp.float32(NEG_INF))
+    if hist is not None:
+        hk, hv, valid = hist
+        s_hist = jnp.einsum("btkgd,bkcd->bkgtc", qf, hk, precision=hp) * scale      # [B, Hkv, G, T, C]
+        s_hist = jnp.where(valid[:, None, None, None, :], s_hist, jnp.float32(NEG_INF))
+        s = jnp.concatenate([s_hist, s_cur], axis=-1)
+    else:
+        s = s_cur
+    p = jax.nn.softmax(s, axis=-1)
+    if hist is not None:
+        c = hk.shape[2]
+        out = (jnp.einsum("bkgtc,bkcd->btkgd", p[..., :c], hv, precision=hp)
+               + jnp.einsum("bkgts,bskd->btkgd", p[..., c:], vc, precision=hp))
+    else:
+        out = jnp.einsum("bkgts,bskd->btkgd", p, vc, precision=hp)
+    return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def _layer(cfg: LlamaConfig, x, lp, positions, num_new, hist_fn: Callable | None):
+    """One decoder layer. Returns (x', k, v) with k post-RoPE [B, T, Hkv, D] (exact, this forward's)."""
+    b, t, _ = x.shape
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+    q = _dot(h, lp["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = _dot(h, lp["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = _dot(h, lp["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_pairing)
+    k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_pairing)
+    hist = hist_fn(q) if hist_fn is not None else None
+    if callable(hist):  # a consumer that computes the full attention itself (decode kernels)
+        a = hist(q, k, v)
+    else:
+        a = attend(q, k, v, num_new, hist)
+    x = x + _dot(a.reshape(b, t, cfg.num_heads * cfg.head_dim), lp["wo"])
+    h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
+    gate = _dot(h, lp["w_gate"])
+    up = _dot(h, lp["w_up"])
+    x = x + _dot(jax.nn.silu(gate) * up, lp["w_down"])
+    return x, k, v
+
+
+def logits_from_hidden(params, cfg: LlamaConfig, x):
+    x = rms_norm(x, params["final_norm"], cfg.rms_eps)
+    if cfg.tie_embeddings:
+        return jnp.einsum("bth,vh->btv", x, params["embed"].astype(x.dtype),
+                          precision=jax.lax.Precision.HIGHEST).astype(jnp.float32)
+    return _dot(x, params["lm_head"]).astype(jnp.float32)
+
+
+def forward_nocache(params, cfg: LlamaConfig, tokens: jax.Array, positions: jax.Array | None = None,
+                    num_new: jax.Array | None = None) -> jax.Array:
+    """Plain causal forward without a cache: tokens int32 [B, T] -> logits float32 [B, T, V]."""
+    b, t = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if num_new is None:
+        num_new = jnp.full((b,), t, jnp.int32)
+    x = params["embed"][tokens]
+
+    def body(x, lp):
+        x, _, _ = _layer(cfg, x, lp, positions, num_new, None)
+        return x, None
+
+    x, _ = jax.lax.scan(body, x, params["layers"])
+    return logits_from_hidden(params, cfg, x)
+
+
+def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new: jax.Array | None = None,
+            *, attention_impl: str = "reference") -> tuple[jax.Array, KVCache, jax.Array]:
+    """Forward ``tokens`` (int32 [B, T]) at positions ``cache.lengths + t`` and append them to the cache.
+
+    Args:
+      num_new: int32 [B]: valid tokens per sequence (right padding beyond); default all T.
+      attention_impl: "reference" (decode the stored history, one softmax in JAX) or "kernel"/"auto" (decode
+        steps, T == 1, go through ``kvquant_jax.attention.dispatch.decode_attention`` which reads packed codes).
+    Returns:
+      logits float32 [B, T, V]; the successor cache; ok: bool scalar. ``ok`` is False when any K/V row of any
+      layer is non-finite: then ``lengths`` are NOT advanced (nothing is published) and the caller must raise.
+    """
+    b, t = tokens.shape
+    if num_new is None:
+        num_new = jnp.full((b,), t, jnp.int32)
+    lengths = cache.lengths
+    positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    x = params["embed"][tokens]
+    new_groups = []
+    ok = jnp.bool_(True)
+    for (scheme, first, n), gstate in zip(cache.schemes, cache.groups):
+        lp_all = jax.tree.map(lambda a: a[first:first + n], params["layers"])
+
+        def body(carry, inp, scheme=scheme):
+            x, ok = carry
+            lp, st = inp
+            if attention_impl in ("kernel", "auto") and t == 1:
+                from kvquant_jax.attention.dispatch import decode_attention
+
+                def hist_fn(q, st=st):
+                    def full(q, k, v):
+                        o = decode_attention(q[:, 0], scheme, st, lengths, k[:, 0], v[:, 0],
+                                             impl=attention_impl)
+                        return o[:, None].astype(q.dtype)
+                    return full
+            else:
+                def hist_fn(q, st=st):
+                    return scheme.materialize_layer(st, lengths)
+            x, k, v = _layer(cfg, x, lp, positions, num_new, hist_fn)
+            valid = (jnp.arange(t)[None, :] < num_new[:, None])[:, :, None, None]
+            fin = jnp.all(jnp.where(valid, jnp.isfinite(k) & jnp.isfinite(v), True))
+            st2 = scheme.append_layer(st, lengths, k, v, num_new)
+            return (x, ok & fin), st2
+
+        (x, ok), g2 = jax.lax.scan(body, (x, ok), (lp_all, gstate))
+        new_groups.append(g2)
+    logits = logits_from_hidden(params, cfg, x)
+    new_lengths = jnp.where(ok, lengths + num_new, lengths)
+    return logits, cache.replace(groups=tuple(new_groups), lengths=new_lengths), ok
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attention_impl"), donate_argnames=("cache",))
+def forward_jit(params, cfg, tokens, cache, num_new, attention_impl="reference"):
+    """``forward`` under jit with the cache donated (updated in place)."""
+    return forward(params, cfg, tokens, cache, num_new, attention_impl=attention_impl)

@@ -1,0 +1,139 @@
+"""Jit-compiled serving loop: batched prefill of ragged prompts, then a ``lax.while_loop`` decode.
+
+The cache is donated into both jitted steps, so XLA updates its buffers in place instead of copying the whole
+cache every token.  Each step returns an ``ok`` flag (all K/V rows finite); a failed step publishes nothing
+(``lengths`` unchanged) and :func:`generate` raises :class:`CacheAppendError`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvquant_jax.cache.full import FullPrecisionScheme
+from kvquant_jax.cache.interface import CacheScheme, KVCache, init_cache
+from kvquant_jax.models.config import LlamaConfig
+from kvquant_jax.models.llama import forward
+from kvquant_jax.serving.sampling import SamplingParams, sample
+
+
+class CacheAppendError(ValueError):
+    """A forward produced non-finite K/V; nothing was published (the cache keeps its previous lengths)."""
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]          # generated ids per prompt (EOS excluded)
+    finished: list[bool]             # stopped at EOS
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int
+    cache: KVCache
+
+
+def bucket(n: int, multiple: int = 16) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attention_impl"), donate_argnames=("cache",))
+def prefill_step(params, cfg: LlamaConfig, tokens, cache, num_new, attention_impl="reference"):
+    """tokens int32 [B, T] right-padded; returns (logits of each sequence's last valid token [B, V], cache, ok)."""
+    logits, cache, ok = forward(params, cfg, tokens, cache, num_new, attention_impl=attention_impl)
+    last = jnp.take_along_axis(logits, (num_new - 1)[:, None, None], axis=1)[:, 0]
+    return last, cache, ok
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "sampling", "attention_impl", "eos_id"),
+                   donate_argnames=("cache",))
+def decode_loop(params, cfg: LlamaConfig, first_tok, cache, key, *, max_new: int, sampling: SamplingParams,
+                eos_id: int, attention_impl: str = "reference"):
+    """Decode up to ``max_new`` tokens (the first already sampled) in one compiled ``while_loop``.
+
+    Returns (out int32 [B, max_new] (eos-padded), n_generated int32 [B], cache, ok, steps).
+    """
+    b = first_tok.shape[0]
+    out = jnp.full((b, max_new), eos_id, jnp.int32).at[:, 0].set(first_tok)
+    done = first_tok == eos_id
+    n_gen = jnp.where(done, 0, 1).astype(jnp.int32)
+
+    def cond(s):
+        step, _, _, done, _, _, ok, _ = s
+        return (step < max_new) & ~jnp.all(done) & ok
+
+    def body(s):
+        step, tok, cache, done, out, n_gen, ok, key = s
+        key, sk = jax.random.split(key)
+        logits, cache, ok2 = forward(params, cfg, tok[:, None], cache, jnp.ones((b,), jnp.int32),
+                                     attention_impl=attention_impl)
+        nxt = sample(logits[:, 0], sk, sampling)
+        nxt = jnp.where(done, eos_id, nxt)
+        out = out.at[:, step].set(nxt)
+        newly = nxt == eos_id
+        n_gen = n_gen + jnp.where(done | newly, 0, 1)
+        return step + 1, nxt, cache, done | newly, out, n_gen, ok & ok2, key
+
+    init = (jnp.int32(1), first_tok, cache, done, out, n_gen, jnp.bool_(True), key)
+    steps, _, cache, _, out, n_gen, ok, _ = jax.lax.while_loop(cond, body, init)
+    return out, n_gen, cache, ok, steps
+
+
+def generate(params, cfg: LlamaConfig, prompts: list[list[int]], *, max_new_tokens: int = 32,
+             scheme: CacheScheme | tuple | None = None, capacity: int | None = None,
+             sampling: SamplingParams = SamplingParams(), seed: int = 0, eos_id: int | None = None,
+             attention_impl: str = "reference") -> GenerationResult:
+    """Generate for a batch of token-id prompts of different lengths.
+
+    Raises ValueError for an empty prompt, a prompt (plus ``max_new_tokens``) over the cache capacity, and
+    :class:`CacheAppendError` when a step produced non-finite K/V.
+    """
+    if not prompts:
+        raise ValueError("no prompts given")
+    lens = [len(p) for p in prompts]
+    if min(lens) == 0:
+        raise ValueError(f"prompt {lens.index(0)} is empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    need = max(lens) + max_new_tokens
+    if capacity is None:
+        capacity = bucket(need, 64)
+    if need > capacity:
+        raise ValueError(f"prompt of {max(lens)} tokens + {max_new_tokens} new tokens needs {need} cache rows; "
+                         f"capacity is {capacity}")
+    if need > cfg.max_position:
+        raise ValueError(f"prompt of {max(lens)} tokens + {max_new_tokens} new tokens exceeds the model's "
+                         f"context length {cfg.max_position}")
+    eos_id = cfg.eos_id if eos_id is None else eos_id
+    scheme = scheme or FullPrecisionScheme(rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
+    b = len(prompts)
+    cache = init_cache(scheme, num_layers=cfg.num_layers, batch=b, capacity=capacity,
+                       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+    t_pad = bucket(max(lens))
+    toks = np.full((b, t_pad), eos_id, np.int32)
+    for i, p in enumerate(prompts):
+        toks[i, : len(p)] = p
+    num_new = jnp.asarray(lens, jnp.int32)
+    key = jax.random.PRNGKey(seed)
+    key, k0 = jax.random.split(key)
+    t0 = time.perf_counter()
+    last, cache, ok = prefill_step(params, cfg, jnp.asarray(toks), cache, num_new, attention_impl=attention_impl)
+    if not bool(ok):
+        raise CacheAppendError("prefill produced non-finite K/V; nothing was appended")
+    first = sample(last, k0, sampling)
+    first.block_until_ready()
+    t1 = time.perf_counter()
+    out, n_gen, cache, ok, steps = decode_loop(params, cfg, first, cache, key, max_new=max_new_tokens,
+                                               sampling=sampling, eos_id=eos_id, attention_impl=attention_impl)
+    out = np.asarray(out)
+    t2 = time.perf_counter()
+    if not bool(ok):
+        raise CacheAppendError(f"decode step {int(steps)} produced non-finite K/V; the cache holds the state "
+                               f"before that step")
+    n_gen = np.asarray(n_gen)
+    tokens = [out[i, : n_gen[i]].tolist() for i in range(b)]
+    finished = [bool((out[i] == eos_id).any()) for i in range(b)]
+    return GenerationResult(tokens=tokens, finished=finished, prefill_seconds=t1 - t0, decode_seconds=t2 - t1,
+                            decode_steps=int(steps), cache=cache)

@@ -1,0 +1,619 @@
+"""Pallas decode attention that reads quantized KV codes + qparams where they lie (design notes 0x03, 0x06C, 0x09D).
+
+One new query token per sequence (``q: [B, Hq, D]``) attends over a list of regions
+(:mod:`kvquant_jax.attention.regions`: explicit arrays in the physical layouts of docs/architecture.md, live rows
+``[start[b], end[b])``) plus, optionally, the exact K/V of the token the forward just produced (``k_new, v_new:
+[B, Hkv, D]``).  All of it is ONE softmax: every region yields split-K partials ``(acc, m, l)`` that a combine step
+merges with the usual max/sum rescaling, so the result equals the softmax over the concatenated keys.
+
+Where the scales go (0x03A-0x03C)
+---------------------------------
+* K per-token scale (``scale="token"``, one group): the code dot ``q . (u - c)`` is scaled after the dot,
+  ``logit_t = s_t * (q . u_t - o_t * sum(q))`` for QServe's floating offset, ``(u - 2^(b-1))`` re-centred codes for
+  symmetric INT.  With G_d < D groups the query is split into per-group masked copies and each group's partial dot
+  is scaled by its own ``s_tg``.
+* K per-channel scale (KIVI, ``scale="channel"``): folded into the query before the dot, per G-token group j:
+  ``logit_t = (q * s_j) . u_t + q . min_j`` (the min term is one constant per group and query head).
+* V per-token scale: folded into the probabilities before the PV product, ``acc += (p * s_t) @ u`` and the zero
+  term ``sum_t p_t z_t`` is a per-row scalar accumulated beside ``acc`` (``z = min`` or ``-o * s``); with G_d < D
+  each group of columns has its own accumulator.
+* Per-head fp8 scales are folded into the query (K) and into the region's partial output (V) outside the kernel.
+Codes stay exact integers in the dot operands (``bf16`` holds 0..255 exactly); the other operand (scaled query,
+scaled probabilities) is split into ``bf16`` hi + lo parts (``precision="bf16x2"``, about float32 accuracy on
+tensor cores), or rounded once (``"bf16"``), or kept float32 (``"f32"``).  No dequantized K/V is ever written.
+
+Packed codes are never interleaved in registers: a byte of INT4/INT2 holds channels ``j*P + r`` (``P`` codes per
+byte, ``r`` = bit plane), so the query is de-interleaved into ``P`` planes outside the kernel, each plane of codes
+is one shift+mask of the loaded bytes, logits are the sum of ``P`` plane dots, and the output comes back as ``P``
+planes that the wrapper re-interleaves.
+
+GQA: one program handles all ``Hq / Hkv`` query heads of a KV head against one read of each KV block (the head
+rows are padded to 16 on GPU, the smallest tensor-core M, and to 8 on TPU).  Ragged lengths: each program masks
+rows outside ``[start, end)`` and skips whole blocks outside it.  Split-K: the live blocks of each sequence are cut
+into ``num_splits`` contiguous chunks, one program each; partials are merged in :func:`_combine`.
+
+Backends (``backend=None`` picks by :func:`pallas_kernels.backend.platform`):
+
+* ``"gpu"``: Pallas Triton.  Grid ``(B, Hkv, num_splits)``; each program loops (``fori_loop`` -> ``scf.for``,
+  software-pipelined with ``num_stages``) over its blocks of ``block_t`` rows.  On CPU the same kernel runs with
+  ``interpret=True`` (the CI path).
+* ``"tpu"``: Mosaic TPU BlockSpecs with scalar-prefetched ``start/end``: grid ``(B, Hkv, num_splits, blocks)``, the
+  last axis "arbitrary", VMEM scratch accumulators, block index clamped so skipped blocks re-use the last DMA.
+  Validated in the TPU interpreter (``pltpu.InterpretParams()``) only.
+Both share the block-update body (:func:`_block`).
+
+Requirements of the kernel path (the dispatcher falls back to the reference otherwise): a region's row count is a
+multiple of ``block_t`` (chosen automatically as a power of two dividing it), ``D`` and the plane widths are powers
+of two, KIVI key groups G are powers of two.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kvquant_jax.attention.reference import decode_attention_jnp
+from kvquant_jax.attention.regions import KVFormat, Region, check_query
+from pallas_kernels.backend import default_interpret, platform
+
+__all__ = ["decode_attention", "decode_attention_reference", "KernelConfig", "default_config", "PRECISIONS"]
+
+PRECISIONS = ("f32", "bf16x2", "bf16")
+_NEG = -1e30          # finite "minus infinity": keeps exp(m_old - m_new) NaN-free for empty splits
+_F32 = jnp.float32
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Static configuration
+# --------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tuning knobs of one region's kernel (all static)."""
+
+    block_t: int = 128
+    num_splits: int = 1
+    precision: str = "bf16x2"
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+def default_config(fmt_k: KVFormat, rows: int, batch: int, num_kv_heads: int, *, backend: str,
+                   interpret: bool) -> KernelConfig:
+    """Per-backend defaults (GPU values were picked on an H200, see docs/benchmarks_decode.md)."""
+    if interpret and backend == "gpu":
+        return KernelConfig(block_t=32, num_splits=2)
+    if backend == "tpu":
+        return KernelConfig(block_t=128 if interpret is False else 32, num_splits=1)
+    bt = 64 if not fmt_k.is_int else 128
+    nb = max(rows // bt, 1)
+    programs = batch * num_kv_heads
+    splits = max(1, min(nb, -(-2 * 132 // programs)))   # about two waves over the H200's 132 SMs
+    return KernelConfig(block_t=bt, num_splits=splits, num_warps=4, num_stages=3)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    kf: KVFormat
+    vf: KVFormat
+    d: int
+    mp: int            # padded query-head rows per KV head
+    bt: int            # rows per loop step
+    sub: int           # rows per softmax update (G for KIVI keys, else bt)
+    ns: int            # splits
+    nb: int            # blocks in the region (rows // bt)
+    precision: str
+
+    @property
+    def npk(self):
+        return self.kf.codes_per_byte
+
+    @property
+    def ngk(self):
+        return self.kf.token_groups(self.d)
+
+    @property
+    def npv(self):
+        return self.vf.codes_per_byte
+
+    @property
+    def ngv(self):
+        return self.vf.token_groups(self.d)
+
+    @property
+    def gbv(self):     # plane columns per V group
+        return self.d // (self.npv * self.ngv)
+
+    @property
+    def nbps(self):    # grid steps per split (TPU)
+        return -(-self.nb // self.ns)
+
+    @property
+    def v_zero(self):
+        return self.vf.zero in ("offset", "min")
+
+    def op_dtype(self, f: KVFormat):
+        if self.precision == "f32" or f.payload == "fp32":
+            return _F32
+        return jnp.float16 if f.payload == "fp16" else jnp.bfloat16
+
+
+def _names(kf: KVFormat, vf: KVFormat) -> tuple[str, ...]:
+    out = []
+    for p, f in (("k", kf), ("v", vf)):
+        out.append(p)
+        if f.scale in ("token", "channel"):
+            out.append(p + "s")
+        if f.has_zero_array:
+            out.append(p + "z")
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Shared kernel body
+# --------------------------------------------------------------------------------------------------------------
+class _Tile:
+    """Reads the tiles of one block: ``lead`` indexes (b, h) on whole-array refs (GPU) or is empty (TPU blocks)."""
+
+    def __init__(self, refs, lead, row_base, grp_base):
+        self.refs, self.lead, self.row_base, self.grp_base = refs, lead, row_base, grp_base
+
+    def rows(self, name, row, n, cols=slice(None)):
+        return self.refs[name][self.lead + (pl.ds(self.row_base + row, n), cols)]
+
+    def group_row(self, name, j, cols):
+        return self.refs[name][self.lead + (pl.ds(self.grp_base + j, 1), cols)]
+
+
+def _split(a, op_dtype, precision):
+    """The non-code operand as a list of pieces whose dots sum to the float32 product."""
+    if op_dtype == _F32:
+        return [a]
+    hi = a.astype(op_dtype)
+    if precision == "bf16":
+        return [hi]
+    return [hi, (a - hi.astype(_F32)).astype(op_dtype)]
+
+
+def _mm(pieces, b, trans_b):
+    dims = (((1,), (1,) if trans_b else (0,)), ((), ()))
+    out = None
+    for a in pieces:
+        prec = lax.Precision.HIGHEST if a.dtype == _F32 else None
+        t = lax.dot_general(a, b, dims, precision=prec, preferred_element_type=_F32)
+        out = t if out is None else out + t
+    return out
+
+
+def _planes(codes_u8, f: KVFormat, op_dtype):
+    """uint8 ``[n, w]`` -> ``codes_per_byte`` planes ``[n, w]`` in ``op_dtype`` (re-centred if symmetric)."""
+    c = codes_u8.astype(jnp.int32)
+    if f.bits == 8:
+        ps = [c]
+    else:
+        mask = 2 ** f.bits - 1
+        ps = [(c >> (r * f.bits)) & mask if r else c & mask for r in range(f.codes_per_byte)]
+    if f.zero == "symmetric":
+        half = 2 ** (f.bits - 1)
+        ps = [p - half for p in ps]
+    return [p.astype(op_dtype) for p in ps]
+
+
+def _as_row(col):
+    """``[n, 1]`` qparam column -> float32 ``[1, n]`` row."""
+    return col.astype(_F32).reshape(1, col.shape[0])
+
+
+def _query_values(get_q, sp: _Spec):
+    """Per-program query state: raw planes, their split pieces and per-group sums."""
+    q = [[get_q(g, r) for r in range(sp.npk)] for g in range(sp.ngk)]
+    op = sp.op_dtype(sp.kf)
+    pieces = [[_split(x, op, sp.precision) for x in row] for row in q]
+    qsum = [functools.reduce(jnp.add, [jnp.sum(x, axis=1, keepdims=True) for x in row]) for row in q]
+    return q, pieces, qsum
+
+
+def _logits(qv, tile: _Tile, rr: int, j: int, sp: _Spec):
+    q, pieces, qsum = qv
+    f, n = sp.kf, sp.sub
+    op = sp.op_dtype(f)
+    if not f.is_int:
+        kt = tile.rows("k", rr, n).astype(op)
+        return _mm(pieces[0][0], kt, True)
+    planes = _planes(tile.rows("k", rr, n), f, op)
+    if f.scale == "channel":          # fold the group's channel scales into the query (0x03B, option 2)
+        s = None
+        const = None
+        for r in range(sp.npk):
+            cols = pl.ds(r, sp.d // sp.npk, stride=sp.npk) if sp.npk > 1 else slice(None)
+            ks = tile.group_row("ks", j, cols).astype(_F32)                      # [1, D/P]
+            t = _mm(_split(q[0][r] * ks, op, sp.precision), planes[r], True)
+            s = t if s is None else s + t
+            if f.zero == "min":
+                km = tile.group_row("kz", j, cols).astype(_F32)
+                c = jnp.sum(q[0][r] * km, axis=1, keepdims=True)               # [Mp, 1]
+                const = c if const is None else const + c
+        return s if const is None else s + const
+    s = None                          # per-token scales applied after the dot (0x03A)
+    for g in range(sp.ngk):
+        raw = functools.reduce(jnp.add, [_mm(pieces[g][r], planes[r], True) for r in range(sp.npk)])
+        ks = _as_row(tile.rows("ks", rr, n, pl.ds(g, 1)))
+        if f.zero == "offset":
+            t = ks * (raw - qsum[g] * _as_row(tile.rows("kz", rr, n, pl.ds(g, 1))))
+        elif f.zero == "min":
+            t = ks * raw + qsum[g] * _as_row(tile.rows("kz", rr, n, pl.ds(g, 1)))
+        else:
+            t = ks * raw
+        s = t if s is None else s + t
+    return s
+
+
+def _pv(accs, zaccs, p, valid_row, valid_col, tile: _Tile, rr: int, sp: _Spec):
+    f, n = sp.vf, sp.sub
+    op = sp.op_dtype(f)
+    if not f.is_int:
+        vt = tile.rows("v", rr, n).astype(op)
+        vt = jnp.where(valid_col, vt, jnp.zeros_like(vt))     # unspecified rows may hold NaN
+        accs[0][0] = accs[0][0] + _mm(_split(p, op, sp.precision), vt, False)
+        return accs, zaccs
+    gbytes = sp.vf.data_dim(sp.d) // sp.ngv
+    for g in range(sp.ngv):
+        cols = pl.ds(g * gbytes, gbytes) if sp.ngv > 1 else slice(None)
+        planes = _planes(tile.rows("v", rr, n, cols), f, op)
+        vs = _as_row(tile.rows("vs", rr, n, pl.ds(g, 1)))
+        pieces = _split(jnp.where(valid_row, p * vs, 0.0), op, sp.precision)   # V scales into p (0x03C)
+        for r in range(sp.npv):
+            accs[g][r] = accs[g][r] + _mm(pieces, planes[r], False)
+        if sp.v_zero:
+            z = _as_row(tile.rows("vz", rr, n, pl.ds(g, 1)))
+            z = -(z * vs) if f.zero == "offset" else z
+            zaccs[g] = zaccs[g] + jnp.sum(jnp.where(valid_row, p * z, 0.0), axis=1, keepdims=True)
+    return accs, zaccs
+
+
+def _init_state(sp: _Spec):
+    m = jnp.full((sp.mp, 1), _NEG, _F32)
+    l = jnp.zeros((sp.mp, 1), _F32)
+    accs = [[jnp.zeros((sp.mp, sp.gbv), _F32) for _ in range(sp.npv)] for _ in range(sp.ngv)]
+    zaccs = [jnp.zeros((sp.mp, 1), _F32) for _ in range(sp.ngv)]
+    return m, l, accs, zaccs
+
+
+def _block(state, qv, tile: _Tile, pos0, start, end, sp: _Spec):
+    """Online-softmax update over one block of ``bt`` rows (``bt // sub`` updates of ``sub`` rows)."""
+    m, l, accs, zaccs = state
+    accs = [list(a) for a in accs]
+    zaccs = list(zaccs)
+    for j in range(sp.bt // sp.sub):
+        rr = j * sp.sub
+        pos_row = pos0 + rr + lax.broadcasted_iota(jnp.int32, (1, sp.sub), 1)
+        pos_col = pos0 + rr + lax.broadcasted_iota(jnp.int32, (sp.sub, 1), 0)
+        valid_row = (pos_row >= start) & (pos_row < end)
+        valid_col = (pos_col >= start) & (pos_col < end)
+        s = jnp.where(valid_row, _logits(qv, tile, rr, j, sp), _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(valid_row, jnp.exp(s - m_new), 0.0)
+        l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+        accs = [[a * alpha for a in row] for row in accs]
+        zaccs = [z * alpha for z in zaccs]
+        accs, zaccs = _pv(accs, zaccs, p, valid_row, valid_col, tile, rr, sp)
+        m = m_new
+    return m, l, accs, zaccs
+
+
+def _outputs(state, sp: _Spec):
+    m, l, accs, zaccs = state
+    outs = [[a + zaccs[g] if sp.v_zero else a for a in row] for g, row in enumerate(accs)]
+    return m, l, outs
+
+
+def _split_range(start, end, s, sp: _Spec):
+    """Blocks ``[lo, hi)`` of split ``s``: the live blocks of the sequence cut into ``ns`` contiguous chunks."""
+    bt = jnp.int32(sp.bt)
+    first = lax.div(start, bt)
+    last = lax.div(end + (bt - 1), bt)
+    per = lax.div(jnp.maximum(last - first, 0) + jnp.int32(sp.ns - 1), jnp.int32(sp.ns))
+    lo = first + s * per
+    return lo, jnp.minimum(lo + per, last)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GPU (Pallas Triton) kernel: whole-array refs, one program per (b, kv head, split), loop over blocks
+# --------------------------------------------------------------------------------------------------------------
+def _loop_kernel(start_ref, end_ref, q_ref, *refs, sp: _Spec, names):
+    ins = dict(zip(names, refs[:len(names)]))
+    o_ref, m_ref, l_ref = refs[len(names):]
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start, end = start_ref[b], end_ref[b]
+    lo, hi = _split_range(start, end, s, sp)
+    qv = _query_values(lambda g, r: q_ref[b, h, g, r], sp)
+    groups_per_block = sp.bt // sp.sub
+
+    def body(blk, state):
+        tile = _Tile(ins, (b, h), blk * sp.bt, blk * groups_per_block)
+        return _block(state, qv, tile, blk * sp.bt, start, end, sp)
+
+    m, l, outs = _outputs(lax.fori_loop(lo, hi, body, _init_state(sp)), sp)
+    for g in range(sp.ngv):
+        for r in range(sp.npv):
+            o_ref[b, h, s, g, r] = outs[g][r]
+    m_ref[b, h, s] = m
+    l_ref[b, h, s] = l
+
+
+def _gpu_call(start, end, qk, arrays, sp: _Spec, names, cfg: KernelConfig, interpret):
+    b, hkv = qk.shape[:2]
+    out_shape = _out_shapes(b, hkv, sp)
+    kw = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+        kw["compiler_params"] = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return pl.pallas_call(
+        functools.partial(_loop_kernel, sp=sp, names=names),
+        out_shape=out_shape,
+        grid=(b, hkv, sp.ns),
+        interpret=interpret,
+        name=f"decode_attention_{sp.kf.payload}_{sp.vf.payload}",
+        **kw,
+    )(start, end, qk, *arrays)
+
+
+def _out_shapes(b, hkv, sp: _Spec):
+    return (jax.ShapeDtypeStruct((b, hkv, sp.ns, sp.ngv, sp.npv, sp.mp, sp.gbv), _F32),
+            jax.ShapeDtypeStruct((b, hkv, sp.ns, sp.mp, 1), _F32),
+            jax.ShapeDtypeStruct((b, hkv, sp.ns, sp.mp, 1), _F32))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# TPU (Mosaic) kernel: BlockSpec-delivered tiles, scalar-prefetched bounds, VMEM scratch accumulators
+# --------------------------------------------------------------------------------------------------------------
+def _grid_kernel(start_sref, end_sref, q_ref, *refs, sp: _Spec, names):
+    n_in = len(names)
+    ins = dict(zip(names, refs[:n_in]))
+    o_ref, m_ref, l_ref, m_scr, l_scr, acc_scr, zacc_scr = refs[n_in:]
+    b, s, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    start, end = start_sref[b], end_sref[b]
+    lo, hi = _split_range(start, end, s, sp)
+    blk = lo + j
+
+    @pl.when(j == 0)
+    def _init():
+        m0, l0, accs0, zaccs0 = _init_state(sp)
+        m_scr[...] = m0
+        l_scr[...] = l0
+        acc_scr[...] = jnp.zeros(acc_scr.shape, _F32)
+        zacc_scr[...] = jnp.zeros(zacc_scr.shape, _F32)
+
+    @pl.when(blk < hi)
+    def _step():
+        qv = _query_values(lambda g, r: q_ref[g, r], sp)
+        state = (m_scr[...], l_scr[...],
+                 [[acc_scr[g * sp.npv + r] for r in range(sp.npv)] for g in range(sp.ngv)],
+                 [zacc_scr[g] for g in range(sp.ngv)])
+        m, l, accs, zaccs = _block(state, qv, _Tile(ins, (), 0, 0), blk * sp.bt, start, end, sp)
+        m_scr[...] = m
+        l_scr[...] = l
+        for g in range(sp.ngv):
+            zacc_scr[g] = zaccs[g]
+            for r in range(sp.npv):
+                acc_scr[g * sp.npv + r] = accs[g][r]
+
+    @pl.when(j == sp.nbps - 1)
+    def _finish():
+        state = (m_scr[...], l_scr[...],
+                 [[acc_scr[g * sp.npv + r] for r in range(sp.npv)] for g in range(sp.ngv)],
+                 [zacc_scr[g] for g in range(sp.ngv)])
+        m, l, outs = _outputs(state, sp)
+        for g in range(sp.ngv):
+            for r in range(sp.npv):
+                o_ref[g, r] = outs[g][r]
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+def _tpu_call(start, end, qk, arrays, sp: _Spec, names, interpret):
+    from jax.experimental.pallas import tpu as pltpu
+
+    b, hkv = qk.shape[:2]
+
+    def blk_index(bi, si, ji, st, en):
+        lo, hi = _split_range(st[bi], en[bi], si, sp)
+        return jnp.clip(jnp.minimum(lo + ji, hi - 1), 0, sp.nb - 1)
+
+    def tile_spec(arr, rows):
+        return pl.BlockSpec((None, None, rows, arr.shape[-1]),
+                            lambda bi, hi_, si, ji, st, en: (bi, hi_, blk_index(bi, si, ji, st, en), 0))
+
+    in_specs = [pl.BlockSpec((None, None) + qk.shape[2:], lambda bi, hi_, si, ji, st, en: (bi, hi_, 0, 0, 0, 0))]
+    for name, arr in zip(names, arrays):
+        f = sp.kf if name[0] == "k" else sp.vf
+        rows = sp.bt // f.group if (f.scale == "channel" and len(name) == 2) else sp.bt
+        in_specs.append(tile_spec(arr, rows))
+    out_shape = _out_shapes(b, hkv, sp)
+    out_specs = [
+        pl.BlockSpec((None, None, None) + out_shape[0].shape[3:],
+                     lambda bi, hi_, si, ji, st, en: (bi, hi_, si, 0, 0, 0, 0)),
+        pl.BlockSpec((None, None, None, sp.mp, 1), lambda bi, hi_, si, ji, st, en: (bi, hi_, si, 0, 0)),
+        pl.BlockSpec((None, None, None, sp.mp, 1), lambda bi, hi_, si, ji, st, en: (bi, hi_, si, 0, 0)),
+    ]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(b, hkv, sp.ns, sp.nbps),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM((sp.mp, 1), _F32), pltpu.VMEM((sp.mp, 1), _F32),
+                        pltpu.VMEM((sp.ngv * sp.npv, sp.mp, sp.gbv), _F32), pltpu.VMEM((sp.ngv, sp.mp, 1), _F32)],
+    )
+    if interpret is True:
+        interpret = pltpu.InterpretParams()
+    return pl.pallas_call(
+        functools.partial(_grid_kernel, sp=sp, names=names),
+        grid_spec=grid_spec,
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret if interpret else False,
+        name=f"decode_attention_{sp.kf.payload}_{sp.vf.payload}",
+    )(start, end, qk, *arrays)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Wrapper: query planes, per-region partials, combine
+# --------------------------------------------------------------------------------------------------------------
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _pick_block(rows: int, want: int, multiple: int) -> int:
+    """Largest power of two <= max(want, multiple) that divides ``rows`` and is a multiple of ``multiple``."""
+    bt = 1 << max(int(max(want, multiple)).bit_length() - 1, 0)
+    while bt >= multiple:
+        if rows % bt == 0 and bt % multiple == 0:
+            return bt
+        bt //= 2
+    raise ValueError(f"no block size: {rows} rows is not a multiple of a power of two >= {multiple}")
+
+
+def _query_planes(q4, kf: KVFormat, mp: int):
+    """``[B, Hkv, G, D]`` -> ``[B, Hkv, NGk, P, Mp, D/P]`` (de-interleaved planes, per-group masked copies)."""
+    b, hkv, g, d = q4.shape
+    p = kf.codes_per_byte
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, mp - g), (0, 0)))
+    planes = jnp.moveaxis(q4.reshape(b, hkv, mp, d // p, p), -1, 2)           # [B, Hkv, P, Mp, D/P]
+    ng = kf.token_groups(d)
+    if ng == 1:
+        return planes[:, :, None]
+    col_group = jnp.arange(d // p, dtype=jnp.int32) // (kf.group // p)
+    return jnp.stack([jnp.where(col_group == gi, planes, 0.0) for gi in range(ng)], axis=2)
+
+
+def _region_partial(q4, reg: Region, cfg: KernelConfig, backend: str, interpret):
+    """Split-K partials of one region: ``acc [B, Hkv, S, G, D]``, ``m, l [B, Hkv, S, G]`` (float32)."""
+    b, hkv, g, d = q4.shape
+    kf, vf = reg.k.fmt, reg.v.fmt
+    rows = reg.k.data.shape[2]
+    if cfg.precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {cfg.precision!r}")
+    for f in (kf, vf):
+        if f.scale == "channel" and not _pow2(f.group):
+            raise ValueError(f"kernel needs a power-of-two channel group, got {f.group}")
+    if not _pow2(d):
+        raise ValueError(f"kernel needs a power-of-two head_dim, got {d}")
+    if backend == "gpu":
+        mp = max(16, 1 << (g - 1).bit_length())
+    else:
+        mp = -(-g // 8) * 8
+    sub = kf.group if kf.scale == "channel" else 1
+    mult = sub
+    if backend == "tpu" and kf.scale == "channel":   # the [bt / G, D] scale tile needs 8 sublanes (or all rows)
+        mult = sub * 8 if rows % (sub * 8) == 0 else rows
+    bt = _pick_block(rows, cfg.block_t, mult)
+    sub = sub if kf.scale == "channel" else bt
+    if vf.scale == "channel":
+        raise ValueError("per-channel V scales are not a supported layout")
+    ns = max(1, min(cfg.num_splits, rows // bt))
+    sp = _Spec(kf=kf, vf=vf, d=d, mp=mp, bt=bt, sub=sub, ns=ns, nb=rows // bt, precision=cfg.precision)
+    if kf.scale == "head":
+        q4 = q4 * reg.k.scale.astype(_F32)[None, :, None, None]
+    qk = _query_planes(q4, kf, mp)
+    names = _names(kf, vf)
+    arrays = []
+    for p, op in (("k", reg.k), ("v", reg.v)):
+        arrays.append(op.data)
+        if op.fmt.scale in ("token", "channel"):
+            arrays.append(op.scale)
+        if op.fmt.has_zero_array:
+            arrays.append(op.zero)
+    start = jnp.clip(reg.start.astype(jnp.int32), 0, rows)
+    end = jnp.clip(reg.end.astype(jnp.int32), 0, rows)
+    if backend == "tpu":
+        o, m, l = _tpu_call(start, end, qk, arrays, sp, names, interpret)
+    else:
+        o, m, l = _gpu_call(start, end, qk, arrays, sp, names, cfg, interpret)
+    # [B, Hkv, S, NGv, P, Mp, Gb] -> [B, Hkv, S, Mp, D]: channel d = (group * Gb + col) * P + plane
+    o = jnp.transpose(o, (0, 1, 2, 5, 3, 6, 4)).reshape(b, hkv, ns, mp, d)
+    if vf.scale == "head":
+        o = o * reg.v.scale.astype(_F32)[None, :, None, None, None]
+    return o[:, :, :, :g], m[:, :, :, :g, 0], l[:, :, :, :g, 0]
+
+
+def _combine(parts):
+    """Merge split-K partials ``(acc, m, l)`` along the split axis into normalized outputs ``[B, Hkv, G, D]``."""
+    acc = jnp.concatenate([p[0] for p in parts], axis=2)
+    m = jnp.concatenate([p[1] for p in parts], axis=2)
+    l = jnp.concatenate([p[2] for p in parts], axis=2)
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - m_all)
+    den = jnp.sum(w * l, axis=2)
+    num = jnp.sum(w[..., None] * acc, axis=2)
+    return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+
+
+def _resolve(backend, interpret):
+    if backend is None:
+        backend = "tpu" if platform() == "tpu" else "gpu"
+    if backend not in ("gpu", "tpu"):
+        raise ValueError(f"backend must be None, 'gpu' or 'tpu', got {backend!r}")
+    if interpret is None:
+        interpret = default_interpret()
+    if backend == "tpu" and platform() != "tpu" and not interpret:
+        raise ValueError("backend='tpu' needs a TPU or interpret=True")
+    if backend == "gpu" and platform() != "gpu" and not interpret:
+        raise ValueError("backend='gpu' needs a GPU or interpret=True")
+    return backend, interpret
+
+
+def decode_attention(q, regions: Sequence[Region] = (), *, k_new=None, v_new=None, sm_scale: float | None = None,
+                     backend: str | None = None, interpret: Any = None,
+                     config: KernelConfig | Sequence[KernelConfig | None] | None = None):
+    """Attention of one new token over quantized/full-precision regions (+ the exact current token), ONE softmax.
+
+    Args:
+      q: ``[B, Hq, D]`` query of the new token (Hq a multiple of Hkv; head h reads KV head ``h // (Hq/Hkv)``).
+      regions: :class:`~kvquant_jax.attention.regions.Region` list (position-disjoint).
+      k_new, v_new: optional ``[B, Hkv, D]`` exact K/V of the current token (always live).
+      sm_scale: logit scale, default ``1/sqrt(D)``.
+      backend: ``"gpu"`` (Pallas Triton; the interpreted kernel on CPU), ``"tpu"`` (Mosaic), None = by platform.
+      interpret: None -> :func:`pallas_kernels.backend.default_interpret`; True -> interpreter (the TPU interpreter
+        for ``backend="tpu"``); an ``InterpretParams`` is passed through.
+      config: one :class:`KernelConfig` for every region, a per-region sequence, or None for
+        :func:`default_config`.
+    Returns ``[B, Hq, D]`` in ``q.dtype``.
+    """
+    regions = list(regions)
+    b, hq, hkv, d = check_query(q, regions, k_new, v_new)
+    g = hq // hkv
+    backend, interpret = _resolve(backend, interpret)
+    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
+    q4 = q.astype(_F32).reshape(b, hkv, g, d) * scale
+    if config is None or isinstance(config, KernelConfig):
+        configs = [config] * len(regions)
+    else:
+        configs = list(config)
+        if len(configs) != len(regions):
+            raise ValueError(f"{len(configs)} configs for {len(regions)} regions")
+    parts = []
+    for reg, cfg in zip(regions, configs):
+        if cfg is None:
+            cfg = default_config(reg.k.fmt, reg.k.data.shape[2], b, hkv, backend=backend,
+                                 interpret=bool(interpret))
+        parts.append(_region_partial(q4, reg, cfg, backend, interpret))
+    if k_new is not None:
+        logit = jnp.einsum("bhgd,bhd->bhg", q4, k_new.astype(_F32), precision=lax.Precision.HIGHEST)
+        vn = jnp.broadcast_to(v_new.astype(_F32)[:, :, None, None, :], (b, hkv, 1, g, d))
+        parts.append((vn, logit[:, :, None], jnp.ones((b, hkv, 1, g), _F32)))
+    return _combine(parts).reshape(b, hq, d).astype(q.dtype)
+
+
+def decode_attention_reference(q, regions: Sequence[Region] = (), *, k_new=None, v_new=None,
+                               sm_scale: float | None = None, backend: str | None = None, interpret: Any = None,
+                               config: KernelConfig | Sequence[KernelConfig | None] | None = None):
+    """Plain-JAX twin of :func:`decode_attention` (same signature; the kernel-only arguments are ignored)."""
+    del backend, interpret, config
+    return decode_attention_jnp(q, regions, k_new=k_new, v_new=v_new, sm_scale=sm_scale)

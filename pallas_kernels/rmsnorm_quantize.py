@@ -1,0 +1,312 @@
+"""Fused RMSNorm -> per-token symmetric INT8 codes + scale, one kernel (design §0x02A, §0x02D, 0x09E).
+
+Semantics per row ``x[m, :]`` (arithmetic in float32 inside the kernel)::
+
+    y      = x * rsqrt(mean(x^2) + eps) * w
+    amax   = max_k |y|
+    scale  = 1                                    if amax == 0 (all-zero row; codes 0)
+           = qparam_dtype(amax / 127)             otherwise (rounded to the declared qparam dtype, RNE)
+    s_eff  = float32(scale)                       (the stored scale is re-read before encoding)
+    codes  = clip(rint(y / s_eff), -127, 127)     (rint = round half to even) -> int8
+
+Per-row status (int32 [M]):
+
+- ``STATUS_OK = 0``
+- ``STATUS_NONFINITE = 1``: the row (or ``w``) holds NaN/Inf, or a float32 intermediate overflowed
+  (``sum(x^2)`` or ``y``); the kernel's domain is |x| small enough that sum(x^2) is finite in float32.
+- ``STATUS_FTZ_UNSAFE = 2``: a nonzero row whose stored scale overflowed to Inf, or is zero / subnormal in the
+  qparam dtype (it would not survive flush-to-zero consumers; design §0x02A).
+
+Rows with a nonzero status get ``codes = 0`` and ``scale = NaN`` (poisoned, never silently usable). The wrapper
+returns ``(codes, scale, status)``; when called on concrete arrays (not under ``jit``) with ``check=True`` it raises
+``ValueError`` naming the rows and the problem instead. Under ``jit`` the caller must inspect ``status``.
+
+Layouts: ``x: [..., K]`` (float32/bfloat16/float16, leading dims flattened to M rows), ``w: [K]`` float;
+outputs ``codes: int8 [..., K]``, ``scale: qparam_dtype [...]``, ``status: int32 [...]``.
+
+Backends: ``"gpu"`` (Pallas Triton; one program handles ``block_rows`` whole rows; K is loaded as one
+power-of-two-wide masked tile, so any K works; M tails are masked), also used on CPU with ``interpret=True``;
+``"tpu"`` (Mosaic BlockSpecs ``(block_rows, K)``, scale/status as ``[M, 1]``, partial edge blocks), validated only
+with ``pltpu.InterpretParams()``.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.backend import default_interpret, platform
+
+__all__ = [
+    "STATUS_FTZ_UNSAFE",
+    "STATUS_NONFINITE",
+    "STATUS_OK",
+    "rmsnorm_quantize",
+    "rmsnorm_quantize_reference",
+]
+
+STATUS_OK = 0
+STATUS_NONFINITE = 1
+STATUS_FTZ_UNSAFE = 2
+QMAX = 127
+_F32_MAX = float(np.finfo(np.float32).max)
+_X_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_Q_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def _rint_half_even(v):
+    """Round-half-to-even for float32 |v| < 2**22 using only floor (portable to Triton/Mosaic/XLA)."""
+    r = jnp.floor(v + 0.5)
+    tie = (r - v) == 0.5
+    odd = (r - 2.0 * jnp.floor(r * 0.5)) != 0.0
+    return jnp.where(tie & odd, r - 1.0, r)
+
+
+def _row_math(x, w, *, k, eps, qdtype):
+    """x: float32 [bm, kp] (padding columns are 0), w: float32 [1, kp]. Returns codes int8, scale [bm,1], status."""
+    ss = jnp.sum(x * x, axis=1, keepdims=True)
+    inv = lax.rsqrt(ss / float(k) + eps)
+    y = x * inv * w
+    ay = jnp.abs(y)
+    amax = jnp.max(ay, axis=1, keepdims=True)
+    y_bad = jnp.max(jnp.where(ay <= _F32_MAX, 0.0, 1.0), axis=1, keepdims=True) > 0.0
+    nonfinite = y_bad | ~(ss <= _F32_MAX)
+    zero = amax == 0.0
+    ideal = jnp.where(zero, 1.0, amax / float(QMAX))
+    scale = ideal.astype(qdtype)
+    eff = scale.astype(jnp.float32)
+    finfo = np.finfo(np.dtype(qdtype))
+    ftz = ~zero & ~((eff >= float(finfo.tiny)) & (eff <= float(finfo.max)))
+    status = jnp.where(nonfinite, STATUS_NONFINITE, jnp.where(ftz, STATUS_FTZ_UNSAFE, STATUS_OK)).astype(jnp.int32)
+    bad = status != STATUS_OK
+    q = jnp.clip(_rint_half_even(y / eff), -float(QMAX), float(QMAX))
+    q = jnp.where(bad, 0.0, q)
+    codes = q.astype(jnp.int32).astype(jnp.int8)
+    scale = jnp.where(bad, jnp.nan, scale).astype(qdtype)
+    return codes, scale, status
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------------------
+def _gpu_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, m, k, kp, bm, eps, qdtype):
+    from jax.experimental.pallas import triton as plt
+
+    mask_m = m % bm != 0
+    mask_k = kp != k
+    rows_ok = (pl.program_id(0) * bm + lax.broadcasted_iota(jnp.int32, (bm,), 0)) < m
+    cols_ok = lax.broadcasted_iota(jnp.int32, (kp,), 0) < k
+    if mask_k:
+        w = plt.load(w_ref.at[pl.ds(0, kp)], mask=cols_ok, other=0)
+    else:
+        w = w_ref[...]
+    if mask_m or mask_k:
+        tile_ok = rows_ok[:, None] & cols_ok[None, :]
+        x = plt.load(x_ref.at[:, pl.ds(0, kp)], mask=tile_ok, other=0)
+    else:
+        x = x_ref[...]
+    codes, scale, status = _row_math(
+        x.astype(jnp.float32), w.astype(jnp.float32)[None, :], k=k, eps=eps, qdtype=qdtype)
+    if mask_m or mask_k:
+        plt.store(codes_ref.at[:, pl.ds(0, kp)], codes, mask=tile_ok)
+    else:
+        codes_ref[...] = codes
+    if mask_m:
+        plt.store(scale_ref, scale[:, 0], mask=rows_ok)
+        plt.store(status_ref, status[:, 0], mask=rows_ok)
+    else:
+        scale_ref[...] = scale[:, 0]
+        status_ref[...] = status[:, 0]
+
+
+def _tpu_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, k, eps, qdtype):
+    codes, scale, status = _row_math(
+        x_ref[...].astype(jnp.float32), w_ref[...].astype(jnp.float32), k=k, eps=eps, qdtype=qdtype)
+    codes_ref[...] = codes
+    scale_ref[...] = scale
+    status_ref[...] = status
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+def _gpu_defaults(k: int) -> tuple[int, int]:
+    kp = _next_pow2(k)
+    bm = max(1, min(16, 8192 // kp))
+    elems = bm * kp
+    num_warps = 4 if elems <= 2048 else (8 if elems <= 8192 else 16)
+    return bm, num_warps
+
+
+def _gpu_call(x2, w, eps, qdtype, block_rows, num_warps, interpret):
+    m, k = x2.shape
+    kp = _next_pow2(k)
+    bm_d, nw_d = _gpu_defaults(k)
+    bm = block_rows or bm_d
+    if bm & (bm - 1):
+        raise ValueError(f"block_rows={bm} must be a power of two on the GPU/Triton path")
+    kernel = functools.partial(_gpu_kernel, m=m, k=k, kp=kp, bm=bm, eps=eps, qdtype=qdtype)
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plt
+
+        compiler_params = plt.CompilerParams(num_warps=num_warps or nw_d, num_stages=1)
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(m, bm),),
+        in_specs=[pl.BlockSpec((bm, k), lambda i: (i, 0)), pl.BlockSpec((k,), lambda i: (0,))],
+        out_specs=[
+            pl.BlockSpec((bm, k), lambda i: (i, 0)),
+            pl.BlockSpec((bm,), lambda i: (i,)),
+            pl.BlockSpec((bm,), lambda i: (i,)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((m, k), jnp.int8),
+            jax.ShapeDtypeStruct((m,), qdtype),
+            jax.ShapeDtypeStruct((m,), jnp.int32),
+        ],
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name="rmsnorm_quantize",
+    )(x2, w)
+
+
+def _tpu_call(x2, w, eps, qdtype, block_rows, interpret):
+    from jax.experimental.pallas import tpu as pltpu
+
+    m, k = x2.shape
+    bm = block_rows or 64
+    bm = m if m <= bm else bm
+    if interpret is True:
+        interpret = pltpu.InterpretParams()
+    kernel = functools.partial(_tpu_kernel, k=k, eps=eps, qdtype=qdtype)
+    codes, scale, status = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(m, bm),),
+        in_specs=[pl.BlockSpec((bm, k), lambda i: (i, 0)), pl.BlockSpec((1, k), lambda i: (0, 0))],
+        out_specs=[
+            pl.BlockSpec((bm, k), lambda i: (i, 0)),
+            pl.BlockSpec((bm, 1), lambda i: (i, 0)),
+            pl.BlockSpec((bm, 1), lambda i: (i, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((m, k), jnp.int8),
+            jax.ShapeDtypeStruct((m, 1), qdtype),
+            jax.ShapeDtypeStruct((m, 1), jnp.int32),
+        ],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=interpret,
+        name="rmsnorm_quantize_tpu",
+    )(x2, w.reshape(1, k))
+    return codes, scale[:, 0], status[:, 0]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Validation and public API
+# --------------------------------------------------------------------------------------------------------------
+def _validate(x, weight, eps, qparam_dtype):
+    x = jnp.asarray(x)
+    weight = jnp.asarray(weight)
+    if x.ndim < 2 or x.dtype not in _X_DTYPES:
+        raise ValueError(f"rmsnorm_quantize: x must be float32/bfloat16/float16 [..., K] with ndim >= 2, "
+                         f"got {x.dtype}{list(x.shape)}")
+    if 0 in x.shape:
+        raise ValueError(f"rmsnorm_quantize: x must be non-empty, got shape {list(x.shape)}")
+    k = x.shape[-1]
+    if weight.shape != (k,) or weight.dtype not in _X_DTYPES:
+        raise ValueError(f"rmsnorm_quantize: weight must be a float [{k}] vector, got {weight.dtype}"
+                         f"{list(weight.shape)}")
+    try:
+        qdtype = jnp.dtype(qparam_dtype)
+    except TypeError as e:
+        raise ValueError(f"rmsnorm_quantize: bad qparam_dtype {qparam_dtype!r}") from e
+    if qdtype not in _Q_DTYPES:
+        raise ValueError(f"rmsnorm_quantize: qparam_dtype must be float16 or float32, got {qdtype}")
+    if isinstance(eps, jax.core.Tracer) or not isinstance(eps, (int, float, np.floating)):
+        raise ValueError(f"rmsnorm_quantize: eps must be a static Python float, got {type(eps).__name__}")
+    eps = float(eps)
+    if not (np.isfinite(eps) and eps > 0):
+        raise ValueError(f"rmsnorm_quantize: eps must be finite and > 0, got {eps}")
+    if not isinstance(weight, jax.core.Tracer) and not np.isfinite(np.asarray(weight, np.float32)).all():
+        raise ValueError("rmsnorm_quantize: weight has non-finite entries")
+    return x, weight, eps, qdtype
+
+
+def _check_status(codes, scale, status, check, args):
+    if not check or any(isinstance(a, jax.core.Tracer) for a in (*args, status)):
+        return codes, scale, status
+    st = np.asarray(status).reshape(-1)
+    if (st != STATUS_OK).any():
+        nonfinite = np.flatnonzero(st == STATUS_NONFINITE)
+        ftz = np.flatnonzero(st == STATUS_FTZ_UNSAFE)
+        parts = []
+        if nonfinite.size:
+            parts.append(f"{nonfinite.size} non-finite row(s) (NaN/Inf input or float32 overflow), "
+                         f"first {nonfinite[:8].tolist()}")
+        if ftz.size:
+            parts.append(f"{ftz.size} row(s) with an FTZ-unsafe stored scale (overflow/zero/subnormal in "
+                         f"{scale.dtype}), first {ftz[:8].tolist()}")
+        raise ValueError("rmsnorm_quantize: " + "; ".join(parts))
+    return codes, scale, status
+
+
+def rmsnorm_quantize(
+    x: jax.Array,
+    weight: jax.Array,
+    *,
+    eps: float = 1e-6,
+    qparam_dtype: Any = jnp.float32,
+    block_rows: int | None = None,
+    num_warps: int | None = None,
+    backend: str | None = None,
+    interpret: Any = None,
+    check: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Fused RMSNorm + per-token INT8 quantization. Returns ``(codes int8 [...,K], scale [...], status int32 [...])``.
+
+    ``backend``: None (auto), ``"gpu"`` (Pallas Triton / generic interpreter) or ``"tpu"`` (Mosaic).
+    ``interpret``: None -> ``default_interpret()``; True -> interpreter (TPU interpreter for ``backend="tpu"``).
+    """
+    x, weight, eps, qdtype = _validate(x, weight, eps, qparam_dtype)
+    if backend is None:
+        backend = "tpu" if platform() == "tpu" else "gpu"
+    if backend not in ("gpu", "tpu"):
+        raise ValueError(f"rmsnorm_quantize: backend must be None, 'gpu' or 'tpu', got {backend!r}")
+    if interpret is None:
+        interpret = default_interpret()
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if backend == "tpu":
+        codes, scale, status = _tpu_call(x2, weight, eps, qdtype, block_rows, interpret)
+    else:
+        codes, scale, status = _gpu_call(x2, weight, eps, qdtype, block_rows, num_warps, interpret)
+    out = codes.reshape(*lead, k), scale.reshape(lead), status.reshape(lead)
+    return _check_status(*out, check, (x, weight))
+
+
+def rmsnorm_quantize_reference(
+    x: jax.Array,
+    weight: jax.Array,
+    *,
+    eps: float = 1e-6,
+    qparam_dtype: Any = jnp.float32,
+    block_rows: int | None = None,
+    num_warps: int | None = None,
+    backend: str | None = None,
+    interpret: Any = None,
+    check: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Plain-JAX (unfused, float32) reference with the kernel's semantics; tuning arguments are ignored."""
+    del block_rows, num_warps, backend, interpret
+    x, weight, eps, qdtype = _validate(x, weight, eps, qparam_dtype)
+    lead, k = x.shape[:-1], x.shape[-1]
+    codes, scale, status = _row_math(
+        x.reshape(-1, k).astype(jnp.float32), weight.astype(jnp.float32)[None, :], k=k, eps=eps, qdtype=qdtype)
+    out = codes.reshape(*lead, k), scale.reshape(lead), status.reshape(lead)
+    return _check_status(*out, check, (x, weight))
