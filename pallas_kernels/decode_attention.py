@@ -58,11 +58,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kvquant_jax.attention.reference import decode_attention_jnp
+from kvquant_jax.attention.reference import decode_attention_jnp, dequantize_operand
 from kvquant_jax.attention.regions import KVFormat, Region, check_query
 from pallas_kernels.backend import default_interpret, platform
 
-__all__ = ["decode_attention", "decode_attention_reference", "KernelConfig", "default_config", "PRECISIONS"]
+__all__ = ["decode_attention", "decode_attention_reference", "KernelConfig", "default_config", "PRECISIONS",
+           "kernel_unsupported"]
 
 PRECISIONS = ("f32", "bf16x2", "bf16")
 _NEG = -1e30          # finite "minus infinity": keeps exp(m_old - m_new) NaN-free for empty splits
@@ -81,6 +82,7 @@ class KernelConfig:
     precision: str = "bf16x2"
     num_warps: int | None = None
     num_stages: int | None = None
+    unpack: str = "magic"
 
 
 def default_config(fmt_k: KVFormat, rows: int, batch: int, num_kv_heads: int, *, backend: str,
@@ -108,6 +110,8 @@ class _Spec:
     ns: int            # splits
     nb: int            # blocks in the region (rows // bt)
     precision: str
+    unpack: str        # "magic" (exponent-bias bit trick), "convert" (int -> float) or "asm" (GPU PRMT unpack)
+    q_exact: bool      # the query is exactly representable in the K operand dtype (no hi/lo split needed)
 
     @property
     def npk(self):
@@ -138,9 +142,14 @@ class _Spec:
         return self.vf.zero in ("offset", "min")
 
     def op_dtype(self, f: KVFormat):
-        if self.precision == "f32" or f.payload == "fp32":
-            return _F32
-        return jnp.float16 if f.payload == "fp16" else jnp.bfloat16
+        return _op_dtype(f, self.precision)
+
+
+def _op_dtype(f: KVFormat, precision: str):
+    """Dot operand dtype for a payload: one that holds every code / stored value exactly."""
+    if precision == "f32" or f.payload == "fp32":
+        return _F32
+    return jnp.float16 if f.payload == "fp16" else jnp.bfloat16
 
 
 def _names(kf: KVFormat, vf: KVFormat) -> tuple[str, ...]:
@@ -190,17 +199,51 @@ def _mm(pieces, b, trans_b):
     return out
 
 
-def _planes(codes_u8, f: KVFormat, op_dtype):
-    """uint8 ``[n, w]`` -> ``codes_per_byte`` planes ``[n, w]`` in ``op_dtype`` (re-centred if symmetric)."""
+_MAGIC_BITS = 0x4B000000   # float32 2**23: OR-ing an integer u < 2**23 into its mantissa gives 2**23 + u exactly
+
+
+def _asm_planes(codes_u8, f: KVFormat, centre: int):
+    """GPU only: each plane of 4 code bytes -> 4 bf16 in one PTX block (shift, mask, 2 byte permutes, 2 packed fma).
+
+    ``prmt`` drops each masked code byte u into the low byte of a bf16 whose high byte is 0x43, i.e. the exact
+    value 128 + u (u < 128); one ``fma.rn.bf16x2`` by 1 then subtracts ``128 + centre`` two lanes at a time.
+    (One call per plane: JAX's lowering of a multi-result inline asm returns a single value.)
+    """
+    from jax.experimental.pallas import triton as plgpu
+
+    mask = (2 ** f.bits - 1) * 0x01010101
+    neg = 0xC300 | centre                                  # bf16 bits of -(128 + centre)
+    out = jax.ShapeDtypeStruct(codes_u8.shape, jnp.bfloat16)
+    planes = []
+    for r in range(f.codes_per_byte):
+        shift = f"shr.b32 t, $2, {r * f.bits};\nand.b32 t, t, {mask};" if r else f"and.b32 t, $2, {mask};"
+        asm = ("{\n.reg .b32 t, k, one, nc;\n" + shift + "\nmov.b32 k, 0x43434343;\nmov.b32 one, 0x3F803F80;\n"
+               f"mov.b32 nc, {neg | (neg << 16)};\nprmt.b32 $0, t, k, 0x5140;\nprmt.b32 $1, t, k, 0x7362;\n"
+               "fma.rn.bf16x2 $0, $0, one, nc;\nfma.rn.bf16x2 $1, $1, one, nc;\n}")
+        planes.append(plgpu.elementwise_inline_asm(asm, args=[codes_u8], constraints="=r,=r,r", pack=4,
+                                                   result_shape_dtypes=[out])[0])
+    return planes
+
+
+def _planes(codes_u8, f: KVFormat, op_dtype, unpack: str):
+    """uint8 ``[n, w]`` -> ``codes_per_byte`` planes ``[n, w]`` in ``op_dtype`` (re-centred if symmetric).
+
+    ``unpack="magic"`` avoids the slow integer->float conversion units: ``bitcast(u | 0x4B000000) - (2**23 + c)``
+    is the exact float32 value ``u - c`` from one logic op and one float add.  ``"asm"``: :func:`_asm_planes`.
+    """
+    centre = 2 ** (f.bits - 1) if f.zero == "symmetric" else 0
+    if unpack == "asm" and f.bits < 8 and op_dtype == jnp.bfloat16:
+        return _asm_planes(codes_u8, f, centre)
     c = codes_u8.astype(jnp.int32)
     if f.bits == 8:
         ps = [c]
     else:
         mask = 2 ** f.bits - 1
         ps = [(c >> (r * f.bits)) & mask if r else c & mask for r in range(f.codes_per_byte)]
-    if f.zero == "symmetric":
-        half = 2 ** (f.bits - 1)
-        ps = [p - half for p in ps]
+    if unpack in ("magic", "asm"):
+        ps = [lax.bitcast_convert_type(p | _MAGIC_BITS, _F32) - float(2 ** 23 + centre) for p in ps]
+    elif centre:
+        ps = [p - centre for p in ps]
     return [p.astype(op_dtype) for p in ps]
 
 
@@ -209,23 +252,25 @@ def _as_row(col):
     return col.astype(_F32).reshape(1, col.shape[0])
 
 
-def _query_values(get_q, sp: _Spec):
-    """Per-program query state: raw planes, their split pieces and per-group sums."""
+def _query_values(get_q, qs, sp: _Spec):
+    """Per-program query state: raw planes, their dot pieces, per-group sums and the logit scale ``qs [Mp, 1]``."""
     q = [[get_q(g, r) for r in range(sp.npk)] for g in range(sp.ngk)]
     op = sp.op_dtype(sp.kf)
-    pieces = [[_split(x, op, sp.precision) for x in row] for row in q]
+    prec = "bf16" if sp.q_exact else sp.precision
+    pieces = [[_split(x, op, prec) for x in row] for row in q]
     qsum = [functools.reduce(jnp.add, [jnp.sum(x, axis=1, keepdims=True) for x in row]) for row in q]
-    return q, pieces, qsum
+    return q, pieces, qsum, qs
 
 
 def _logits(qv, tile: _Tile, rr: int, j: int, sp: _Spec):
-    q, pieces, qsum = qv
+    """Logits of ``sub`` rows before the per-row scale ``qs``: ``[Mp, sub]`` float32."""
+    q, pieces, qsum, _ = qv
     f, n = sp.kf, sp.sub
     op = sp.op_dtype(f)
     if not f.is_int:
         kt = tile.rows("k", rr, n).astype(op)
         return _mm(pieces[0][0], kt, True)
-    planes = _planes(tile.rows("k", rr, n), f, op)
+    planes = _planes(tile.rows("k", rr, n), f, op, sp.unpack)
     if f.scale == "channel":          # fold the group's channel scales into the query (0x03B, option 2)
         s = None
         const = None
@@ -264,7 +309,7 @@ def _pv(accs, zaccs, p, valid_row, valid_col, tile: _Tile, rr: int, sp: _Spec):
     gbytes = sp.vf.data_dim(sp.d) // sp.ngv
     for g in range(sp.ngv):
         cols = pl.ds(g * gbytes, gbytes) if sp.ngv > 1 else slice(None)
-        planes = _planes(tile.rows("v", rr, n, cols), f, op)
+        planes = _planes(tile.rows("v", rr, n, cols), f, op, sp.unpack)
         vs = _as_row(tile.rows("vs", rr, n, pl.ds(g, 1)))
         pieces = _split(jnp.where(valid_row, p * vs, 0.0), op, sp.precision)   # V scales into p (0x03C)
         for r in range(sp.npv):
@@ -295,7 +340,7 @@ def _block(state, qv, tile: _Tile, pos0, start, end, sp: _Spec):
         pos_col = pos0 + rr + lax.broadcasted_iota(jnp.int32, (sp.sub, 1), 0)
         valid_row = (pos_row >= start) & (pos_row < end)
         valid_col = (pos_col >= start) & (pos_col < end)
-        s = jnp.where(valid_row, _logits(qv, tile, rr, j, sp), _NEG)
+        s = jnp.where(valid_row, _logits(qv, tile, rr, j, sp) * qv[3], _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m - m_new)
         p = jnp.where(valid_row, jnp.exp(s - m_new), 0.0)
@@ -326,13 +371,13 @@ def _split_range(start, end, s, sp: _Spec):
 # --------------------------------------------------------------------------------------------------------------
 # GPU (Pallas Triton) kernel: whole-array refs, one program per (b, kv head, split), loop over blocks
 # --------------------------------------------------------------------------------------------------------------
-def _loop_kernel(start_ref, end_ref, q_ref, *refs, sp: _Spec, names):
+def _loop_kernel(start_ref, end_ref, q_ref, qs_ref, *refs, sp: _Spec, names):
     ins = dict(zip(names, refs[:len(names)]))
     o_ref, m_ref, l_ref = refs[len(names):]
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, end = start_ref[b], end_ref[b]
     lo, hi = _split_range(start, end, s, sp)
-    qv = _query_values(lambda g, r: q_ref[b, h, g, r], sp)
+    qv = _query_values(lambda g, r: q_ref[b, h, g, r], qs_ref[b, h], sp)
     groups_per_block = sp.bt // sp.sub
 
     def body(blk, state):
@@ -347,7 +392,7 @@ def _loop_kernel(start_ref, end_ref, q_ref, *refs, sp: _Spec, names):
     l_ref[b, h, s] = l
 
 
-def _gpu_call(start, end, qk, arrays, sp: _Spec, names, cfg: KernelConfig, interpret):
+def _gpu_call(start, end, qk, qs, arrays, sp: _Spec, names, cfg: KernelConfig, interpret):
     b, hkv = qk.shape[:2]
     out_shape = _out_shapes(b, hkv, sp)
     kw = {}
@@ -361,7 +406,7 @@ def _gpu_call(start, end, qk, arrays, sp: _Spec, names, cfg: KernelConfig, inter
         interpret=interpret,
         name=f"decode_attention_{sp.kf.payload}_{sp.vf.payload}",
         **kw,
-    )(start, end, qk, *arrays)
+    )(start, end, qk, qs, *arrays)
 
 
 def _out_shapes(b, hkv, sp: _Spec):
@@ -373,7 +418,7 @@ def _out_shapes(b, hkv, sp: _Spec):
 # --------------------------------------------------------------------------------------------------------------
 # TPU (Mosaic) kernel: BlockSpec-delivered tiles, scalar-prefetched bounds, VMEM scratch accumulators
 # --------------------------------------------------------------------------------------------------------------
-def _grid_kernel(start_sref, end_sref, q_ref, *refs, sp: _Spec, names):
+def _grid_kernel(start_sref, end_sref, q_ref, qs_ref, *refs, sp: _Spec, names):
     n_in = len(names)
     ins = dict(zip(names, refs[:n_in]))
     o_ref, m_ref, l_ref, m_scr, l_scr, acc_scr, zacc_scr = refs[n_in:]
@@ -392,7 +437,7 @@ def _grid_kernel(start_sref, end_sref, q_ref, *refs, sp: _Spec, names):
 
     @pl.when(blk < hi)
     def _step():
-        qv = _query_values(lambda g, r: q_ref[g, r], sp)
+        qv = _query_values(lambda g, r: q_ref[g, r], qs_ref[...], sp)
         state = (m_scr[...], l_scr[...],
                  [[acc_scr[g * sp.npv + r] for r in range(sp.npv)] for g in range(sp.ngv)],
                  [zacc_scr[g] for g in range(sp.ngv)])
@@ -417,7 +462,7 @@ def _grid_kernel(start_sref, end_sref, q_ref, *refs, sp: _Spec, names):
         l_ref[...] = l
 
 
-def _tpu_call(start, end, qk, arrays, sp: _Spec, names, interpret):
+def _tpu_call(start, end, qk, qs, arrays, sp: _Spec, names, interpret):
     from jax.experimental.pallas import tpu as pltpu
 
     b, hkv = qk.shape[:2]
@@ -430,7 +475,8 @@ def _tpu_call(start, end, qk, arrays, sp: _Spec, names, interpret):
         return pl.BlockSpec((None, None, rows, arr.shape[-1]),
                             lambda bi, hi_, si, ji, st, en: (bi, hi_, blk_index(bi, si, ji, st, en), 0))
 
-    in_specs = [pl.BlockSpec((None, None) + qk.shape[2:], lambda bi, hi_, si, ji, st, en: (bi, hi_, 0, 0, 0, 0))]
+    in_specs = [pl.BlockSpec((None, None) + qk.shape[2:], lambda bi, hi_, si, ji, st, en: (bi, hi_, 0, 0, 0, 0)),
+                pl.BlockSpec((None, None, sp.mp, 1), lambda bi, hi_, si, ji, st, en: (bi, hi_, 0, 0))]
     for name, arr in zip(names, arrays):
         f = sp.kf if name[0] == "k" else sp.vf
         rows = sp.bt // f.group if (f.scale == "channel" and len(name) == 2) else sp.bt
@@ -460,7 +506,7 @@ def _tpu_call(start, end, qk, arrays, sp: _Spec, names, interpret):
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret if interpret else False,
         name=f"decode_attention_{sp.kf.payload}_{sp.vf.payload}",
-    )(start, end, qk, *arrays)
+    )(start, end, qk, qs, *arrays)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -493,38 +539,59 @@ def _query_planes(q4, kf: KVFormat, mp: int):
     return jnp.stack([jnp.where(col_group == gi, planes, 0.0) for gi in range(ng)], axis=2)
 
 
-def _region_partial(q4, reg: Region, cfg: KernelConfig, backend: str, interpret):
-    """Split-K partials of one region: ``acc [B, Hkv, S, G, D]``, ``m, l [B, Hkv, S, G]`` (float32)."""
+def kernel_unsupported(reg: Region, head_dim: int, backend: str = "gpu") -> str | None:
+    """Why the kernel cannot take this region (None when it can); the dispatcher then uses the reference."""
+    kf, vf = reg.k.fmt, reg.v.fmt
+    rows = reg.k.data.shape[2]
+    if not _pow2(head_dim):
+        return f"head_dim {head_dim} is not a power of two"
+    if vf.scale == "channel":
+        return "per-channel V scales"
+    if kf.scale == "channel" and not _pow2(kf.group):
+        return f"channel group {kf.group} is not a power of two"
+    for f in (kf, vf):
+        if f.is_int and not _pow2(head_dim // f.codes_per_byte // f.token_groups(head_dim)):
+            return f"{f}: plane width is not a power of two"
+    try:
+        _pick_block(rows, 16 if backend == "gpu" else 8, kf.group if kf.scale == "channel" else 16)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _region_partial(q4, qs, q_dtype, reg: Region, cfg: KernelConfig, backend: str, interpret):
+    """Split-K partials of one region: ``acc [B, Hkv, S, G, D]``, ``m, l [B, Hkv, S, G]`` (float32).
+
+    ``q4``: unscaled float32 query ``[B, Hkv, G, D]``; ``qs``: float32 ``[B, Hkv, G]`` logit scale.
+    """
     b, hkv, g, d = q4.shape
     kf, vf = reg.k.fmt, reg.v.fmt
     rows = reg.k.data.shape[2]
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {cfg.precision!r}")
-    for f in (kf, vf):
-        if f.scale == "channel" and not _pow2(f.group):
-            raise ValueError(f"kernel needs a power-of-two channel group, got {f.group}")
-    if not _pow2(d):
-        raise ValueError(f"kernel needs a power-of-two head_dim, got {d}")
-    if backend == "gpu":
-        mp = max(16, 1 << (g - 1).bit_length())
-    else:
-        mp = -(-g // 8) * 8
-    sub = kf.group if kf.scale == "channel" else 1
-    mult = sub
+    if cfg.unpack not in ("magic", "convert", "asm"):
+        raise ValueError(f"unpack must be 'magic', 'convert' or 'asm', got {cfg.unpack!r}")
+    why = kernel_unsupported(reg, d, backend)
+    if why:
+        raise ValueError(f"decode-attention kernel: {why}")
+    mp = max(16, 1 << (g - 1).bit_length()) if backend == "gpu" else -(-g // 8) * 8
+    group = kf.group if kf.scale == "channel" else 1
+    mult = group
     if backend == "tpu" and kf.scale == "channel":   # the [bt / G, D] scale tile needs 8 sublanes (or all rows)
-        mult = sub * 8 if rows % (sub * 8) == 0 else rows
+        mult = group * 8 if rows % (group * 8) == 0 else rows
     bt = _pick_block(rows, cfg.block_t, mult)
-    sub = sub if kf.scale == "channel" else bt
-    if vf.scale == "channel":
-        raise ValueError("per-channel V scales are not a supported layout")
     ns = max(1, min(cfg.num_splits, rows // bt))
-    sp = _Spec(kf=kf, vf=vf, d=d, mp=mp, bt=bt, sub=sub, ns=ns, nb=rows // bt, precision=cfg.precision)
+    unpack = cfg.unpack if (backend == "gpu" and not interpret) or cfg.unpack != "asm" else "magic"
+    sp = _Spec(kf=kf, vf=vf, d=d, mp=mp, bt=bt, sub=group if kf.scale == "channel" else bt, ns=ns,
+               nb=rows // bt, precision=cfg.precision, unpack=unpack,
+               q_exact=kf.scale != "channel" and jnp.dtype(q_dtype) == jnp.dtype(_op_dtype(kf, cfg.precision)))
     if kf.scale == "head":
-        q4 = q4 * reg.k.scale.astype(_F32)[None, :, None, None]
+        qs = qs * reg.k.scale.astype(_F32)[None, :, None]
     qk = _query_planes(q4, kf, mp)
+    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, mp - g)))[..., None]
     names = _names(kf, vf)
     arrays = []
-    for p, op in (("k", reg.k), ("v", reg.v)):
+    for op in (reg.k, reg.v):
         arrays.append(op.data)
         if op.fmt.scale in ("token", "channel"):
             arrays.append(op.scale)
@@ -533,14 +600,34 @@ def _region_partial(q4, reg: Region, cfg: KernelConfig, backend: str, interpret)
     start = jnp.clip(reg.start.astype(jnp.int32), 0, rows)
     end = jnp.clip(reg.end.astype(jnp.int32), 0, rows)
     if backend == "tpu":
-        o, m, l = _tpu_call(start, end, qk, arrays, sp, names, interpret)
+        o, m, l = _tpu_call(start, end, qk, qs, arrays, sp, names, interpret)
     else:
-        o, m, l = _gpu_call(start, end, qk, arrays, sp, names, cfg, interpret)
+        o, m, l = _gpu_call(start, end, qk, qs, arrays, sp, names, cfg, interpret)
     # [B, Hkv, S, NGv, P, Mp, Gb] -> [B, Hkv, S, Mp, D]: channel d = (group * Gb + col) * P + plane
     o = jnp.transpose(o, (0, 1, 2, 5, 3, 6, 4)).reshape(b, hkv, ns, mp, d)
     if vf.scale == "head":
         o = o * reg.v.scale.astype(_F32)[None, :, None, None, None]
     return o[:, :, :, :g], m[:, :, :, :g, 0], l[:, :, :, :g, 0]
+
+
+def _dense_partial(q4, qs, k, v, valid):
+    """Partial of a small full-precision block in plain JAX: k, v ``[B, Hkv, N, D]`` f32, valid ``[B, N]``."""
+    s = jnp.einsum("bhgd,bhnd->bhgn", q4, k, precision=lax.Precision.HIGHEST) * qs[..., None]
+    s = jnp.where(valid[:, None, None, :], s, _NEG)
+    m = jnp.max(s, axis=-1)
+    p = jnp.where(valid[:, None, None, :], jnp.exp(s - m[..., None]), 0.0)
+    acc = jnp.einsum("bhgn,bhnd->bhgd", p, jnp.where(valid[:, None, :, None], v, 0.0),
+                     precision=lax.Precision.HIGHEST)
+    return acc[:, :, None], m[:, :, None], jnp.sum(p, axis=-1)[:, :, None]
+
+
+def _small_region_partial(q4, qs, reg: Region):
+    d = q4.shape[-1]
+    rows = jnp.arange(reg.k.data.shape[2], dtype=jnp.int32)[None, :]
+    valid = (rows >= reg.start[:, None]) & (rows < reg.end[:, None])
+    k = dequantize_operand(reg.k, d, jnp, jnp.float32)
+    v = dequantize_operand(reg.v, d, jnp, jnp.float32)
+    return _dense_partial(q4, qs, k, v, valid)
 
 
 def _combine(parts):
@@ -571,7 +658,7 @@ def _resolve(backend, interpret):
 
 def decode_attention(q, regions: Sequence[Region] = (), *, k_new=None, v_new=None, sm_scale: float | None = None,
                      backend: str | None = None, interpret: Any = None,
-                     config: KernelConfig | Sequence[KernelConfig | None] | None = None):
+                     config: KernelConfig | Sequence[KernelConfig | None] | None = None, small_rows: int = 0):
     """Attention of one new token over quantized/full-precision regions (+ the exact current token), ONE softmax.
 
     Args:
@@ -584,6 +671,8 @@ def decode_attention(q, regions: Sequence[Region] = (), *, k_new=None, v_new=Non
         for ``backend="tpu"``); an ``InterpretParams`` is passed through.
       config: one :class:`KernelConfig` for every region, a per-region sequence, or None for
         :func:`default_config`.
+      small_rows: regions of at most this many rows (a residual tail, sink rows) and regions the kernel cannot
+        take (:func:`kernel_unsupported`) are attended in plain JAX and merged into the same softmax.
     Returns ``[B, Hq, D]`` in ``q.dtype``.
     """
     regions = list(regions)
@@ -591,7 +680,8 @@ def decode_attention(q, regions: Sequence[Region] = (), *, k_new=None, v_new=Non
     g = hq // hkv
     backend, interpret = _resolve(backend, interpret)
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
-    q4 = q.astype(_F32).reshape(b, hkv, g, d) * scale
+    q4 = q.astype(_F32).reshape(b, hkv, g, d)
+    qs = jnp.full((b, hkv, g), scale, _F32)
     if config is None or isinstance(config, KernelConfig):
         configs = [config] * len(regions)
     else:
@@ -600,20 +690,23 @@ def decode_attention(q, regions: Sequence[Region] = (), *, k_new=None, v_new=Non
             raise ValueError(f"{len(configs)} configs for {len(regions)} regions")
     parts = []
     for reg, cfg in zip(regions, configs):
+        rows = reg.k.data.shape[2]
+        if rows <= small_rows or kernel_unsupported(reg, d, backend):
+            parts.append(_small_region_partial(q4, qs, reg))
+            continue
         if cfg is None:
-            cfg = default_config(reg.k.fmt, reg.k.data.shape[2], b, hkv, backend=backend,
-                                 interpret=bool(interpret))
-        parts.append(_region_partial(q4, reg, cfg, backend, interpret))
+            cfg = default_config(reg.k.fmt, rows, b, hkv, backend=backend, interpret=bool(interpret))
+        parts.append(_region_partial(q4, qs, q.dtype, reg, cfg, backend, interpret))
     if k_new is not None:
-        logit = jnp.einsum("bhgd,bhd->bhg", q4, k_new.astype(_F32), precision=lax.Precision.HIGHEST)
-        vn = jnp.broadcast_to(v_new.astype(_F32)[:, :, None, None, :], (b, hkv, 1, g, d))
-        parts.append((vn, logit[:, :, None], jnp.ones((b, hkv, 1, g), _F32)))
+        parts.append(_dense_partial(q4, qs, k_new.astype(_F32)[:, :, None], v_new.astype(_F32)[:, :, None],
+                                    jnp.ones((b, 1), jnp.bool_)))
     return _combine(parts).reshape(b, hq, d).astype(q.dtype)
 
 
 def decode_attention_reference(q, regions: Sequence[Region] = (), *, k_new=None, v_new=None,
                                sm_scale: float | None = None, backend: str | None = None, interpret: Any = None,
-                               config: KernelConfig | Sequence[KernelConfig | None] | None = None):
+                               config: KernelConfig | Sequence[KernelConfig | None] | None = None,
+                               small_rows: int = 0):
     """Plain-JAX twin of :func:`decode_attention` (same signature; the kernel-only arguments are ignored)."""
-    del backend, interpret, config
+    del backend, interpret, config, small_rows
     return decode_attention_jnp(q, regions, k_new=k_new, v_new=v_new, sm_scale=sm_scale)

@@ -144,6 +144,7 @@ def _gpu_defaults(k: int) -> tuple[int, int]:
     return bm, num_warps
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
 def _gpu_call(x2, w, eps, qdtype, block_rows, num_warps, interpret):
     m, k = x2.shape
     kp = _next_pow2(k)
@@ -177,6 +178,7 @@ def _gpu_call(x2, w, eps, qdtype, block_rows, num_warps, interpret):
     )(x2, w)
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
 def _tpu_call(x2, w, eps, qdtype, block_rows, interpret):
     from jax.experimental.pallas import tpu as pltpu
 

@@ -324,6 +324,7 @@ def _pad_k(x_q, w, k, kp, w4):
     return x_q, w
 
 
+@functools.partial(jax.jit, static_argnums=(7, 8, 9, 10))
 def _gpu_call(x_q, sx, w, sw, bias, zx, wsum, out_dtype, cfg: GemmConfig, interpret, w4):
     m, k = x_q.shape
     n = w.shape[0]
@@ -420,6 +421,7 @@ def _tpu_kernel(*refs, w4, has_bias, has_zp, out_dtype):
         o_ref[...] = _epilogue(acc_ref[...], sx_ref[...], sw_ref[...], bias, zx, wsum, out_dtype)
 
 
+@functools.partial(jax.jit, static_argnums=(7, 8, 9, 10))
 def _tpu_call(x_q, sx, w, sw, bias, zx, wsum, out_dtype, cfg: GemmConfig, interpret, w4):
     from jax.experimental.pallas import tpu as pltpu
 

@@ -21,3 +21,30 @@ def rng():
     import numpy as np
 
     return np.random.default_rng(0)
+
+
+def _data_file(rel: str):
+    from kvquant_jax.data import data_dirs
+
+    for d in data_dirs():
+        if (d / rel).is_file():
+            return d / rel
+    return None
+
+
+@pytest.fixture(scope="session")
+def wikitext_test_path():
+    p = _data_file("wikitext2/wiki.test.raw")
+    if p is None:
+        pytest.skip("WikiText-2 test split not found (set KVQ_DATA_DIR or provide ../shared/data)")
+    return p
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The real SmolLM2-135M-Instruct (fetched on first use). Set KVQ_SKIP_MODEL=1 to skip model tests."""
+    if os.environ.get("KVQ_SKIP_MODEL") == "1":
+        pytest.skip("KVQ_SKIP_MODEL=1")
+    from kvquant_jax.models import load_model
+
+    return load_model()

@@ -12,7 +12,7 @@ Formats (``KVFormat``; layouts from docs/architecture.md, "Physical layouts")::
     payload   data                                   decoded x
     fp32/bf16/fp16  [B, Hkv, N, D] float             x = data
     e4m3/e5m2  [B, Hkv, N, D] float8                 x = float(data) * scale        scale "head": f32 [Hkv] or "none"
-    int8/4/2  [B, Hkv, N, D*bits/8] uint8 packed     u = unpacked offset-binary code (element i at bit i*bits)
+    int8/4/2/1  [B, Hkv, N, D*bits/8] uint8 packed     u = unpacked offset-binary code (element i at bit i*bits)
         scale "token":   [B, Hkv, N, D // G_d] (group = G_d elements along D, 0 = D)
         scale "channel": [B, Hkv, N // G, D]   (group = G tokens along the row axis; KIVI keys)
         zero "symmetric": x = (u - 2^(bits-1)) * s
@@ -33,8 +33,9 @@ from flax import struct
 
 FLOAT_PAYLOADS = ("fp32", "bf16", "fp16")
 FP8_PAYLOADS = ("e4m3", "e5m2")
-INT_PAYLOADS = ("int8", "int4", "int2")
-PAYLOAD_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "e4m3": 8, "e5m2": 8, "int8": 8, "int4": 4, "int2": 2}
+INT_PAYLOADS = ("int8", "int4", "int2", "int1")
+PAYLOAD_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "e4m3": 8, "e5m2": 8, "int8": 8, "int4": 4, "int2": 2,
+                "int1": 1}
 PAYLOAD_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16, "e4m3": jnp.float8_e4m3fn,
                   "e5m2": jnp.float8_e5m2}
 SCALE_AXES = ("none", "head", "token", "channel")

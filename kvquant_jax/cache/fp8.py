@@ -32,7 +32,7 @@ from flax import struct
 from kvquant_jax.cache import _rows, checks
 from kvquant_jax.cache.interface import KVCache, SchemeBase, rows_finite
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
-from kvquant_jax.quant.fp8 import dequantize_fp8, fp8_dtype, fp8_max, quantize_fp8
+from kvquant_jax.quant.fp8 import dequantize_fp8, fp8_dtype, fp8_scale_from_absmax, quantize_fp8
 
 SCALE_SOURCES = ("uncalibrated", "warmup", "calibrated")
 SCALE_AXES = ("tensor", "head")
@@ -116,8 +116,7 @@ class FP8Scheme(SchemeBase):
         amax = jnp.max(mag, axis=(0, 2, 3))                                            # [H]
         if self.scale_axis == "tensor":
             amax = jnp.broadcast_to(jnp.max(amax), amax.shape)
-        fresh = jnp.where(amax == 0, jnp.float32(1), amax / jnp.float32(fp8_max(self.fmt)))
-        return jnp.where(warm, old, fresh)
+        return jnp.where(warm, old, fp8_scale_from_absmax(amax, self.fmt, "warmup").value)
 
     def append_layer(self, state, lengths, k, v, num_new):
         t = k.shape[1]

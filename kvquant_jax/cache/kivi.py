@@ -1,7 +1,9 @@
 """KIVI: keys per channel over groups of G tokens, values per token, a full-precision recent residual (0x06).
 
 Quantizer (``kvquant_jax.quant.affine``, ``zero="min"``): ``scale = (max - min) / (2^b - 1)`` and ``min`` stored in
-the qparam dtype, ``u = clip(rint((x - min) / scale), 0, 2^b - 1)``, ``x_hat = u * scale + min``.  K groups are
+the qparam dtype, ``u = clip(rint((x - min) / scale), 0, 2^b - 1)``, ``x_hat = u * scale + min``.  ``x`` is the row
+rounded to the residual dtype: every row is full precision (in ``residual_dtype``) before it closes, and the
+quantizer sees that stored value whether the row closes in the append that brought it or later from the ring.  K groups are
 ``G`` consecutive tokens of one channel of one head; V groups are ``G_d`` consecutive head-dim elements of one
 token of one head (``G_d = v_group_size``, 0 = the whole head vector).  Constant and too-narrow groups store the
 sentinel scale 1 with zero codes and decode to their stored min (``_rows.split_status``).
@@ -209,7 +211,9 @@ class KIVIScheme(SchemeBase):
         g = self.group_size
         s_k, s_v = self.ring_sizes
         rd = DTYPES[self.residual_dtype]
-        kt, vt = _rows.head_major(k), _rows.head_major(v)
+        # every row is first rounded to the residual dtype: the quantizer always sees that value, whether the row
+        # closes inside this append or later from the ring (path independence; official KIVI's fp16 residual)
+        kt, vt = _rows.head_major(k).astype(rd), _rows.head_major(v).astype(rd)
         after = lengths + num_new
         fk0, fv0 = self.frontiers(lengths)
         fk1, fv1 = self.frontiers(after)
@@ -229,7 +233,7 @@ class KIVIScheme(SchemeBase):
             st = st.replace(v_codes=vc, v_scale=vs, v_min=vm)
             bad = bad | vbad
 
-        k_new, v_new = kt.astype(rd), vt.astype(rd)
+        k_new, v_new = kt, vt
         st = st.replace(k_res=_rows.ring_write_new(st.k_res, k_new, lengths, num_new, fk1),
                         v_res=_rows.ring_write_new(st.v_res, v_new, lengths, num_new, fv1))
         # rows kept full precision must survive the residual dtype (a finite fp32 row can overflow fp16)

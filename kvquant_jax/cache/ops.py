@@ -156,11 +156,8 @@ def try_append(cache: KVCache, layer_kv: Sequence, num_new) -> tuple[KVCache, ja
     return publish(cache, groups, num_new, ok, multi_row=t > 1), ok
 
 
-@functools.partial(jax.jit, static_argnames=())
-def _append_jit(cache, pairs, num_new):
-    groups, ok_lb = _append_core(cache, pairs, num_new)
-    t = pairs[0][0].shape[1]
-    return publish(cache, groups, num_new, jnp.all(ok_lb), multi_row=t > 1), ok_lb
+#: ``jax.jit(try_append)``: one compiled function per cache structure and row count, shared by :func:`append`.
+try_append_jit = jax.jit(try_append)
 
 
 def append(cache: KVCache, layer_kv: Sequence, num_new) -> KVCache:
@@ -187,10 +184,11 @@ def append(cache: KVCache, layer_kv: Sequence, num_new) -> KVCache:
                 b, row = (int(z) for z in np.argwhere(bad)[0])
                 raise ValueError(f"append: layer {i} {name} has non-finite values (sequence {b}, new row {row}); "
                                  "nothing was appended")
-    new, ok_lb = _append_jit(cache, tuple((jnp.asarray(k), jnp.asarray(v)) for k, v in pairs),
-                             jnp.asarray(n, jnp.int32))
-    ok_lb = host(ok_lb)
-    if not ok_lb.all():
+    pairs = tuple((jnp.asarray(k), jnp.asarray(v)) for k, v in pairs)
+    num = jnp.asarray(n, jnp.int32)
+    new, ok = try_append_jit(cache, pairs, num)
+    if not bool(ok):
+        ok_lb = host(_append_core(cache, pairs, num)[1])          # diagnostics only (rare path, eager)
         layer, b = (int(z) for z in np.argwhere(~ok_lb)[0])
         raise ValueError(f"append: layer {layer} sequence {b}: a finite row could not be encoded by "
                          f"{type(cache.scheme_for_layer(layer)).__name__} (a stored qparam or residual value "

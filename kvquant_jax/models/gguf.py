@@ -46,8 +46,16 @@ def config_from_gguf(reader, *, rope_pairing: str = "half_split", name: str = ""
     head_dim = int(_field(reader, p + "attention.key_length", hidden // heads))
     names = {t.name for t in reader.tensors}
     vocab = _field(reader, p + "vocab_size")
-    if vocab is None:
+    if vocab is None and "tokenizer.ggml.tokens" in reader.fields:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if vocab is None:
+        emb = [t for t in reader.tensors if t.name == "token_embd.weight"]
+        if not emb:
+            raise GGUFError("GGUF has no vocab size, no tokenizer.ggml.tokens and no token_embd.weight")
+        vocab = int(emb[0].shape[-1])
+    for key in ("embedding_length", "attention.head_count", "feed_forward_length", "block_count"):
+        if _field(reader, p + key) is None:
+            raise GGUFError(f"GGUF metadata lacks required key {p + key}")
     return LlamaConfig(
         vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(_field(reader, p + "feed_forward_length")),

@@ -83,26 +83,29 @@ def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
     return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
-def _layer(cfg: LlamaConfig, x, lp, positions, num_new, hist_fn: Callable | None):
-    """One decoder layer. Returns (x', k, v) with k post-RoPE [B, T, Hkv, D] (exact, this forward's)."""
+def _qkv(cfg: LlamaConfig, x, lp, positions):
+    """Projections of one layer: q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` (q, k post-RoPE)."""
     b, t, _ = x.shape
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
     q = _dot(h, lp["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = _dot(h, lp["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = _dot(h, lp["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_pairing)
-    k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_pairing)
-    hist = hist_fn(q) if hist_fn is not None else None
-    if callable(hist):  # a consumer that computes the full attention itself (decode kernels)
-        a = hist(q, k, v)
-    else:
-        a = attend(q, k, v, num_new, hist)
+    return (apply_rope(q, positions, cfg.rope_theta, cfg.rope_pairing),
+            apply_rope(k, positions, cfg.rope_theta, cfg.rope_pairing), v)
+
+
+def _finish(cfg: LlamaConfig, x, lp, a):
+    """Output projection + residual, then the SwiGLU MLP block. a: attention output ``[B, T, Hq, D]``."""
+    b, t, _ = x.shape
     x = x + _dot(a.reshape(b, t, cfg.num_heads * cfg.head_dim), lp["wo"])
     h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
-    gate = _dot(h, lp["w_gate"])
-    up = _dot(h, lp["w_up"])
-    x = x + _dot(jax.nn.silu(gate) * up, lp["w_down"])
-    return x, k, v
+    return x + _dot(jax.nn.silu(_dot(h, lp["w_gate"])) * _dot(h, lp["w_up"]), lp["w_down"])
+
+
+def _layer(cfg: LlamaConfig, x, lp, positions, attn_fn: Callable):
+    """One decoder layer. ``attn_fn(q, k, v) -> [B, T, Hq, D]``. Returns (x', k, v) (this forward's exact K/V)."""
+    q, k, v = _qkv(cfg, x, lp, positions)
+    return _finish(cfg, x, lp, attn_fn(q, k, v)), k, v
 
 
 def logits_from_hidden(params, cfg: LlamaConfig, x):
@@ -124,7 +127,7 @@ def forward_nocache(params, cfg: LlamaConfig, tokens: jax.Array, positions: jax.
     x = params["embed"][tokens]
 
     def body(x, lp):
-        x, _, _ = _layer(cfg, x, lp, positions, num_new, None)
+        x, _, _ = _layer(cfg, x, lp, positions, lambda q, k, v: attend(q, k, v, num_new, None))
         return x, None
 
     x, _ = jax.lax.scan(body, x, params["layers"])
@@ -155,27 +158,30 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
         lp_all = jax.tree.map(lambda a: a[first:first + n], params["layers"])
 
         def body(carry, inp, scheme=scheme):
-            x, ok = carry
-            lp, st = inp
-            if attention_impl in ("kernel", "auto") and t == 1:
+            # The stacked group state rides in the carry. The append is written first (dynamic_update_slice of
+            # this layer's slice) and attention then reads the UPDATED state at the OLD lengths: by the frontier
+            # rule that view equals the old state's, and with no reader of the pre-append buffer left XLA updates
+            # the donated cache in place (no per-step copy of the cache).
+            x, ok, gst = carry
+            lp, i = inp
+            q, k, v = _qkv(cfg, x, lp, positions)
+            st = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), gst)
+            st2 = scheme.append_layer(st, lengths, k, v, num_new)
+            gst = jax.tree.map(lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, 0), gst, st2)
+            view = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), gst)
+            if attention_impl != "reference" and t == 1:
                 from kvquant_jax.attention.dispatch import decode_attention
 
-                def hist_fn(q, st=st):
-                    def full(q, k, v):
-                        o = decode_attention(q[:, 0], scheme, st, lengths, k[:, 0], v[:, 0],
-                                             impl=attention_impl)
-                        return o[:, None].astype(q.dtype)
-                    return full
+                a = decode_attention(q[:, 0], scheme, view, lengths, k[:, 0], v[:, 0],
+                                     impl=attention_impl)[:, None].astype(q.dtype)
             else:
-                def hist_fn(q, st=st):
-                    return scheme.materialize_layer(st, lengths)
-            x, k, v = _layer(cfg, x, lp, positions, num_new, hist_fn)
+                a = attend(q, k, v, num_new, scheme.materialize_layer(view, lengths))
+            x = _finish(cfg, x, lp, a)
             valid = (jnp.arange(t)[None, :] < num_new[:, None])[:, :, None, None]
             fin = jnp.all(jnp.where(valid, jnp.isfinite(k) & jnp.isfinite(v), True))
-            st2 = scheme.append_layer(st, lengths, k, v, num_new)
-            return (x, ok & fin), st2
+            return (x, ok & fin, gst), None
 
-        (x, ok), g2 = jax.lax.scan(body, (x, ok), (lp_all, gstate))
+        (x, ok, g2), _ = jax.lax.scan(body, (x, ok, gstate), (lp_all, jnp.arange(n, dtype=jnp.int32)))
         new_groups.append(g2)
     logits = logits_from_hidden(params, cfg, x)
     new_lengths = jnp.where(ok, lengths + num_new, lengths)

@@ -19,6 +19,7 @@ All qparam arithmetic runs in float32 (inputs in fp16/bf16/fp32 are widened exac
 from __future__ import annotations
 
 import enum
+import functools
 from typing import NamedTuple
 
 import jax
@@ -184,6 +185,22 @@ def expand_qparam(p: jax.Array, axis: int, group_size: int, length: int) -> jax.
     """Repeat a per-group qparam (``axis`` of size ``n_groups``) ``group_size`` times along ``axis``, crop."""
     rep = jnp.repeat(p, group_size, axis=axis)
     return jax.lax.slice_in_dim(rep, 0, length, axis=axis)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "group_size", "shift_first", "dtype"))
+def grouped_decode(values, scale, shift, *, axis: int, group_size: int, shift_first: bool, dtype):
+    """Affine decode with per-group qparams broadcast back along ``axis``, in float32, cast to ``dtype``.
+
+    ``values``: codes (or LUT values) of the full shape; ``scale``/``shift``: ``axis`` of size ``n_groups``
+    (``shift`` may be None).  ``shift_first``: ``(v - shift) * scale``; otherwise ``v * scale + shift``.
+    """
+    n = values.shape[axis]
+    v = values.astype(jnp.float32)
+    s = expand_qparam(scale.astype(jnp.float32), axis, group_size, n)
+    if shift is None:
+        return (v * s).astype(dtype)
+    z = expand_qparam(shift.astype(jnp.float32), axis, group_size, n)
+    return ((v - z) * s if shift_first else v * s + z).astype(dtype)
 
 
 def decode_groups_setup(codes, params, axis: int, group_size: int, what: str):

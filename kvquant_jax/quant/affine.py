@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvquant_jax.quant import _common as C
 
@@ -142,10 +143,5 @@ def dequantize_affine(codes, scale, zero_or_min, axis: int = -1, group_size: int
     if zero not in ZERO_CONVENTIONS:
         raise ValueError(f"{what}: zero must be one of {ZERO_CONVENTIONS}, got {zero!r}")
     axis, g = C.decode_groups_setup(codes, {"scale": scale, "zero_or_min": zero_or_min}, axis, group_size, what)
-    codes = jnp.asarray(codes)
-    n = codes.shape[axis]
-    s = C.expand_qparam(jnp.asarray(scale).astype(jnp.float32), axis, g, n)
-    z = C.expand_qparam(jnp.asarray(zero_or_min).astype(jnp.float32), axis, g, n)
-    u = codes.astype(jnp.float32)
-    out = u * s + z if zero == "min" else (u - z) * s
-    return out.astype(dtype)
+    return C.grouped_decode(jnp.asarray(codes), jnp.asarray(scale), jnp.asarray(zero_or_min), axis=axis, group_size=g,
+                            shift_first=zero == "int", dtype=np.dtype(dtype))

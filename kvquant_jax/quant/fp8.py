@@ -15,6 +15,7 @@ whose ``source`` is static metadata, so it can cross ``jit`` boundaries.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -129,13 +130,18 @@ def quantize_fp8(x, scale, fmt: str = "e4m3", head_axis: int | None = None) -> j
       (concrete inputs only).
     """
     what = "quantize_fp8"
-    dtype = fp8_dtype(fmt)
+    fp8_dtype(fmt)
     x = C.check_float_input(x, what, min_ndim=0)
     s = _broadcast_scale(scale, x.ndim, head_axis, what)
     C.check_finite(x, what)
     _check_scale_value(s, what)
+    return _encode_fp8(x, s, fmt=fmt)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt",))
+def _encode_fp8(x, scale, *, fmt: str) -> jax.Array:
     hi = jnp.float32(fp8_max(fmt))
-    return jnp.clip(C.exact_divide(x.astype(jnp.float32), s), -hi, hi).astype(dtype)
+    return jnp.clip(C.exact_divide(x.astype(jnp.float32), scale), -hi, hi).astype(fp8_dtype(fmt))
 
 
 def dequantize_fp8(codes, scale, head_axis: int | None = None, dtype=jnp.float32) -> jax.Array:

@@ -53,6 +53,7 @@ def check_codebook(codebook, what: str = "codebook") -> jax.Array:
     return cb
 
 
+@jax.jit
 def _encode(x: jax.Array, cb: jax.Array) -> jax.Array:
     mids = cb[:-1] * jnp.float32(0.5) + cb[1:] * jnp.float32(0.5)
     return jnp.sum(x[..., None] > mids, axis=-1, dtype=jnp.int32).astype(jnp.uint8)
@@ -126,10 +127,8 @@ def quantize_nuq(x, codebook, axis: int = -1, group_size: int = 0, qparam_dtype=
 def dequantize_nuq(codes, scale, offset, codebook, axis: int = -1, group_size: int = 0, dtype=jnp.float32):
     """``codebook[codes] * scale + offset`` with per-group scale/offset broadcast along ``axis``."""
     axis, g = C.decode_groups_setup(codes, {"scale": scale, "offset": offset}, axis, group_size, "dequantize_nuq")
-    n = jnp.shape(codes)[axis]
-    s = C.expand_qparam(jnp.asarray(scale).astype(jnp.float32), axis, g, n)
-    o = C.expand_qparam(jnp.asarray(offset).astype(jnp.float32), axis, g, n)
-    return (nuq_decode(codes, codebook) * s + o).astype(dtype)
+    return C.grouped_decode(nuq_decode(codes, codebook), jnp.asarray(scale), jnp.asarray(offset), axis=axis,
+                            group_size=g, shift_first=False, dtype=np.dtype(dtype))
 
 
 def uniform_codebook(bits: int) -> jax.Array:

@@ -18,6 +18,8 @@ Signed symmetric codes ``q in [-(2**(b-1) - 1), 2**(b-1) - 1]`` are stored offse
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,7 +44,11 @@ def _check_codes(codes, bits: int, what: str) -> jax.Array:
 def _pack(codes, bits: int, axis: int, word_bits: int, what: str) -> jax.Array:
     bits = C.check_bits(bits, 1, 8, what)
     codes = _check_codes(codes, bits, what)
-    axis = C.normalize_axis(axis, codes.ndim, what)
+    return _pack_core(codes, bits=bits, axis=C.normalize_axis(axis, codes.ndim, what), word_bits=word_bits)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "axis", "word_bits"))
+def _pack_core(codes, *, bits: int, axis: int, word_bits: int) -> jax.Array:
     word = jnp.uint8 if word_bits == 8 else jnp.uint32
     c = jnp.moveaxis(codes, axis, -1).astype(jnp.uint32) & jnp.uint32(2 ** bits - 1)
     lead, n = c.shape[:-1], c.shape[-1]
@@ -70,14 +76,21 @@ def _unpack(packed, bits: int, axis: int, count, word_bits: int, what: str) -> j
     if packed.ndim == 0:
         raise ValueError(f"{what}: packed must have rank >= 1")
     axis = C.normalize_axis(axis, packed.ndim, what)
-    w = jnp.moveaxis(packed, axis, -1).astype(jnp.uint32)
-    lead, n_words = w.shape[:-1], w.shape[-1]
+    n_words = packed.shape[axis]
     capacity = n_words * word_bits // bits
     if count is None:
         count = capacity
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or not 0 <= count <= capacity:
         raise ValueError(f"{what}: count must be an integer in [0, {capacity}] for {n_words} words of "
                          f"{word_bits} bits at bits={bits}, got {count!r}")
+    return _unpack_core(packed, bits=bits, axis=axis, count=int(count), word_bits=word_bits)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "axis", "count", "word_bits"))
+def _unpack_core(packed, *, bits: int, axis: int, count: int, word_bits: int) -> jax.Array:
+    w = jnp.moveaxis(packed, axis, -1).astype(jnp.uint32)
+    lead, n_words = w.shape[:-1], w.shape[-1]
+    capacity = n_words * word_bits // bits
     mask = jnp.uint32(2 ** bits - 1)
     if word_bits % bits == 0:
         per = word_bits // bits

@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvquant_jax.quant import _common as C
 
@@ -116,6 +117,6 @@ def dequantize_qserve(codes, scale, offset, axis: int = -1, dtype=jnp.float32) -
     if jnp.shape(scale) != want or jnp.shape(offset) != want:
         raise ValueError(f"dequantize_qserve: scale/offset shapes {jnp.shape(scale)}/{jnp.shape(offset)} do not "
                          f"match codes {codes.shape} without axis {axis}: {want}")
-    s = jnp.expand_dims(jnp.asarray(scale).astype(jnp.float32), axis)
-    o = jnp.expand_dims(jnp.asarray(offset).astype(jnp.float32), axis)
-    return ((codes.astype(jnp.float32) - o) * s).astype(dtype)
+    s, o = jnp.expand_dims(jnp.asarray(scale), axis), jnp.expand_dims(jnp.asarray(offset), axis)
+    return C.grouped_decode(codes, s, o, axis=axis, group_size=codes.shape[axis], shift_first=True,
+                            dtype=np.dtype(dtype))

@@ -16,6 +16,7 @@ ascending coordinate; unused slots hold index ``-1`` and value 0.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -88,6 +89,12 @@ def split_dense_sparse(x, lower, upper, capacity: int, axis: int = -1) -> DenseS
     if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= n:
         raise ValueError(f"{what}: capacity must be an int in [1, {n}], got {capacity!r}")
     C.check_finite(x, what)
+    return _split_core(x, jnp.asarray(lower), jnp.asarray(upper), capacity=capacity, axis=axis)
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "axis"))
+def _split_core(x, lower, upper, *, capacity: int, axis: int) -> DenseSparseSplit:
+    n = x.shape[axis]
     is_out = jnp.moveaxis(outlier_mask(x, lower, upper), axis, -1)
     xm = jnp.moveaxis(x, axis, -1)
     score = jnp.where(is_out, jnp.abs(xm).astype(jnp.float32), jnp.float32(-1))
@@ -126,12 +133,20 @@ def _check_sparse(dense, sparse: SparseOutliers, axis: int, what: str):
     return dense, axis
 
 
+@functools.partial(jax.jit, static_argnames=("axis", "add_values"))
+def _holes_core(dense, sparse: SparseOutliers, *, axis: int, add_values: bool) -> jax.Array:
+    dm = jnp.moveaxis(dense, axis, -1)
+    n = dm.shape[-1]
+    out = jnp.where(_kept_mask(sparse.indices, n), jnp.zeros((), dense.dtype), dm)
+    if add_values:
+        out = out + _scatter_values(sparse, n, dense.dtype)
+    return jnp.moveaxis(out, -1, axis)
+
+
 def apply_holes(dense_decoded, sparse: SparseOutliers, axis: int = -1) -> jax.Array:
     """Set the dense reconstruction to exactly 0 at every kept outlier coordinate."""
     dense, axis = _check_sparse(dense_decoded, sparse, axis, "apply_holes")
-    dm = jnp.moveaxis(dense, axis, -1)
-    kept = _kept_mask(sparse.indices, dm.shape[-1])
-    return jnp.moveaxis(jnp.where(kept, jnp.zeros((), dense.dtype), dm), -1, axis)
+    return _holes_core(dense, sparse, axis=axis, add_values=False)
 
 
 def sparse_to_dense(sparse: SparseOutliers, length: int, axis: int = -1, dtype=jnp.float32) -> jax.Array:
@@ -143,6 +158,5 @@ def sparse_to_dense(sparse: SparseOutliers, length: int, axis: int = -1, dtype=j
 
 def merge_dense_sparse(dense_decoded, sparse: SparseOutliers, axis: int = -1) -> jax.Array:
     """Full reconstruction: holes in the dense path plus full sparse values (= replacement at kept coordinates)."""
-    holed = apply_holes(dense_decoded, sparse, axis)
-    n = holed.shape[C.normalize_axis(axis, holed.ndim, "merge_dense_sparse")]
-    return holed + sparse_to_dense(sparse, n, axis, holed.dtype)
+    dense, axis = _check_sparse(dense_decoded, sparse, axis, "merge_dense_sparse")
+    return _holes_core(dense, sparse, axis=axis, add_values=True)

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvquant_jax.quant import _common as C
 
@@ -118,9 +119,8 @@ def dequantize_symmetric(codes, scale, axis: int = -1, group_size: int = 0, dtyp
     codes: integer array (int8); scale: ``codes.shape`` with ``axis`` -> ``ceil(n / G)``; returns ``dtype``.
     """
     axis, g = C.decode_groups_setup(codes, {"scale": scale}, axis, group_size, "dequantize_symmetric")
-    codes = jnp.asarray(codes)
-    s = C.expand_qparam(jnp.asarray(scale).astype(jnp.float32), axis, g, codes.shape[axis])
-    return (codes.astype(jnp.float32) * s).astype(dtype)
+    return C.grouped_decode(jnp.asarray(codes), jnp.asarray(scale), None, axis=axis, group_size=g, shift_first=False,
+                            dtype=np.dtype(dtype))
 
 
 def quantize_symmetric_rows_with_status(x, bits: int = 8, qparam_dtype=jnp.float32):

@@ -18,8 +18,11 @@ modular (two's complement), so the wrap-around cancels and the final in-range re
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 INT32_MAX = 2 ** 31 - 1
 MAX_K_SYMMETRIC = INT32_MAX // (127 * 127)
@@ -39,13 +42,16 @@ def _check_operands(a, b, dtype, max_k: int, what: str):
     return a, b
 
 
-def _check_vector(v, n: int, name: str, what: str) -> jax.Array:
+def _check_vector(v, n: int, name: str, what: str, integer: bool = False) -> jax.Array:
     v = jnp.asarray(v)
     if v.shape != (n,):
         raise ValueError(f"{what}: {name} must have shape ({n},), got {v.shape}")
+    if integer and not jnp.issubdtype(v.dtype, jnp.integer):
+        raise ValueError(f"{what}: {name} must be an integer zero-point array, got dtype {v.dtype}")
     return v
 
 
+@jax.jit
 def _dot_i32(a: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
 
@@ -58,11 +64,17 @@ def int8_matmul_i32(x_q, w_q) -> jax.Array:
 
 def _epilogue(acc, x_scale, w_scale, bias, out_dtype, what):
     m, n = acc.shape
-    xs = _check_vector(x_scale, m, "x_scale", what).astype(jnp.float32)
-    ws = _check_vector(w_scale, n, "w_scale", what).astype(jnp.float32)
-    y = acc.astype(jnp.float32) * xs[:, None] * ws[None, :]
+    xs = _check_vector(x_scale, m, "x_scale", what)
+    ws = _check_vector(w_scale, n, "w_scale", what)
+    b = None if bias is None else _check_vector(bias, n, "bias", what)
+    return _epilogue_core(acc, xs, ws, b, out_dtype=np.dtype(out_dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def _epilogue_core(acc, x_scale, w_scale, bias, *, out_dtype):
+    y = acc.astype(jnp.float32) * x_scale.astype(jnp.float32)[:, None] * w_scale.astype(jnp.float32)[None, :]
     if bias is not None:
-        y = y + _check_vector(bias, n, "bias", what).astype(jnp.float32)[None, :]
+        y = y + bias.astype(jnp.float32)[None, :]
     return y.astype(out_dtype)
 
 
@@ -82,9 +94,17 @@ def affine_matmul_i32(x_u, x_zero, w_u, w_zero) -> jax.Array:
     """
     what = "affine_matmul_i32"
     x_u, w_u = _check_operands(x_u, w_u, jnp.uint8, MAX_K_AFFINE, what)
-    (m, k), n = x_u.shape, w_u.shape[0]
-    zx = _check_vector(x_zero, m, "x_zero", what).astype(jnp.int32) - jnp.int32(128)
-    zw = _check_vector(w_zero, n, "w_zero", what).astype(jnp.int32) - jnp.int32(128)
+    m, n = x_u.shape[0], w_u.shape[0]
+    zx = _check_vector(x_zero, m, "x_zero", what, integer=True)
+    zw = _check_vector(w_zero, n, "w_zero", what, integer=True)
+    return _affine_matmul_core(x_u, zx, w_u, zw)
+
+
+@jax.jit
+def _affine_matmul_core(x_u, x_zero, w_u, w_zero):
+    k = x_u.shape[1]
+    zx = x_zero.astype(jnp.int32) - jnp.int32(128)
+    zw = w_zero.astype(jnp.int32) - jnp.int32(128)
     vx = (x_u.astype(jnp.int32) - jnp.int32(128)).astype(jnp.int8)
     vw = (w_u.astype(jnp.int32) - jnp.int32(128)).astype(jnp.int8)
     row_sum_x = jnp.sum(vx, axis=1, dtype=jnp.int32)          # [M]

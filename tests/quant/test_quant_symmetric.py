@@ -55,7 +55,7 @@ def test_rows_match_oracle(seed, shape, bits, dtype, zero_fraction):
         assert (err <= s / 2 * (1 + 1e-5)).all()
 
 
-@given(seed=st.integers(0, 2**32 - 1), log10=st.floats(-45.0, 40.0), dtype=st.sampled_from(QDTYPES),
+@given(seed=st.integers(0, 2**32 - 1), log10=st.floats(-45.0, 36.0), dtype=st.sampled_from(QDTYPES),
        bits=st.integers(2, 8))
 def test_rows_reject_exactly_when_oracle_rejects(seed, log10, dtype, bits):
     """Over a huge magnitude range: the public function raises iff the reference's stored scale is

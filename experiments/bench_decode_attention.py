@@ -1,0 +1,370 @@
+"""Decode-attention benchmark on one GPU: cuDNN / XLA on bf16 K/V against our Pallas kernels on packed caches.
+
+    python experiments/bench_decode_attention.py --out results/decode            # the table (GPU)
+    python experiments/bench_decode_attention.py --tune --T 32768 --out tune    # config sweep at one T
+    python experiments/bench_decode_attention.py --check-only                    # parity vs the float64 oracle
+
+One query token per sequence, B=8, Hq=32, Hkv=8, D=128 by default, every sequence full (``lengths = T``).
+Timing: each measured program runs ``n`` independent calls on ``n`` distinct input sets (rotated so the 60 MB L2
+cannot serve them: the sets together hold >= 512 MB, at most 64 sets), inside one jitted executable, synchronized
+with ``block_until_ready``; after warm-up, the median of ``--reps`` such programs divided by ``n`` is reported.
+"Bytes" are the bytes the kernel must read (codes + qparams of the live rows + q), so TB/s is achieved
+bandwidth on the bytes actually read.  Outputs are checked against the float32 JAX reference at every size and
+against the float64 NumPy oracle on a small ragged case (``--check``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvquant_jax.attention.reference import decode_attention_jnp, decode_attention_reference  # noqa: E402
+from kvquant_jax.attention.regions import KVFormat, KVOperand, Region  # noqa: E402
+from kvquant_jax.attention.synthetic import PRESETS, kivi_formats, random_region  # noqa: E402
+from pallas_kernels.decode_attention import KernelConfig, decode_attention  # noqa: E402
+
+FORMATS = {
+    "bf16": PRESETS["bf16"], "e4m3": PRESETS["e4m3"], "int8": PRESETS["int8"], "int4": PRESETS["int4"],
+    "int2": PRESETS["int2"], "qserve": PRESETS["qserve"], "kivi4": kivi_formats(4, 32, 32),
+    "kivi2": kivi_formats(2, 32, 32),
+}
+
+# candidate configs for --tune: (block_t, num_splits, num_warps, num_stages, unpack, precision)
+CANDIDATES = {
+    "dense": [(64, 8, 4, 3, "magic", "bf16x2"), (64, 16, 4, 3, "magic", "bf16x2"), (32, 16, 4, 4, "magic", "bf16x2"),
+              (128, 8, 4, 2, "magic", "bf16x2"), (128, 8, 8, 3, "magic", "bf16x2"), (64, 16, 4, 3, "magic", "bf16")],
+    "int8": [(128, 8, 4, 3, "magic", "bf16x2"), (128, 16, 4, 3, "magic", "bf16x2"), (256, 8, 8, 3, "magic", "bf16x2"),
+             (64, 16, 4, 4, "magic", "bf16x2"), (128, 16, 4, 3, "convert", "bf16x2"), (128, 16, 4, 3, "magic", "bf16")],
+    "packed": [(128, 16, 4, 3, "asm", "bf16x2"), (256, 8, 4, 3, "asm", "bf16x2"), (256, 16, 8, 3, "asm", "bf16x2"),
+               (128, 16, 4, 3, "magic", "bf16x2"), (64, 32, 4, 4, "asm", "bf16x2"), (128, 16, 4, 3, "asm", "bf16"),
+               (128, 16, 4, 3, "convert", "bf16x2")],
+    "kivi": [(128, 16, 4, 3, "asm", "bf16x2"), (256, 8, 4, 3, "asm", "bf16x2"), (64, 32, 4, 3, "asm", "bf16x2"),
+             (128, 16, 4, 3, "magic", "bf16x2"), (128, 16, 8, 3, "asm", "bf16"), (256, 16, 8, 2, "asm", "bf16x2")],
+}
+
+
+def candidates_for(name):
+    if name in ("bf16", "e4m3"):
+        return CANDIDATES["dense"]
+    if name == "int8":
+        return CANDIDATES["int8"]
+    if name.startswith("kivi"):
+        return CANDIDATES["kivi"]
+    return CANDIDATES["packed"]
+
+
+def as_config(t):
+    bt, ns, nw, st, up, pr = t
+    return KernelConfig(block_t=bt, num_splits=ns, num_warps=nw, num_stages=st, unpack=up, precision=pr)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inputs (generated on the device)
+# ---------------------------------------------------------------------------------------------------------------
+def device_operand(key, f: KVFormat, b, hkv, t, d, qdtype=jnp.float16):
+    k1, k2, k3 = jax.random.split(key, 3)
+    if not f.is_int:
+        x = jax.random.normal(k1, (b, hkv, t, d), jnp.float32)
+        if f.payload in ("e4m3", "e5m2"):
+            data = (x * 4.0).astype({"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}[f.payload])
+            return KVOperand(data, jax.random.uniform(k2, (hkv,), jnp.float32, 0.1, 0.4), None, f)
+        return KVOperand(x.astype(jnp.bfloat16), None, None, f)
+    data = jax.random.bits(k1, (b, hkv, t, f.data_dim(d)), jnp.uint8)
+    shape = (b, hkv, t, f.token_groups(d)) if f.scale == "token" else (b, hkv, t // f.group, d)
+    levels = 2 ** f.bits - 1
+    scale = (jax.random.uniform(k2, shape, jnp.float32, 0.5, 1.5) * (2.0 / levels)).astype(qdtype)
+    zero = None
+    if f.zero == "offset":
+        zero = jax.random.uniform(k3, shape, jnp.float32, -2.0, levels + 2.0).astype(qdtype)
+    elif f.zero == "min":
+        zero = jax.random.uniform(k3, shape, jnp.float32, -1.5, -0.5).astype(qdtype)
+    return KVOperand(data, scale, zero, f)
+
+
+def device_region(key, kf, vf, b, hkv, t, d):
+    ka, kb = jax.random.split(key)
+    full = jnp.full((b,), t, jnp.int32)
+    return Region(k=device_operand(ka, kf, b, hkv, t, d), v=device_operand(kb, vf, b, hkv, t, d),
+                  start=jnp.zeros_like(full), end=full)
+
+
+def nbytes(tree) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def n_sets_for(set_bytes: int) -> int:
+    return int(min(64, max(1, math.ceil(512e6 / max(set_bytes, 1)))))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------------------------
+def time_program(fn, q, sets, reps):
+    """Median seconds per call of ``fn(q, set)`` over ``len(sets)`` distinct sets run in one jitted program."""
+    prog = jax.jit(lambda q, sets: [fn(q, s) for s in sets])
+    jax.block_until_ready(prog(q, sets))            # compile + warm-up
+    jax.block_until_ready(prog(q, sets))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(prog(q, sets))
+        samples.append((time.perf_counter() - t0) / len(sets))
+    return statistics.median(samples), min(samples), max(samples)
+
+
+def rel_err(out, ref):
+    out = np.asarray(jax.device_get(out), np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def hbm_copy_tbps(reps=20):
+    x = jnp.ones((1024, 1024, 1024), jnp.bfloat16)      # 2 GiB
+    f = jax.jit(lambda x: x * jnp.bfloat16(1.0001))
+    jax.block_until_ready(f(x))
+    s = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        s.append(time.perf_counter() - t0)
+    return 2 * x.size * 2 / statistics.median(s) / 1e12
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one size
+# ---------------------------------------------------------------------------------------------------------------
+def baseline_fns():
+    def cudnn(q, kv):
+        k, v = kv
+        b, hq, d = q.shape
+        o = jax.nn.dot_product_attention(q[:, None], k, v, implementation="cudnn")
+        return o[:, 0]
+
+    def xla(q, kv):
+        k, v = kv                                      # [B, Hkv, T, D] bf16 (the cache layout)
+        b, hq, d = q.shape
+        hkv = k.shape[1]
+        q4 = q.reshape(b, hkv, hq // hkv, d)
+        s = jnp.einsum("bhgd,bhtd->bhgt", q4, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+        p = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("bhgt,bhtd->bhgd", p.astype(jnp.bfloat16), v, preferred_element_type=jnp.float32)
+        return o.reshape(b, hq, d).astype(q.dtype)
+
+    return {"cudnn": cudnn, "xla": xla}
+
+
+def run_size(args, t, names, configs, results, log):
+    b, hq, hkv, d = args.B, args.hq, args.hkv, args.d
+    key = jax.random.PRNGKey(t)
+    q = jax.random.normal(jax.random.fold_in(key, 1), (b, hq, d), jnp.float32).astype(jnp.bfloat16)
+    bf16_bytes = 2 * b * hkv * t * d * 2
+    rows = []
+    n = n_sets_for(bf16_bytes)
+    base = {}
+    for bname, fn in baseline_fns().items():
+        if bname not in args.baselines:
+            continue
+        try:
+            sets = []
+            for i in range(n):
+                kk = jax.random.fold_in(key, 100 + i)
+                shape = (b, t, hkv, d) if bname == "cudnn" else (b, hkv, t, d)
+                sets.append((jax.random.normal(kk, shape, jnp.bfloat16),
+                             jax.random.normal(jax.random.fold_in(kk, 7), shape, jnp.bfloat16)))
+            med, lo, hi = time_program(fn, q, sets, args.reps)
+            base[bname] = med
+            rows.append(dict(T=t, impl=bname, format="bf16", us=med * 1e6, us_min=lo * 1e6, us_max=hi * 1e6,
+                             bytes=bf16_bytes, tbps=bf16_bytes / med / 1e12, sets=n))
+            log(f"T={t:6d} {bname:16s} {med * 1e6:9.1f} us  {bf16_bytes / med / 1e12:5.2f} TB/s  (sets {n})")
+            del sets
+        except Exception as e:  # noqa: BLE001
+            log(f"T={t:6d} {bname:16s} FAILED {type(e).__name__}: {str(e)[:300]}")
+    for name in names:
+        kf, vf = FORMATS[name]
+        cfg = configs.get(name)
+        try:
+            one = device_region(jax.random.fold_in(key, 1000), kf, vf, b, hkv, t, d)
+            set_bytes = nbytes(one) - 2 * b * 4
+            n = n_sets_for(set_bytes)
+            sets = [one] + [device_region(jax.random.fold_in(key, 1000 + i), kf, vf, b, hkv, t, d)
+                            for i in range(1, n)]
+            fn = lambda q, r, cfg=cfg: decode_attention(q, [r], config=cfg)  # noqa: E731
+            out = jax.jit(fn)(q, sets[0])
+            err = None
+            if t <= args.check_t:
+                ref = jax.jit(lambda q, r: decode_attention_jnp(q.astype(jnp.float32), [r]))(q, sets[0])
+                err = rel_err(out, np.asarray(ref))
+            med, lo, hi = time_program(fn, q, sets, args.reps)
+            read = set_bytes + q.size * 2
+            row = dict(T=t, impl="pallas", format=name, us=med * 1e6, us_min=lo * 1e6, us_max=hi * 1e6,
+                       bytes=read, tbps=read / med / 1e12, sets=n, rel_err_vs_f32_ref=err,
+                       config=dataclasses.asdict(cfg) if cfg else None)
+            if "cudnn" in base:
+                row["speedup_vs_cudnn"] = base["cudnn"] / med
+            rows.append(row)
+            log(f"T={t:6d} {name:16s} {med * 1e6:9.1f} us  {read / med / 1e12:5.2f} TB/s  x{row.get('speedup_vs_cudnn', 0):.2f}"
+                f"  err {err if err is None else f'{err:.1e}'}  (sets {n}) {cfg}")
+            del sets
+        except Exception as e:  # noqa: BLE001
+            log(f"T={t:6d} {name:16s} FAILED {type(e).__name__}: {str(e)[:400]}")
+            rows.append(dict(T=t, impl="pallas", format=name, error=f"{type(e).__name__}: {str(e)[:400]}"))
+    results["rows"].extend(rows)
+    return rows
+
+
+def tune(args, names, results, log):
+    b, hkv, d, t = args.B, args.hkv, args.d, args.tune_t
+    key = jax.random.PRNGKey(7)
+    q = jax.random.normal(key, (b, args.hq, d), jnp.float32).astype(jnp.bfloat16)
+    best = {}
+    for name in names:
+        kf, vf = FORMATS[name]
+        one = device_region(jax.random.fold_in(key, 1), kf, vf, b, hkv, t, d)
+        n = n_sets_for(nbytes(one))
+        sets = [one] + [device_region(jax.random.fold_in(key, 1 + i), kf, vf, b, hkv, t, d) for i in range(1, n)]
+        read = nbytes(one) + q.size * 2
+        ref = jax.jit(lambda q, r: decode_attention_jnp(q.astype(jnp.float32), [r]))(q, sets[0])
+        for cand in candidates_for(name):
+            cfg = as_config(cand)
+            fn = lambda q, r, cfg=cfg: decode_attention(q, [r], config=cfg)  # noqa: E731
+            try:
+                t0 = time.perf_counter()
+                err = rel_err(jax.jit(fn)(q, sets[0]), np.asarray(ref))
+                comp = time.perf_counter() - t0
+                med, lo, hi = time_program(fn, q, sets, args.reps)
+                rec = dict(format=name, T=t, config=dataclasses.asdict(cfg), us=med * 1e6, us_min=lo * 1e6,
+                           us_max=hi * 1e6, tbps=read / med / 1e12, rel_err=err, compile_s=comp)
+                log(f"tune {name:8s} {cand} {med * 1e6:8.1f} us [{lo * 1e6:.1f}, {hi * 1e6:.1f}] "
+                    f"{read / med / 1e12:5.2f} TB/s err {err:.1e} (compile {comp:.1f}s)")
+                if err < 5e-3 and (name not in best or med < best[name][0]):
+                    best[name] = (med, cfg)
+            except Exception as e:  # noqa: BLE001
+                rec = dict(format=name, T=t, config=dataclasses.asdict(cfg), error=f"{type(e).__name__}: {str(e)[:600]}")
+                log(f"tune {name:8s} {cand} FAILED {type(e).__name__}: {str(e)[:600]}")
+            results["tune"].append(rec)
+            flush(args, results)
+        del sets
+    return {k: v[1] for k, v in best.items()}
+
+
+def check_oracle(args, results, log):
+    """Small ragged case vs the float64 NumPy oracle, every format, default configs + asm variant."""
+    rng = np.random.default_rng(0)
+    b, hkv, g, d, n = 3, 2, 4, 128, 1024
+    start = np.array([0, 100, 0], np.int32)
+    end = np.array([1024, 777, 33], np.int32)
+    for name, (kf, vf) in FORMATS.items():
+        reg = random_region(rng, kf, vf, b, hkv, n, d, start, end, qparam_dtype=jnp.float16)
+        for qdt in (jnp.float32, jnp.bfloat16):
+            q = jnp.asarray(rng.standard_normal((b, hkv * g, d)).astype(np.float32)).astype(qdt)
+            kn = jnp.asarray(rng.standard_normal((b, hkv, d)).astype(np.float32))
+            vn = jnp.asarray(rng.standard_normal((b, hkv, d)).astype(np.float32))
+            ref = decode_attention_reference(q.astype(jnp.float32), [reg], k_new=kn, v_new=vn)
+            for cand in [None, (128, 4, 4, 3, "asm", "bf16x2"), (128, 4, 4, 3, "magic", "bf16")]:
+                cfg = None if cand is None else as_config(cand)
+                if cand and cand[4] == "asm" and not kf.is_int:
+                    continue
+                try:
+                    out = jax.jit(lambda q, r, kn, vn, cfg=cfg: decode_attention(q, [r], k_new=kn, v_new=vn,
+                                                                                   config=cfg))(q, reg, kn, vn)
+                    err = rel_err(out.astype(jnp.float32), ref)
+                    ok = bool(np.isfinite(err) and err < 1e-3)
+                    log(f"check {name:7s} q={jnp.dtype(qdt).name:8s} {str(cand):40s} rel err {err:.2e} "
+                        f"{'OK' if ok else 'HIGH'}")
+                    results["check"].append(dict(format=name, q_dtype=jnp.dtype(qdt).name, config=cand, rel_err=err))
+                except Exception as e:  # noqa: BLE001
+                    log(f"check {name:7s} {cand} FAILED {type(e).__name__}: {str(e)[:600]}")
+                    results["check"].append(dict(format=name, config=cand, error=f"{type(e).__name__}: {str(e)[:600]}"))
+    flush(args, results)
+
+
+def flush(args, results):
+    if args.out:
+        with open(args.out + ".json", "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
+def markdown(results) -> str:
+    lines = [f"Device: {results['device']}; JAX {results['jax']}; {results['date']}; "
+             f"B={results['shape']['B']} Hq={results['shape']['hq']} Hkv={results['shape']['hkv']} "
+             f"D={results['shape']['d']}; HBM copy {results.get('hbm_copy_tbps', float('nan')):.2f} TB/s", "",
+             "| T | impl | format | median µs | bytes read (MB) | TB/s | % of copy BW | × vs cuDNN | rel err |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    copy = results.get("hbm_copy_tbps") or float("nan")
+    for r in results["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['T']} | {r['impl']} | {r['format']} | failed | | | | | |")
+            continue
+        err = r.get("rel_err_vs_f32_ref")
+        lines.append(f"| {r['T']} | {r['impl']} | {r['format']} | {r['us']:.1f} | {r['bytes'] / 1e6:.1f} | "
+                     f"{r['tbps']:.2f} | {100 * r['tbps'] / copy:.0f}% | {r.get('speedup_vs_cudnn', float('nan')):.2f} | "
+                     f"{'' if err is None else f'{err:.1e}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--B", type=int, default=8)
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--hkv", type=int, default=8)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--T", default="4096,16384,32768,131072")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--baselines", default="cudnn,xla")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--check-t", type=int, default=32768, help="compare with the f32 reference up to this T")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune-t", type=int, default=32768)
+    ap.add_argument("--check", action="store_true", help="float64-oracle parity on a small ragged case first")
+    ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--configs", default="", help="JSON {format: KernelConfig fields} overriding the defaults")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    args.baselines = [x for x in args.baselines.split(",") if x]
+    names = [x for x in args.formats.split(",") if x]
+    dev = jax.devices()[0]
+    results = dict(device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__,
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   shape=dict(B=args.B, hq=args.hq, hkv=args.hkv, d=args.d), argv=sys.argv[1:],
+                   rows=[], tune=[], check=[])
+
+    def log(msg):
+        print(msg, flush=True)
+
+    if args.check or args.check_only:
+        check_oracle(args, results, log)
+        if args.check_only:
+            return results
+    results["hbm_copy_tbps"] = hbm_copy_tbps()
+    log(f"HBM copy (read+write) {results['hbm_copy_tbps']:.2f} TB/s")
+    configs = {k: KernelConfig(**v) for k, v in (json.loads(args.configs) if args.configs else {}).items()}
+    if args.tune:
+        best = tune(args, names, results, log)
+        configs.update(best)
+        results["best_configs"] = {k: dataclasses.asdict(v) for k, v in best.items()}
+        log("best: " + json.dumps(results["best_configs"]))
+        flush(args, results)
+    for t in [int(x) for x in args.T.split(",") if x]:
+        run_size(args, t, names, configs, results, log)
+        flush(args, results)
+    if args.out:
+        with open(args.out + ".md", "w") as f:
+            f.write(markdown(results))
+    log(markdown(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

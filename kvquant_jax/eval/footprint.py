@@ -1,0 +1,56 @@
+"""Cache bytes of one request: the byte ledger (``kvquant_jax.quant.ledger``) and the measured allocation.
+
+* ``logical``: bytes the representation needs at ``length`` rows (codes of quantized rows, qparams of closed
+  groups, live residual rows, the ``lengths`` metadata) -- the basis of bits per element and bytes per token;
+* ``physical``: the ledger's bytes of the allocation at capacity ``length``;
+* ``measured``: ``nbytes`` of a real cache of capacity ``length`` built by the policy (``ledger.measured_nbytes``).
+
+Layers of the simulated ablation scheme (``eval.ablation``) keep float32 rows, so their measured bytes are not
+those of a packed cache: their logical bytes come from :meth:`AxisAblationScheme.logical_bits` and the result is
+marked ``simulated``.
+"""
+from __future__ import annotations
+
+from kvquant_jax.eval.policy import as_policy
+from kvquant_jax.quant.ledger import CATEGORIES, Ledger, LedgerShape, ledger, measured_nbytes
+
+
+def cache_footprint(policy, cfg, length: int) -> dict:
+    policy = as_policy(policy)
+    schemes = policy.schemes * cfg.num_layers if len(policy.schemes) == 1 else policy.schemes
+    hkv, d = cfg.num_kv_heads, cfg.head_dim
+    one = LedgerShape(num_layers=1, batch=1, num_kv_heads=hkv, head_dim=d, length=length, capacity=length)
+    logical = dict.fromkeys(CATEGORIES, 0.0)
+    physical = dict.fromkeys(CATEGORIES, 0)
+    simulated = False
+    for s in schemes:
+        if hasattr(s, "logical_bits"):
+            simulated = True
+            elems = 2 * hkv * d * length
+            for c, bits in s.logical_bits(length, d).items():
+                logical[c] += bits * elems / 8
+            continue
+        led = ledger(s, one)
+        for c in CATEGORIES:
+            if c != "metadata":
+                logical[c] += led.logical[c]
+                physical[c] += led.physical[c]
+    meta = ledger(schemes[0], one).logical["metadata"] if not simulated else 4
+    logical["metadata"] = physical["metadata"] = meta
+    measured = measured_nbytes(policy.init(cfg, 1, length))
+    total = float(sum(logical.values()))
+    elems = 2 * cfg.num_layers * hkv * d * length
+    bits = 8 * total / elems
+    out = {
+        "length": length, "simulated": simulated,
+        "bits_per_element": bits,
+        "bits_per_element_excl_metadata": 8 * (total - meta) / elems,
+        "bytes_per_token": total / length,
+        "logical_bytes": total, "logical_by_category": logical,
+        "measured_bytes": Ledger.total(measured), "measured_by_category": measured,
+        "compression_vs_fp16": 16.0 / bits,
+    }
+    if not simulated:
+        out["physical_bytes"] = Ledger.total(physical)
+        out["ledger_matches_measured"] = physical == measured
+    return out

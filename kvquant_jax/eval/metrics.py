@@ -1,0 +1,161 @@
+"""The evaluation metrics of a resolved config, behind one interface: ``compute(session, cfg, metric) -> values``.
+
+A :class:`Session` holds what several points share: loaded models, tokenized corpora, FP8 calibrations and the
+full-precision reference generations, so a sweep loads the model and tokenizes the corpus once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+
+from kvquant_jax.config import METRICS, CacheConfig, ExperimentConfig, SchemeSpec
+from kvquant_jax.eval.context import EvalModel, TokenizedCorpus, load_eval_model, tokenize_corpus
+from kvquant_jax.eval.policy import Policy, build_policy, needs_fp8_artifact
+
+# metrics whose rows carry a delta against the full-precision baseline (same tokens, same settings)
+DELTA_FIELDS = {"ppl": ("ppl", "nll"), "serving_ppl": ("ppl", "nll"), "passkey": ("mean",)}
+
+
+def baseline_config(cfg: ExperimentConfig, spec: SchemeSpec) -> ExperimentConfig:
+    """``cfg`` with every layer's cache replaced by the baseline scheme (no mixed layers, no calibration)."""
+    return dataclasses.replace(cfg, cache=CacheConfig(scheme=spec))
+
+
+class Session:
+    """Caches shared by the points of a run.  ``artifact_dir``: where observed calibration artifacts are saved."""
+
+    def __init__(self, artifact_dir=None, log=None):
+        self.artifact_dir = artifact_dir
+        self.log = log or (lambda msg: None)
+        self._models: dict[str, EvalModel] = {}
+        self._corpora: dict[tuple, TokenizedCorpus] = {}
+        self._fp8: dict[tuple, object] = {}
+        self._refs: dict[tuple, np.ndarray] = {}
+
+    # ----- shared inputs
+    def model(self, cfg: ExperimentConfig) -> EvalModel:
+        key = cfg.digest("model")
+        if key not in self._models:
+            t0 = time.perf_counter()
+            self._models[key] = load_eval_model(cfg.model)
+            self.log(f"model {cfg.model.name}: loaded in {time.perf_counter() - t0:.1f} s")
+        return self._models[key]
+
+    def corpus(self, cfg: ExperimentConfig, calibration: bool = False) -> TokenizedCorpus:
+        d = cfg.data
+        spec, split = (d.calibration_corpus, d.calibration_split) if calibration else (d.corpus, d.split)
+        key = (cfg.digest("model"), spec, split, d.fallback, 0 if calibration else d.offset)
+        if key not in self._corpora:
+            t0 = time.perf_counter()
+            try:
+                c = tokenize_corpus(self.model(cfg).tokenizer, spec, split, d.fallback, key[-1])
+            except FileNotFoundError as e:
+                what = "data.calibration_corpus" if calibration else "data.corpus"
+                raise FileNotFoundError(f"{what}: {e}") from None
+            self._corpora[key] = c
+            self.log(f"corpus {c.name} ({c.source}): {len(c.ids)} tokens in {time.perf_counter() - t0:.1f} s")
+        return self._corpora[key]
+
+    def fp8_calibration(self, cfg: ExperimentConfig):
+        src = cfg.calibration.fp8_scales
+        if src is None:
+            return None
+        m = self.model(cfg)
+        key = (cfg.digest("model"), src, cfg.calibration.observe_tokens, cfg.data.calibration_corpus,
+               cfg.data.calibration_split)
+        if key not in self._fp8:
+            from kvquant_jax.eval import calib
+
+            if src == "observe":
+                c = self.corpus(cfg, calibration=True)
+                cal = calib.observe_fp8(m.params, m.cfg, c.ids, cfg.calibration.observe_tokens, c.sha256)
+                if self.artifact_dir is not None:
+                    path = self.artifact_dir / f"fp8_scales_{cal.calibration_id.split(':')[-1]}.npz"
+                    calib.save_fp8_artifact(cal, path)
+                    cal = dataclasses.replace(cal, source=f"{cal.source} (saved to {path.name})")
+                self.log(f"fp8 scales: {cal.calibration_id}")
+            else:
+                try:
+                    cal = calib.load_fp8_artifact(src, m.cfg.num_layers)
+                except FileNotFoundError as e:
+                    raise FileNotFoundError(f"calibration.fp8_scales: {e}") from None
+            self._fp8[key] = cal
+        return self._fp8[key]
+
+    def policy(self, cfg: ExperimentConfig) -> Policy:
+        m = self.model(cfg)
+        return build_policy(cfg.cache, m.cfg, fp8=self.fp8_calibration(cfg) if needs_fp8_artifact(cfg) else None)
+
+    def reference_generation(self, cfg: ExperimentConfig, baseline: SchemeSpec, prompts: np.ndarray, n: int):
+        from kvquant_jax.eval.agreement import reference_generation
+
+        key = (cfg.digest("model"), cfg.digest("data"), str(baseline), prompts.tobytes(), n)
+        if key not in self._refs:
+            m = self.model(cfg)
+            self._refs[key] = reference_generation(m.params, m.cfg, prompts,
+                                                   self.policy(baseline_config(cfg, baseline)), n)
+        return self._refs[key]
+
+
+def compute(session: Session, cfg: ExperimentConfig, metric: str, *, baseline: SchemeSpec = SchemeSpec("fp32"),
+            progress=None) -> dict:
+    """Values of one metric for one resolved config (plain JSON types)."""
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}; known: {list(METRICS)}")
+    m = session.model(cfg)
+    policy = session.policy(cfg)
+    t = getattr(cfg.tasks, metric)
+    if metric == "bytes":
+        from kvquant_jax.eval.footprint import cache_footprint
+
+        return cache_footprint(policy, m.cfg, t.length)
+    corpus = session.corpus(cfg)
+    if metric == "ppl":
+        from kvquant_jax.eval.ppl import perplexity
+        from kvquant_jax.eval.quantized_ppl import make_nll_fn
+
+        r = perplexity(m.params, m.cfg, corpus.ids.tolist(), seq_len=t.seq_len, max_segments=t.max_segments,
+                       batch_size=t.batch_size, nll_fn=make_nll_fn(policy, t.chunk))
+        if r.segments < t.max_segments:
+            raise ValueError(f"tasks.ppl: corpus {corpus.name} has only {r.segments} segments of {t.seq_len} tokens, "
+                             f"max_segments is {t.max_segments}")
+        return {"ppl": r.ppl, "nll": r.nll, "tokens": r.tokens, "segments": r.segments, "seq_len": t.seq_len,
+                "chunk": t.chunk, "segment_nll": r.segment_nll}
+    if metric == "serving_ppl":
+        from kvquant_jax.eval.errors import bin_means
+        from kvquant_jax.eval.quantized_ppl import serving_nll
+
+        segs = corpus.take(t.prefill + t.decode + 1, t.segments, "tasks.serving_ppl")
+        nll = np.asarray(serving_nll(m.params, m.cfg, segs, policy, t.prefill, attention_impl=t.attention),
+                         np.float64)
+        return {"ppl": math.exp(float(nll.mean())), "nll": float(nll.mean()), "tokens": int(nll.size),
+                "prefill": t.prefill, "decode": t.decode, "segments": t.segments,
+                "segment_nll": nll.mean(axis=1).tolist(),
+                "nll_by_step": bin_means(nll.mean(axis=0), 16)}
+    if metric == "passkey":
+        from kvquant_jax.eval.passkey import passkey_accuracy
+
+        return passkey_accuracy(m.params, m.cfg, m.tokenizer, policy, lengths=t.lengths, depths=t.depths,
+                                trials=t.trials, digits=t.digits, max_new_tokens=t.max_new_tokens,
+                                batch_size=t.batch_size, seed=t.seed, progress=progress)
+    if metric == "kv_error":
+        from kvquant_jax.eval.errors import kv_errors
+
+        toks = corpus.take(t.seq_len, 1, "tasks.kv_error")[0]
+        return kv_errors(m.params, m.cfg, toks, policy, prefill=t.prefill, probes=t.probes,
+                         position_bins=t.position_bins)
+    if metric == "agreement":
+        from kvquant_jax.eval.agreement import greedy_agreement
+
+        prompts = corpus.take(t.prompt_tokens, t.segments, "tasks.agreement")
+        ref = session.reference_generation(cfg, baseline, prompts, t.new_tokens)
+        return greedy_agreement(m.params, m.cfg, prompts, policy, ref)
+    raise AssertionError(metric)
+
+
+def deltas(metric: str, values: dict, base: dict) -> dict:
+    """``<field>`` differences against the baseline's values (``delta_<field>``), for :data:`DELTA_FIELDS`."""
+    return {f"delta_{f}": values[f] - base[f] for f in DELTA_FIELDS.get(metric, ()) if f in values and f in base}

@@ -1,0 +1,174 @@
+"""Perplexity through a (quantized) KV cache: the fast chunked path and the serving path.
+
+Both run the real model forward (``kvquant_jax.models.llama.forward``) on a real cache, so the stored
+representation is exactly what serving would store.  Attention contract of that forward: the tokens of one
+forward attend to each other with their EXACT K/V (causal), and to the earlier tokens through the cache's stored
+(quantized) representation, under one softmax.
+
+Fast path (:func:`make_nll_fn`, ``kvq ppl --cache``): a segment is fed in chunks of ``chunk`` tokens.  The query
+at offset ``j`` inside its chunk sees ``j`` exact keys of its own chunk and the quantized history of all earlier
+chunks.  One forward per chunk, so a 512-token segment costs ``512 / chunk`` forwards.
+
+Serving path (:func:`serving_nll`): prefill ``P`` tokens in one forward (exact among themselves, as a serving
+prefill is), then decode the next ``N`` tokens one forward each (T = 1, teacher-forced), so every decode query sees
+ONLY its own exact K/V plus the quantized history -- what a deployed decode step sees.  Only the ``N`` decode
+predictions are scored.
+
+How they differ: the fast path's queries see up to ``chunk - 1`` recent tokens in full precision that the serving
+path would read quantized, so for a lossy cache it is optimistic, and more so for large chunks (``chunk >=
+seq_len`` never reads the cache at all).  ``chunk = 1`` is the serving path.  For a full-precision fp32 cache all
+three of plain (``forward_nocache``), fast and serving perplexity agree to float rounding (tested).  For KIVI the
+recent residual window is full precision in both paths; only rows beyond it differ in how recent a full-precision
+row can be.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvquant_jax.eval.policy import as_policy
+from kvquant_jax.models.llama import forward
+
+
+class CacheEvalError(RuntimeError):
+    """A forward through the cache produced non-finite K/V (nothing was appended)."""
+
+
+def _gather_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _chunk_step(params, cfg, tokens, targets, cache, num_new):
+    logits, cache, ok = forward(params, cfg, tokens, cache, num_new)
+    return _gather_nll(logits, targets), cache, ok
+
+
+def chunked_nll(params, cfg, tokens, policy, chunk: int) -> jax.Array:
+    """float32 ``[B, T-1]``: NLL of ``tokens[:, 1:]`` with the segment fed in ``chunk``-token forwards."""
+    policy = as_policy(policy)
+    tokens = np.asarray(tokens, np.int32)
+    b, t = tokens.shape
+    if t < 2:
+        raise ValueError(f"need at least 2 tokens per segment, got {t}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    chunk = min(chunk, t)
+    n = -(-t // chunk)
+    padded = n * chunk
+    toks = np.zeros((b, padded), np.int32)
+    toks[:, :t] = tokens
+    targets = np.zeros((b, padded), np.int32)
+    targets[:, : t - 1] = tokens[:, 1:]
+    cache = policy.init(cfg, b, padded)
+    out = []
+    for i in range(n):
+        s = i * chunk
+        valid = min(chunk, t - s)
+        nll, cache, ok = _chunk_step(params, cfg, jnp.asarray(toks[:, s:s + chunk]),
+                                     jnp.asarray(targets[:, s:s + chunk]), cache,
+                                     jnp.full((b,), valid, jnp.int32))
+        if not bool(ok):
+            raise CacheEvalError(f"chunk {i} (tokens {s}..{s + valid - 1}) produced non-finite K/V")
+        out.append(nll)
+    return jnp.concatenate(out, axis=1)[:, : t - 1]
+
+
+def make_nll_fn(scheme, chunk: int = 128):
+    """``nll_fn(params, cfg, tokens[B, T]) -> nll float32 [B, T-1]`` through the cache ``scheme`` (a scheme, a
+    per-layer scheme tuple or a :class:`~kvquant_jax.eval.policy.Policy`), fed in ``chunk``-token forwards.
+
+    This is the fast path (see the module doc for how it differs from the serving path)."""
+    policy = as_policy(scheme)
+
+    def nll_fn(params, cfg, tokens):
+        return chunked_nll(params, cfg, tokens, policy, chunk)
+
+    return nll_fn
+
+
+# --------------------------------------------------------------------------------------------- decode path
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _prefill(params, cfg, tokens, cache):
+    logits, cache, ok = forward(params, cfg, tokens, cache)
+    return logits[:, -1], cache, ok
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "free_running", "attention_impl"), donate_argnames=("cache",))
+def _decode_scan(params, cfg, cache, first, forced, targets, *, free_running: bool, attention_impl: str):
+    """Decode ``N`` steps (T = 1 forwards) in one compiled scan.
+
+    first: int32 [B] input of step 0; forced: int32 [B, N] teacher inputs of steps 1.. (column i feeds step i + 1;
+    ignored when ``free_running``: then step i + 1 feeds step i's argmax); targets: int32 [B, N] scored tokens.
+    Returns (nll [B, N], argmax [B, N], cache, ok).
+    """
+    b = first.shape[0]
+    ones = jnp.ones((b,), jnp.int32)
+
+    def body(carry, xs):
+        cache, tok, ok = carry
+        nxt_forced, target = xs
+        logits, cache, ok2 = forward(params, cfg, tok[:, None], cache, ones, attention_impl=attention_impl)
+        lg = logits[:, 0]
+        nll = _gather_nll(lg, target)
+        am = jnp.argmax(lg, axis=-1).astype(jnp.int32)
+        nxt = am if free_running else nxt_forced
+        return (cache, nxt, ok & ok2), (nll, am)
+
+    (cache, _, ok), (nll, am) = jax.lax.scan(body, (cache, first, jnp.bool_(True)),
+                                             (forced.T, targets.T))
+    return nll.T, am.T, cache, ok
+
+
+def decode(params, cfg, policy, prompt, n: int, *, targets=None, free_running: bool = False,
+           attention_impl: str = "reference"):
+    """Prefill ``prompt`` (int32 [B, P]) then decode ``n`` tokens through a fresh cache of ``policy``.
+
+    Teacher-forced (``free_running=False``): ``targets`` int32 [B, n + 1] are the tokens after the prompt; step i
+    feeds ``targets[:, i]`` and scores ``targets[:, i + 1]``.  Free-running: step 0 feeds the prefill's argmax,
+    step i feeds step i - 1's argmax (greedy), and ``targets`` (optional, [B, n + 1]) are scored as above.
+    Returns dict(first=[B] prefill argmax, nll=[B, n], argmax=[B, n]) as NumPy arrays.
+    """
+    policy = as_policy(policy)
+    prompt = np.asarray(prompt, np.int32)
+    b, p = prompt.shape
+    if targets is None:
+        if not free_running:
+            raise ValueError("teacher-forced decode needs targets")
+        targets = np.zeros((b, n + 1), np.int32)
+    targets = np.asarray(targets, np.int32)
+    if targets.shape != (b, n + 1):
+        raise ValueError(f"targets must be [B, n + 1] = {(b, n + 1)}, got {targets.shape}")
+    cache = policy.init(cfg, b, p + n)
+    last, cache, ok = _prefill(params, cfg, jnp.asarray(prompt), cache)
+    if not bool(ok):
+        raise CacheEvalError("prefill produced non-finite K/V")
+    first_am = jnp.argmax(last, axis=-1).astype(jnp.int32)
+    first = first_am if free_running else jnp.asarray(targets[:, 0])
+    forced = jnp.asarray(np.concatenate([targets[:, 1:n], np.zeros((b, 1), np.int32)], axis=1))
+    nll, am, cache, ok = _decode_scan(params, cfg, cache, first, forced, jnp.asarray(targets[:, 1:]),
+                                      free_running=free_running, attention_impl=attention_impl)
+    if not bool(ok):
+        raise CacheEvalError("a decode step produced non-finite K/V")
+    return {"first": np.asarray(first_am), "nll": np.asarray(nll), "argmax": np.asarray(am)}
+
+
+def serving_nll(params, cfg, tokens, policy, prefill: int, *, attention_impl: str = "reference") -> np.ndarray:
+    """float32 ``[B, N]``: NLL of ``tokens[:, P + 1:]`` (``N = T - P - 1``) on the serving path: prefill
+    ``tokens[:, :P]`` at once, then teacher-forced decode one token per forward.
+
+    ``nll[:, i]`` is the prediction of ``tokens[:, P + 1 + i]``, i.e. ``chunked_nll(...)[:, P + i]``.
+    """
+    tokens = np.asarray(tokens, np.int32)
+    b, t = tokens.shape
+    n = t - prefill - 1
+    if prefill < 1 or n < 1:
+        raise ValueError(f"serving path needs 1 <= prefill and at least one decode prediction: prefill {prefill}, "
+                         f"{t} tokens")
+    return decode(params, cfg, policy, tokens[:, :prefill], n, targets=tokens[:, prefill:],
+                  attention_impl=attention_impl)["nll"]

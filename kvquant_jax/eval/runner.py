@@ -1,0 +1,264 @@
+"""Sweep runner: one results row per (config point, metric), appended durably, resumable.
+
+``DIR/results.jsonl`` rows (one JSON object per line)::
+
+    key          sha256 of (role, metric, the resolved config blocks the metric depends on)
+    sweep, point, point_index, role ("point" | "baseline"), metric, overrides, cache_policy
+    values       the metric's values;  delta: differences to the baseline row (ppl, serving_ppl, passkey)
+    baseline_key the key of that baseline row
+    config       the full resolved config of the point
+    provenance   model + corpus name/sha256, git commit (+ dirty), JAX version, backend, device, date (UTC)
+    seconds      wall time of the row
+
+Durability: each row is written whole with one ``write`` then ``flush`` + ``fsync``; a run stopped at any moment
+(Ctrl-C, kill) leaves every completed row intact, and at most a torn last line, which the next run truncates.
+Resume: rows whose key is already in the file are skipped (their baseline values are read back from the file),
+so an interrupted and resumed run writes the same rows in the same order as an uninterrupted one (the volatile
+fields are ``seconds`` and ``provenance.date``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from kvquant_jax.config import METRICS, ExperimentConfig, LoadedConfig, Point, SchemeSpec
+from kvquant_jax.eval import metrics as M
+
+VOLATILE = ("seconds", "provenance.date")
+# config blocks each metric depends on (besides model / cache / calibration / activation)
+USES_DATA = {"ppl", "serving_ppl", "kv_error", "agreement", "passkey"}
+
+
+def row_key(cfg: ExperimentConfig, metric: str, role: str, baseline: SchemeSpec) -> str:
+    d = cfg.to_dict()
+    blocks = {"model": d["model"], "cache": d["cache"], "calibration": d["calibration"], "activation": d["activation"],
+              "task": d["tasks"][metric]}
+    if metric in USES_DATA:
+        blocks["data"] = d["data"]
+    if metric == "agreement" or metric in M.DELTA_FIELDS:
+        blocks["reference"] = baseline.to_spec()
+    payload = json.dumps({"role": role, "metric": metric, **blocks}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def git_info(repo: Path | None = None) -> dict:
+    repo = repo or Path(__file__).resolve().parents[2]
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
+                                  timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "HEAD")
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None
+    return {"git_commit": commit or "unknown", "git_dirty": dirty}
+
+
+def environment() -> dict:
+    import jax
+
+    dev = jax.devices()[0]
+    return {"jax_version": jax.__version__, "backend": jax.default_backend(),
+            "device": getattr(dev, "device_kind", str(dev)), "device_count": jax.device_count(),
+            "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            **git_info()}
+
+
+class ResultsFile:
+    """Append-only JSONL with per-row fsync; loading truncates a torn last line."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.rows: dict[str, dict] = {}
+        if self.path.exists():
+            self._load()
+
+    def _load(self) -> None:
+        data = self.path.read_bytes()
+        good = 0
+        pos = 0
+        while True:
+            nl = data.find(b"\n", pos)
+            if nl < 0:
+                break
+            line = data[pos:nl]
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    break
+                self.rows.setdefault(row["key"], row)
+            pos = good = nl + 1
+        if good < len(data):
+            print(f"[kvq] {self.path}: dropping an incomplete last row ({len(data) - good} bytes) from an "
+                  f"interrupted run", file=sys.stderr)
+            with open(self.path, "r+b") as f:
+                f.truncate(good)
+                f.flush()
+                os.fsync(f.fileno())
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.rows
+
+    def append(self, row: dict) -> None:
+        line = json.dumps(row, sort_keys=True, allow_nan=True) + "\n"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        self.rows[row["key"]] = row
+
+
+@dataclasses.dataclass
+class RunSummary:
+    out_dir: Path | None
+    rows: list                # rows of this run's points (computed or resumed), in order
+    computed: int
+    skipped: int
+    seconds: float
+
+
+def _enabled(cfg: ExperimentConfig, only: tuple[str, ...] | None) -> list[str]:
+    return [m for m in METRICS if getattr(cfg.tasks, m).enabled and (only is None or m in only)]
+
+
+def run_points(points: list[Point], *, sweep_name: str, baseline: SchemeSpec, out_dir: Path | None,
+               metrics: tuple[str, ...] | None = None, progress: bool = True,
+               on_row: Callable[[dict], None] | None = None, log: Callable[[str], None] | None = None) -> RunSummary:
+    """Compute every enabled metric of every point (plus the baselines deltas need), appending rows."""
+    log = log or (lambda msg: print(f"[kvq] {msg}", file=sys.stderr))
+    results = ResultsFile(out_dir / "results.jsonl") if out_dir is not None else None
+    session = M.Session(artifact_dir=out_dir, log=log)
+    env = None
+    memory: dict[str, dict] = {}
+    plan = [(p, m) for p in points for m in _enabled(p.config, metrics)]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(plan), unit="row", dynamic_ncols=True, file=sys.stderr)
+    rows, computed, skipped = [], 0, 0
+    t_start = time.perf_counter()
+
+    def existing(key):
+        if results is not None and key in results:
+            return results.rows[key]
+        return memory.get(key)
+
+    def write(row):
+        nonlocal computed
+        if results is not None:
+            results.append(row)
+        memory[row["key"]] = row
+        computed += 1
+        if on_row is not None:
+            on_row(row)
+
+    def make_row(point, cfg, metric, role, key, values, seconds, extra):
+        nonlocal env
+        if env is None:
+            env = environment()
+        mdl = session.model(cfg)
+        prov = {**env, "model": cfg.model.name, "model_path": mdl.path, "model_sha256": mdl.sha256,
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        if metric in USES_DATA:
+            c = session.corpus(cfg)
+            prov.update(corpus=c.name, corpus_source=c.source, corpus_sha256=c.sha256)
+        return {"key": key, "sweep": sweep_name, "point": point.label if role == "point" else f"baseline {baseline}",
+                "point_index": point.index if role == "point" else -1, "role": role, "metric": metric,
+                "overrides": dict(point.overrides) if role == "point" else {},
+                "cache_policy": session.policy(cfg).describe(), "values": values, **extra,
+                "config": cfg.to_dict(), "provenance": prov, "seconds": round(seconds, 3)}
+
+    try:
+        for point, metric in plan:
+            cfg = point.config
+            if bar is not None:
+                bar.set_description(f"{point.label[:40]} | {metric}")
+            extra = {}
+            if metric in M.DELTA_FIELDS:
+                bcfg = M.baseline_config(cfg, baseline)
+                bkey = row_key(bcfg, metric, "baseline", baseline)
+                brow = existing(bkey)
+                if brow is None:
+                    t0 = time.perf_counter()
+                    bvals = M.compute(session, bcfg, metric, baseline=baseline)
+                    brow = make_row(point, bcfg, metric, "baseline", bkey, bvals, time.perf_counter() - t0, {})
+                    write(brow)
+                extra = {"baseline_key": bkey}
+            key = row_key(cfg, metric, "point", baseline)
+            row = existing(key)
+            if row is None:
+                t0 = time.perf_counter()
+                vals = M.compute(session, cfg, metric, baseline=baseline)
+                if metric in M.DELTA_FIELDS:
+                    extra["delta"] = M.deltas(metric, vals, brow["values"])
+                row = make_row(point, cfg, metric, "point", key, vals, time.perf_counter() - t0, extra)
+                write(row)
+            else:
+                skipped += 1
+            rows.append(row)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return RunSummary(out_dir=out_dir, rows=rows, computed=computed, skipped=skipped,
+                      seconds=time.perf_counter() - t_start)
+
+
+def run_sweep(loaded: LoadedConfig, out_dir: str | Path | None, *, metrics=None, progress: bool = True,
+              on_row=None, log=None, command: str | None = None, report: bool = True) -> RunSummary:
+    """Run every point of ``loaded`` (its ``sweep`` block; one point without one) into ``out_dir``."""
+    points = loaded.points()
+    sw = loaded.config.sweep
+    name = (sw.name if sw and sw.name else loaded.config.name) or Path(loaded.path).stem
+    baseline = sw.baseline if sw else SchemeSpec("fp32")
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_manifest(out, loaded, points, command)
+    try:
+        summary = run_points(points, sweep_name=name, baseline=baseline, out_dir=out,
+                             metrics=tuple(metrics) if metrics else None, progress=progress, on_row=on_row, log=log)
+    finally:
+        if out is not None and report and (out / "results.jsonl").exists():
+            from kvquant_jax.eval.report import write_report
+
+            write_report(out, points=points, sweep_name=name, baseline=baseline, command=command)
+    return summary
+
+
+def _write_manifest(out: Path, loaded: LoadedConfig, points: list[Point], command: str | None) -> None:
+    import yaml
+
+    manifest = {"config_file": loaded.path, "command": command, "overrides": [list(o) for o in loaded.overrides],
+                "points": [{"index": p.index, "label": p.label, "overrides": dict(p.overrides)} for p in points],
+                "config": loaded.config.to_dict()}
+    tmp = out / "sweep.yaml.tmp"
+    tmp.write_text(yaml.safe_dump(manifest, sort_keys=False))
+    os.replace(tmp, out / "sweep.yaml")
+
+
+def strip_volatile(row: dict) -> dict:
+    """A copy of ``row`` without the fields that legitimately differ between two runs of the same sweep."""
+    r = json.loads(json.dumps(row))
+    for path in VOLATILE:
+        node = r
+        parts = path.split(".")
+        for p in parts[:-1]:
+            node = node.get(p, {})
+        node.pop(parts[-1], None)
+    return r

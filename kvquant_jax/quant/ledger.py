@@ -1,0 +1,206 @@
+"""Byte ledger of a KV-cache representation (design notes 0x04, 0x04A-0x04C, 0x0AC).
+
+Every byte belongs to exactly one category:
+
+    codes        quantized K/V payload (packed integer codes, FP8 values)
+    qparams      scales, zero-points / mins / offsets, codebooks
+    residual     full-precision rows (a full-precision cache, KIVI's recent residual rings)
+    sparse       sparse outliers (values + indices)
+    sink_prefix  rows kept for sink / prefix reasons (IntactKV, PrefixQuant)
+    metadata     lengths / positions / page tables
+    padding      alignment and packing waste (0 for layout v1: every packed row is whole bytes)
+
+Three views for a shape ``(L, B, Hkv, D, T, capacity)``:
+
+* ``physical``: bytes of the allocation at the static capacity ``C`` -- what the cache pytree really holds.  It
+  must agree EXACTLY with :func:`measured_nbytes` of a cache of that shape (tested for every scheme).
+* ``logical``: bytes the representation needs when every sequence holds ``T`` rows (codes only for rows actually
+  quantized -- KIVI's K and V frontiers are counted separately --, qparams only for closed groups / encoded rows,
+  residual only for rows still full precision).  ``physical - logical`` is capacity slack.
+* ``read_per_step``: first-order bytes one decode step at length ``T`` reads (0x04C): every visible byte once
+  (codes, qparams, live residual rows, metadata); it is the logical view of the attention-visible state.
+  :func:`cumulative_read` sums it over ``N`` generated tokens.
+
+The ledger is computed from the *schema* alone (the ABI: formats, group sizes, residual rule, dtypes), never from
+the arrays, so agreement with the measured bytes also checks that the schema fully describes the layout.  Schemes
+are duck-typed (``.schema``), so this module does not import the cache layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+CATEGORIES = ("codes", "qparams", "residual", "sparse", "sink_prefix", "metadata", "padding")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "e4m3": 1, "e5m2": 1, "none": 0}
+MIB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerShape:
+    """``num_layers`` L, ``batch`` B, ``num_kv_heads`` Hkv, ``head_dim`` D, logical ``length`` T (rows held by every
+    sequence) and allocated ``capacity`` C >= T."""
+
+    num_layers: int
+    batch: int
+    num_kv_heads: int
+    head_dim: int
+    length: int
+    capacity: int
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or v < (0 if f.name == "length" else 1):
+                raise ValueError(f"LedgerShape.{f.name} must be a {'non-negative' if f.name == 'length' else 'positive'}"
+                                 f" int, got {v!r}")
+        if self.length > self.capacity:
+            raise ValueError(f"LedgerShape: length {self.length} exceeds capacity {self.capacity}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ledger:
+    """Bytes by category for the three views (dicts over :data:`CATEGORIES`)."""
+
+    shape: LedgerShape
+    physical: dict
+    logical: dict
+    read_per_step: dict
+
+    @staticmethod
+    def total(view: dict) -> int:
+        return int(sum(view.values()))
+
+    @property
+    def slack(self) -> int:
+        """Allocated but not needed at length T (capacity slack, spare ring slots)."""
+        return self.total(self.physical) - self.total(self.logical)
+
+
+def _zero() -> dict:
+    return {c: 0 for c in CATEGORIES}
+
+
+def _schema(x) -> Any:
+    return x.schema if hasattr(x, "schema") else x
+
+
+def _kivi_rings(rule: str, residual: int, group: int) -> tuple[int, int]:
+    if rule == "kivi":
+        return (residual, residual + 1) if residual else (group, 0)
+    return (residual + 1, residual + 1) if residual else (group, group)
+
+
+def _kivi_frontiers(t: int, rule: str, residual: int, group: int) -> tuple[int, int]:
+    whole = (t // group) * group
+    if rule == "kivi":
+        return ((t // residual) * residual, max(t - residual, 0)) if residual else (whole, t)
+    q = min(whole, -(-max(t - residual, 0) // group) * group)
+    return q, q
+
+
+def _packed(d: int, bits: int) -> int:
+    return -(-d * bits // 8)
+
+
+def _layer(schema, b: int, h: int, d: int, rows: int, *, logical: bool, capacity: int) -> dict:
+    """Bytes of ONE layer.  ``rows`` = T for the logical view, C for the physical one."""
+    out = _zero()
+    fam = schema.scheme
+    key, val = schema.key, schema.value
+    if fam == "full":
+        out["residual"] = 2 * b * h * rows * d * DTYPE_BYTES[key.payload]
+    elif fam == "fp8":
+        out["codes"] = 2 * b * h * rows * d
+        out["qparams"] = 2 * h * 4                                        # float32 [Hkv] per tensor, unbatched
+    elif fam == "per_token":
+        gd = key.group_size or d
+        out["codes"] = 2 * b * h * rows * _packed(d, key.bits)
+        out["qparams"] = 2 * b * h * rows * (d // gd) * DTYPE_BYTES[key.qparam_dtype]
+    elif fam == "qserve":
+        out["codes"] = 2 * b * h * rows * _packed(d, 4)
+        out["qparams"] = 4 * b * h * rows * DTYPE_BYTES[key.qparam_dtype]      # K/V x (scale, offset)
+    elif fam == "kivi":
+        g, gd = key.group_size, val.group_size or d
+        qb, rb = DTYPE_BYTES[key.qparam_dtype], DTYPE_BYTES[schema.residual_dtype]
+        s_k, s_v = _kivi_rings(schema.residual_rule, schema.residual, g)
+        if logical:
+            fk, fv = _kivi_frontiers(rows, schema.residual_rule, schema.residual, g)
+            k_groups, res_rows = fk // g, (rows - fk) + (rows - fv)
+        else:
+            fk = fv = rows
+            k_groups, res_rows = capacity // g, s_k + s_v
+        out["codes"] = b * h * (fk * _packed(d, key.bits) + fv * _packed(d, val.bits))
+        out["qparams"] = b * h * (k_groups * d * 2 + fv * (d // gd) * 2) * qb     # (scale, min) pairs
+        out["residual"] = b * h * res_rows * d * rb
+    else:
+        raise ValueError(f"ledger: no byte formula for scheme family {fam!r}")
+    return out
+
+
+def _per_layer(policy, num_layers: int) -> list:
+    if isinstance(policy, (list, tuple)):
+        schemas = [_schema(p) for p in policy]
+        if len(schemas) != num_layers:
+            raise ValueError(f"ledger: policy lists {len(schemas)} layers, shape has {num_layers}")
+        return schemas
+    return [_schema(policy)] * num_layers
+
+
+def ledger(policy, shape: LedgerShape) -> Ledger:
+    """Physical / logical / per-decode-step bytes of ``policy`` (a scheme or schema, or a per-layer sequence)."""
+    phys, logi = _zero(), _zero()
+    s = shape
+    for schema in _per_layer(policy, s.num_layers):
+        for view, rows, is_logical in ((phys, s.capacity, False), (logi, s.length, True)):
+            for c, n in _layer(schema, s.batch, s.num_kv_heads, s.head_dim, rows, logical=is_logical,
+                               capacity=s.capacity).items():
+                view[c] += n
+    phys["metadata"] = logi["metadata"] = 4 * s.batch                      # lengths: int32 [B]
+    return Ledger(shape=s, physical=phys, logical=logi, read_per_step=dict(logi))
+
+
+def cumulative_read(policy, shape: LedgerShape, new_tokens: int) -> int:
+    """Total first-order bytes read by ``new_tokens`` decode steps starting at length ``shape.length`` (step ``i``
+    attends over ``length + i`` retained rows), 0x04C."""
+    total = 0
+    for i in range(new_tokens):
+        step = dataclasses.replace(shape, length=shape.length + i, capacity=max(shape.capacity, shape.length + i))
+        total += Ledger.total(ledger(policy, step).read_per_step)
+    return total
+
+
+def measured_nbytes(cache) -> dict:
+    """Real ``nbytes`` of a ``KVCache`` by category (each scheme's ``layer_nbytes`` on its stacked group state,
+    plus ``lengths`` as metadata).  Duck-typed: needs ``cache.schemes``, ``cache.groups``, ``cache.lengths``."""
+    out = _zero()
+    for (scheme, _, _), state in zip(cache.schemes, cache.groups):
+        for c, n in scheme.layer_nbytes(state).items():
+            if c not in out:
+                raise ValueError(f"measured_nbytes: {type(scheme).__name__} reports unknown category {c!r}")
+            out[c] += int(n)
+    out["metadata"] += int(cache.lengths.nbytes)
+    return out
+
+
+def _fmt(n: int) -> str:
+    return f"{n:>15,d}  {n / MIB:>10.3f}"
+
+
+def ledger_table(policy, shape: LedgerShape) -> str:
+    """A plain-text table of the three views (bytes and MiB) plus effective bits per cached element."""
+    led = ledger(policy, shape)
+    s = shape
+    lines = [f"KV cache byte ledger: L={s.num_layers} B={s.batch} Hkv={s.num_kv_heads} D={s.head_dim} "
+             f"T={s.length} capacity={s.capacity}",
+             f"{'category':<12} {'physical@C bytes':>17} {'MiB':>10} {'logical@T bytes':>17} {'MiB':>10} "
+             f"{'read/step bytes':>17} {'MiB':>10}"]
+    for c in CATEGORIES:
+        lines.append(f"{c:<12} {_fmt(led.physical[c])}  {_fmt(led.logical[c])}  {_fmt(led.read_per_step[c])}")
+    lines.append(f"{'total':<12} {_fmt(led.total(led.physical))}  {_fmt(led.total(led.logical))}  "
+                 f"{_fmt(led.total(led.read_per_step))}")
+    elems = 2 * s.num_layers * s.batch * s.num_kv_heads * s.head_dim * s.length
+    if elems:
+        bits = 8 * (led.total(led.logical) - led.logical["metadata"]) / elems
+        lines.append(f"effective bits per cached K/V element at T (excl. metadata): {bits:.3f}")
+    lines.append(f"capacity slack (physical - logical): {led.slack:,d} bytes ({led.slack / MIB:.3f} MiB)")
+    return "\n".join(lines)

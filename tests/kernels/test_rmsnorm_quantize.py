@@ -1,0 +1,176 @@
+"""Fused RMSNorm -> INT8 (Pallas) vs an independent float64 NumPy oracle; CPU generic and TPU interpreters."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import rmsnorm_quantize as rq
+
+BACKENDS = [("gpu", True), ("tpu", True)]
+
+
+def _oracle(x, w, eps, qdtype):
+    """Design §0x02D in float64: returns (y, codes, stored scale) for finite inputs."""
+    x = np.asarray(x, np.float64)
+    y = (x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + eps)) * np.asarray(w, np.float64)
+    amax = np.abs(y).max(axis=1)
+    zero = amax == 0
+    with np.errstate(over="ignore", under="ignore"):
+        scale = np.where(zero, 1.0, amax / 127).astype(qdtype)
+    eff = scale.astype(np.float64)
+    codes = np.clip(np.rint(y / eff[:, None]), -127, 127)
+    codes[zero] = 0
+    return y, codes.astype(np.int64), scale
+
+
+def _check_rows(codes, scale, status, x, w, eps, qdtype):
+    """Parity with explicit tolerances: stored scale within one qparam ulp (float32 arithmetic inside the kernel);
+    codes equal to the oracle's encoding with the kernel's own stored scale except at float32 rounding ties."""
+    y, codes_o, scale_o = _oracle(x, w, eps, qdtype)
+    codes = np.asarray(codes, np.int64)
+    scale = np.asarray(scale)
+    assert scale.dtype == np.dtype(qdtype)
+    np.testing.assert_array_equal(np.asarray(status), 0)
+    itype = np.int16 if np.dtype(qdtype) == np.float16 else np.int32
+    ulps = np.abs(scale.view(itype).astype(np.int64) - scale_o.view(itype).astype(np.int64))
+    assert ulps.max() <= (1 if np.dtype(qdtype) == np.float16 else 8), f"scale off by {ulps.max()} ulp"
+    # encode the float64 y with the kernel's stored scale: must match except where y/s is within float32 noise of
+    # a .5 tie.
+    v = y / scale.astype(np.float64)[:, None]
+    codes_k = np.clip(np.rint(v), -127, 127).astype(np.int64)
+    diff = codes != codes_k
+    assert np.abs(codes - codes_k).max() <= 1
+    if diff.any():
+        near_tie = np.abs(np.abs(v - np.trunc(v)) - 0.5) <= 1e-5 * np.maximum(np.abs(v), 1.0)
+        assert (near_tie | ~diff).all(), "code mismatch away from a rounding tie"
+    # and against the oracle's own codes: at most one step apart (the two scales may differ by one ulp)
+    assert np.abs(codes - codes_o).max() <= 1
+    assert np.mean(codes != codes_o) < 0.02
+
+
+CASES = [  # (M, K, block_rows, x dtype): M tail, K not a power of two / not a multiple of 128
+    (37, 96, 8, "float32"),
+    (16, 256, None, "bfloat16"),
+    (5, 1000, 4, "float16"),
+]
+
+
+@pytest.mark.parametrize("backend,interpret", BACKENDS)
+@pytest.mark.parametrize("qdtype", [np.float16, np.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_parity(backend, interpret, qdtype, case, rng):
+    m, k, br, xdtype = CASES[case]
+    if backend == "tpu" and br is not None:
+        br = 32 if m > 32 else None
+    x = rng.normal(size=(m, k)) * rng.uniform(0.05, 20.0, (m, 1))
+    x[min(2, m - 1)] = 0.0  # an all-zero row
+    xj = jnp.asarray(x, getattr(jnp, xdtype))
+    w = jnp.asarray(rng.uniform(0.2, 2.0, k), jnp.bfloat16 if xdtype == "bfloat16" else jnp.float32)
+    codes, scale, status = rq.rmsnorm_quantize(xj, w, eps=1e-5, qparam_dtype=qdtype, block_rows=br, backend=backend,
+                                               interpret=interpret)
+    assert codes.dtype == jnp.int8 and codes.shape == (m, k) and status.dtype == jnp.int32
+    xin = np.asarray(xj.astype(jnp.float32))
+    _check_rows(codes, scale, status, xin, np.asarray(w.astype(jnp.float32)), 1e-5, qdtype)
+    zr = min(2, m - 1)
+    assert np.asarray(scale)[zr] == 1 and not np.asarray(codes)[zr].any()
+
+
+def test_reference_matches_oracle_and_leading_dims(rng):
+    x = rng.normal(size=(2, 3, 64)).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, 64).astype(np.float32)
+    for fn in (rq.rmsnorm_quantize_reference, rq.rmsnorm_quantize):
+        codes, scale, status = fn(jnp.asarray(x), jnp.asarray(w), qparam_dtype=jnp.float16, interpret=True)
+        assert codes.shape == (2, 3, 64) and scale.shape == (2, 3) and status.shape == (2, 3)
+        _check_rows(np.asarray(codes).reshape(6, 64), np.asarray(scale).reshape(6), np.asarray(status).reshape(6),
+                    x.reshape(6, 64), w, 1e-6, np.float16)
+
+
+def test_rint_half_even():
+    v = np.concatenate([np.arange(-130, 131) + 0.5, np.arange(-130, 131) + 0.0,
+                        np.random.default_rng(3).uniform(-130, 130, 2000),
+                        np.nextafter(np.arange(-10, 11) + 0.5, 100), np.nextafter(np.arange(-10, 11) + 0.5, -100)])
+    v = v.astype(np.float32)
+    got = np.asarray(jax.jit(rq._rint_half_even)(jnp.asarray(v)))
+    np.testing.assert_array_equal(got, np.rint(v))
+
+
+def test_jit_returns_status_without_raising(rng):
+    x = rng.normal(size=(6, 128)).astype(np.float32)
+    x[4, 7] = np.nan
+    w = np.ones(128, np.float32)
+    f = jax.jit(lambda a, b: rq.rmsnorm_quantize(a, b, interpret=True))
+    codes, scale, status = f(jnp.asarray(x), jnp.asarray(w))
+    np.testing.assert_array_equal(np.asarray(status), [0, 0, 0, 0, rq.STATUS_NONFINITE, 0])
+    assert np.isnan(np.asarray(scale)[4]) and not np.asarray(codes)[4].any()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad rows: non-finite, FTZ-unsafe scales
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend,interpret", BACKENDS)
+def test_nonfinite_rows(backend, interpret, rng):
+    m, k = 8, 128
+    x = rng.normal(size=(m, k)).astype(np.float32)
+    x[1, 5] = np.nan
+    x[3, 0] = np.inf
+    x[6, :] = 1e20  # finite, but sum(x^2) overflows float32
+    w = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    with pytest.raises(ValueError, match=r"3 non-finite row\(s\).*\[1, 3, 6\]"):
+        rq.rmsnorm_quantize(jnp.asarray(x), jnp.asarray(w), backend=backend, interpret=interpret)
+    codes, scale, status = rq.rmsnorm_quantize(jnp.asarray(x), jnp.asarray(w), backend=backend, interpret=interpret,
+                                               check=False)
+    st = np.asarray(status)
+    np.testing.assert_array_equal(st, [0, 1, 0, 1, 0, 0, 1, 0])
+    bad = st != 0
+    assert np.isnan(np.asarray(scale)[bad]).all() and not np.asarray(codes)[bad].any()
+    good = ~bad
+    _check_rows(np.asarray(codes)[good], np.asarray(scale)[good], st[good], x[good], w, 1e-6, np.float32)
+
+
+@pytest.mark.parametrize("backend,interpret", BACKENDS)
+@pytest.mark.parametrize("qdtype,gamma,what", [
+    (np.float16, 1e-6, "underflow to subnormal/zero"),
+    (np.float16, 1e7, "overflow"),
+    (np.float32, 1e-37, "float32 subnormal"),
+])
+def test_ftz_unsafe_scales(backend, interpret, qdtype, gamma, what, rng):
+    m, k = 4, 128
+    x = rng.normal(size=(m, k)).astype(np.float32)
+    w = np.ones(k, np.float32)
+    w_bad = w * np.float32(gamma)
+    with pytest.raises(ValueError, match=r"FTZ-unsafe stored scale"):
+        rq.rmsnorm_quantize(jnp.asarray(x), jnp.asarray(w_bad), qparam_dtype=qdtype, backend=backend,
+                            interpret=interpret)
+    codes, scale, status = rq.rmsnorm_quantize(jnp.asarray(x), jnp.asarray(w_bad), qparam_dtype=qdtype,
+                                               backend=backend, interpret=interpret, check=False)
+    np.testing.assert_array_equal(np.asarray(status), rq.STATUS_FTZ_UNSAFE)
+    assert np.isnan(np.asarray(scale, np.float32)).all() and not np.asarray(codes).any()
+    # an all-zero row stays valid (scale 1, codes 0) even with the tiny gamma
+    x[2] = 0
+    _, scale, status = rq.rmsnorm_quantize(jnp.asarray(x), jnp.asarray(w_bad), qparam_dtype=qdtype, backend=backend,
+                                           interpret=interpret, check=False)
+    assert np.asarray(status)[2] == 0 and np.asarray(scale)[2] == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad arguments
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(x=np.ones((4, 8), np.int8)), "x must be float32/bfloat16/float16"),
+    (dict(x=np.ones((8,), np.float32)), "ndim >= 2"),
+    (dict(x=np.ones((0, 8), np.float32)), "non-empty"),
+    (dict(w=np.ones((7,), np.float32)), r"weight must be a float \[8\]"),
+    (dict(w=np.ones((8,), np.int32)), "weight must be a float"),
+    (dict(w=np.full((8,), np.nan, np.float32)), "weight has non-finite"),
+    (dict(qparam_dtype=jnp.bfloat16), "qparam_dtype must be float16 or float32"),
+    (dict(eps=0.0), "eps must be finite and > 0"),
+    (dict(eps=float("nan")), "eps must be finite and > 0"),
+    (dict(backend="cuda"), "backend"),
+])
+def test_bad_arguments(kwargs, match):
+    args = dict(x=np.ones((4, 8), np.float32), w=np.ones((8,), np.float32), qparam_dtype=jnp.float32, eps=1e-6,
+                backend=None)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        rq.rmsnorm_quantize(jnp.asarray(args["x"]), jnp.asarray(args["w"]), qparam_dtype=args["qparam_dtype"],
+                            eps=args["eps"], backend=args["backend"], interpret=True)
