@@ -104,8 +104,11 @@ def nbytes(tree) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
+MAX_SETS = 64
+
+
 def n_sets_for(set_bytes: int) -> int:
-    return int(min(64, max(1, math.ceil(512e6 / max(set_bytes, 1)))))
+    return int(min(MAX_SETS, max(1, math.ceil(512e6 / max(set_bytes, 1)))))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -114,14 +117,14 @@ def n_sets_for(set_bytes: int) -> int:
 def time_program(fn, q, sets, reps):
     """Median seconds per call of ``fn(q, set)`` over ``len(sets)`` distinct sets run in one jitted program."""
     prog = jax.jit(lambda q, sets: [fn(q, s) for s in sets])
-    jax.block_until_ready(prog(q, sets))            # compile + warm-up
+    first = jax.block_until_ready(prog(q, sets))[0]  # compile + warm-up
     jax.block_until_ready(prog(q, sets))
     samples = []
     for _ in range(reps):
         t0 = time.perf_counter()
         jax.block_until_ready(prog(q, sets))
         samples.append((time.perf_counter() - t0) / len(sets))
-    return statistics.median(samples), min(samples), max(samples)
+    return statistics.median(samples), min(samples), max(samples), first
 
 
 def rel_err(out, ref):
@@ -183,7 +186,7 @@ def run_size(args, t, names, configs, results, log):
                 shape = (b, t, hkv, d) if bname == "cudnn" else (b, hkv, t, d)
                 sets.append((jax.random.normal(kk, shape, jnp.bfloat16),
                              jax.random.normal(jax.random.fold_in(kk, 7), shape, jnp.bfloat16)))
-            med, lo, hi = time_program(fn, q, sets, args.reps)
+            med, lo, hi, _ = time_program(fn, q, sets, args.reps)
             base[bname] = med
             rows.append(dict(T=t, impl=bname, format="bf16", us=med * 1e6, us_min=lo * 1e6, us_max=hi * 1e6,
                              bytes=bf16_bytes, tbps=bf16_bytes / med / 1e12, sets=n))
@@ -192,6 +195,9 @@ def run_size(args, t, names, configs, results, log):
         except Exception as e:  # noqa: BLE001
             log(f"T={t:6d} {bname:16s} FAILED {type(e).__name__}: {str(e)[:300]}")
     for name in names:
+        if name.endswith("+tail"):
+            run_dispatch_kivi(args, t, name, q, configs, base, rows, log)
+            continue
         kf, vf = FORMATS[name]
         cfg = configs.get(name)
         try:
@@ -200,13 +206,12 @@ def run_size(args, t, names, configs, results, log):
             n = n_sets_for(set_bytes)
             sets = [one] + [device_region(jax.random.fold_in(key, 1000 + i), kf, vf, b, hkv, t, d)
                             for i in range(1, n)]
-            fn = lambda q, r, cfg=cfg: decode_attention(q, [r], config=cfg)  # noqa: E731
-            out = jax.jit(fn)(q, sets[0])
+            fn = lambda q, r, cfg=cfg: decode_attention(q, [r], config=cfg, out_dtype=jnp.float32)  # noqa: E731
+            med, lo, hi, out = time_program(fn, q, sets, args.reps)
             err = None
             if t <= args.check_t:
                 ref = jax.jit(lambda q, r: decode_attention_jnp(q.astype(jnp.float32), [r]))(q, sets[0])
                 err = rel_err(out, np.asarray(ref))
-            med, lo, hi = time_program(fn, q, sets, args.reps)
             read = set_bytes + q.size * 2
             row = dict(T=t, impl="pallas", format=name, us=med * 1e6, us_min=lo * 1e6, us_max=hi * 1e6,
                        bytes=read, tbps=read / med / 1e12, sets=n, rel_err_vs_f32_ref=err,
@@ -224,12 +229,60 @@ def run_size(args, t, names, configs, results, log):
     return rows
 
 
+def run_dispatch_kivi(args, t, name, q, configs, base, rows, log):
+    """KIVI through the dispatcher on a synthetic layer state: quantized region + gathered residual tail + k_new."""
+    from kvquant_jax.attention.dispatch import decode_attention as dispatch
+    from kvquant_jax.cache.kivi import KIVILayerState, KIVIScheme
+
+    bits = int(name[len("kivi"):name.index("+")])
+    scheme = KIVIScheme(k_bits=bits, v_bits=bits, group_size=32, v_group_size=32, residual=128)
+    b, hkv, d = args.B, args.hkv, args.d
+    cfg = configs.get(f"kivi{bits}")
+    kf, vf = FORMATS[f"kivi{bits}"]
+    s_k, s_v = scheme.ring_sizes
+
+    def state(i):
+        key = jax.random.fold_in(jax.random.PRNGKey(t), 5000 + i)
+        reg = device_region(key, kf, vf, b, hkv, t, d)
+        kr = jax.random.normal(jax.random.fold_in(key, 1), (b, hkv, s_k, d), jnp.float16)
+        vr = jax.random.normal(jax.random.fold_in(key, 2), (b, hkv, s_v, d), jnp.float16)
+        return KIVILayerState(k_codes=reg.k.data, k_scale=reg.k.scale, k_min=reg.k.zero, v_codes=reg.v.data,
+                              v_scale=reg.v.scale, v_min=reg.v.zero, k_res=kr, v_res=vr)
+
+    try:
+        one = state(0)
+        n = n_sets_for(nbytes(one))
+        sets = [one] + [state(i) for i in range(1, n)]
+        lengths = jnp.full((b,), t - 37, jnp.int32)
+        kn = jax.random.normal(jax.random.PRNGKey(1), (b, hkv, d), jnp.float32).astype(jnp.bfloat16)
+        fn = lambda q, st, cfg=cfg: dispatch(q, scheme, st, lengths, kn, kn, impl="kernel", config=cfg,  # noqa: E731
+                                             out_dtype=jnp.float32)
+        med, lo, hi, out = time_program(fn, q, sets, args.reps)
+        ref = jax.jit(lambda q, st: dispatch(q.astype(jnp.float32), scheme, st, lengths, kn, kn,
+                                             impl="reference"))(q, sets[0])
+        err = rel_err(out, np.asarray(ref))
+        read = nbytes(one)
+        row = dict(T=t, impl="pallas+dispatch", format=name, us=med * 1e6, us_min=lo * 1e6, us_max=hi * 1e6,
+                   bytes=read, tbps=read / med / 1e12, sets=n, rel_err_vs_f32_ref=err,
+                   config=dataclasses.asdict(cfg) if cfg else None)
+        if "cudnn" in base:
+            row["speedup_vs_cudnn"] = base["cudnn"] / med
+        rows.append(row)
+        log(f"T={t:6d} {name:16s} {med * 1e6:9.1f} us  {read / med / 1e12:5.2f} TB/s  x{row.get('speedup_vs_cudnn', 0):.2f}"
+            f"  err {err:.1e}  (sets {n})")
+    except Exception as e:  # noqa: BLE001
+        log(f"T={t:6d} {name:16s} FAILED {type(e).__name__}: {str(e)[:400]}")
+        rows.append(dict(T=t, impl="pallas+dispatch", format=name, error=f"{type(e).__name__}: {str(e)[:400]}"))
+
+
 def tune(args, names, results, log):
     b, hkv, d, t = args.B, args.hkv, args.d, args.tune_t
     key = jax.random.PRNGKey(7)
     q = jax.random.normal(key, (b, args.hq, d), jnp.float32).astype(jnp.bfloat16)
     best = {}
     for name in names:
+        if name not in FORMATS:
+            continue
         kf, vf = FORMATS[name]
         one = device_region(jax.random.fold_in(key, 1), kf, vf, b, hkv, t, d)
         n = n_sets_for(nbytes(one))
@@ -238,16 +291,16 @@ def tune(args, names, results, log):
         ref = jax.jit(lambda q, r: decode_attention_jnp(q.astype(jnp.float32), [r]))(q, sets[0])
         for cand in candidates_for(name):
             cfg = as_config(cand)
-            fn = lambda q, r, cfg=cfg: decode_attention(q, [r], config=cfg)  # noqa: E731
+            fn = lambda q, r, cfg=cfg: decode_attention(q, [r], config=cfg, out_dtype=jnp.float32)  # noqa: E731
             try:
                 t0 = time.perf_counter()
-                err = rel_err(jax.jit(fn)(q, sets[0]), np.asarray(ref))
+                med, lo, hi, out = time_program(fn, q, sets, args.reps)
                 comp = time.perf_counter() - t0
-                med, lo, hi = time_program(fn, q, sets, args.reps)
+                err = rel_err(out, np.asarray(ref))
                 rec = dict(format=name, T=t, config=dataclasses.asdict(cfg), us=med * 1e6, us_min=lo * 1e6,
-                           us_max=hi * 1e6, tbps=read / med / 1e12, rel_err=err, compile_s=comp)
+                           us_max=hi * 1e6, tbps=read / med / 1e12, rel_err=err, wall_s=comp)
                 log(f"tune {name:8s} {cand} {med * 1e6:8.1f} us [{lo * 1e6:.1f}, {hi * 1e6:.1f}] "
-                    f"{read / med / 1e12:5.2f} TB/s err {err:.1e} (compile {comp:.1f}s)")
+                    f"{read / med / 1e12:5.2f} TB/s err {err:.1e} ({comp:.1f}s)")
                 if err < 5e-3 and (name not in best or med < best[name][0]):
                     best[name] = (med, cfg)
             except Exception as e:  # noqa: BLE001
@@ -262,9 +315,9 @@ def tune(args, names, results, log):
 def check_oracle(args, results, log):
     """Small ragged case vs the float64 NumPy oracle, every format, default configs + asm variant."""
     rng = np.random.default_rng(0)
-    b, hkv, g, d, n = 3, 2, 4, 128, 1024
+    b, hkv, g, d, n = 3, 2, 4, args.check_d, args.check_n
     start = np.array([0, 100, 0], np.int32)
-    end = np.array([1024, 777, 33], np.int32)
+    end = np.array([n, n - 247, 33], np.int32)
     for name, (kf, vf) in FORMATS.items():
         reg = random_region(rng, kf, vf, b, hkv, n, d, start, end, qparam_dtype=jnp.float16)
         for qdt in (jnp.float32, jnp.bfloat16):
@@ -272,13 +325,14 @@ def check_oracle(args, results, log):
             kn = jnp.asarray(rng.standard_normal((b, hkv, d)).astype(np.float32))
             vn = jnp.asarray(rng.standard_normal((b, hkv, d)).astype(np.float32))
             ref = decode_attention_reference(q.astype(jnp.float32), [reg], k_new=kn, v_new=vn)
-            for cand in [None, (128, 4, 4, 3, "asm", "bf16x2"), (128, 4, 4, 3, "magic", "bf16")]:
+            cands = [None] if qdt == jnp.float32 else [None, (128, 4, 4, 3, "magic", "bf16")]
+            if kf.is_int and qdt != jnp.float32:
+                cands.append((128, 4, 4, 3, "asm", "bf16x2"))
+            for cand in cands:
                 cfg = None if cand is None else as_config(cand)
-                if cand and cand[4] == "asm" and not kf.is_int:
-                    continue
                 try:
-                    out = jax.jit(lambda q, r, kn, vn, cfg=cfg: decode_attention(q, [r], k_new=kn, v_new=vn,
-                                                                                   config=cfg))(q, reg, kn, vn)
+                    out = jax.jit(lambda q, r, kn, vn, cfg=cfg: decode_attention(
+                        q, [r], k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32))(q, reg, kn, vn)
                     err = rel_err(out.astype(jnp.float32), ref)
                     ok = bool(np.isfinite(err) and err < 1e-3)
                     log(f"check {name:7s} q={jnp.dtype(qdt).name:8s} {str(cand):40s} rel err {err:.2e} "
@@ -330,8 +384,13 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="float64-oracle parity on a small ragged case first")
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--configs", default="", help="JSON {format: KernelConfig fields} overriding the defaults")
+    ap.add_argument("--check-d", type=int, default=128)
+    ap.add_argument("--check-n", type=int, default=1024)
+    ap.add_argument("--max-sets", type=int, default=64)
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
+    global MAX_SETS
+    MAX_SETS = args.max_sets
     args.baselines = [x for x in args.baselines.split(",") if x]
     names = [x for x in args.formats.split(",") if x]
     dev = jax.devices()[0]

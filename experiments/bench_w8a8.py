@@ -98,7 +98,7 @@ def oracle_rmsnorm(x, w, eps, qdtype):
 def run_checks(results):
     rng = np.random.default_rng(1)
     out = []
-    for (m, n, k) in [(70, 200, 384), (16, 96, 4096), (300, 520, 1000), (1, 64, 256)]:
+    for (m, n, k) in [(70, 200, 384), (300, 520, 1000), (1, 64, 256)]:
         xq = rng.integers(-127, 128, (m, k), dtype=np.int8)
         wq = rng.integers(-127, 128, (n, k), dtype=np.int8)
         w4 = rng.integers(-7, 8, (n, k), dtype=np.int8)
@@ -145,6 +145,23 @@ def run_checks(results):
             out.append(dict(kernel="rmsnorm_quantize", m=m, k=k, qparam=np.dtype(qd).name, max_code_diff=cd,
                             scale_rel_err=srel, ok=bool(ok)))
             log("check", out[-1])
+        # status on the device: a NaN row and FTZ-unsafe fp16 scales (tiny gamma) must be flagged, not encoded
+        try:
+            xs = np.asarray(xb.astype(jnp.float32)).copy()
+            xs[0, 3] = np.nan
+            _, _, st = rq.rmsnorm_quantize(jnp.asarray(xs, jnp.bfloat16), jnp.asarray(w), qparam_dtype=np.float16,
+                                           check=False)
+            st = np.asarray(st)
+            _, s2, st2 = rq.rmsnorm_quantize(xb, jnp.asarray(w * np.float32(1e-7)), qparam_dtype=np.float16,
+                                             check=False)
+            st2 = np.asarray(st2)
+            ok = (st[0] == rq.STATUS_NONFINITE and (st[1:] == 0).all() and st2[1] == 0
+                  and (st2[np.arange(m) != 1] == rq.STATUS_FTZ_UNSAFE).all())
+            out.append(dict(kernel="rmsnorm_quantize_status", m=m, k=k, status_nan=st[:4].tolist(),
+                            status_ftz=st2[:4].tolist(), ok=bool(ok)))
+        except Exception as e:  # noqa: BLE001
+            out.append(dict(kernel="rmsnorm_quantize_status", m=m, k=k, error=repr(e)[:300], ok=False))
+        log("check", out[-1])
     results["checks"] = out
 
 
@@ -164,9 +181,30 @@ def cfg_str(c):
     return f"{c.block_m}x{c.block_n}x{c.block_k}/w{c.num_warps}s{c.num_stages}"
 
 
-def gemm_bench(results, args):
-    rows = []
-    ms = [int(v) for v in args.ms.split(",")]
+def sanity(results, args):
+    """XLA bf16 and int8 at 8192^3 against the reference figures (665 TFLOP/s, 762 TOPS)."""
+    m = n = k = 8192
+    key = jax.random.PRNGKey(7)
+    sb, s8 = [], []
+    for i in range(2):
+        k1, k2, key = jax.random.split(key, 3)
+        x = jax.random.randint(k1, (m, k), -127, 128, jnp.int32).astype(jnp.int8)
+        w = jax.random.randint(k2, (n, k), -127, 128, jnp.int32).astype(jnp.int8)
+        s8.append((x, w))
+        sb.append((x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)))
+    out = {}
+    for name, fn, sets in [("xla_bf16", lambda x, w: lax.dot_general(x, w, NT, preferred_element_type=jnp.bfloat16),
+                            sb),
+                           ("xla_int8", lambda x, w: lax.dot_general(x, w, NT, preferred_element_type=jnp.int32),
+                            s8)]:
+        t, _ = time_multi(fn, sets, args.iters)
+        out[name] = 2.0 * m * n * k / t / 1e12
+        log(f"sanity 8192^3 {name}: {out[name]:.0f} T/s")
+    results["sanity_8192"] = out
+
+
+def gemm_bench(results, args, ms):
+    rows = results.setdefault("gemm", [])
     kns = [tuple(int(t) for t in s.split("x")) for s in args.kns.split(",")]
     for (k, n) in kns:
         for m in ms:
@@ -191,12 +229,16 @@ def gemm_bench(results, args):
             jax.block_until_ready((sets8, setsbf, sets4))
             row = dict(m=m, k=k, n=n, sets=r)
 
-            def rec(name, fn, sets, ops=flops):
+            def rec(name, fn, sets, ops=flops, ref=None):
                 if time.time() - T0 > args.budget_s:
                     return
                 try:
                     t, spread = time_multi(fn, sets, args.iters)
                     row[name] = dict(us=t * 1e6, tops=ops / t / 1e12, spread=spread)
+                    if ref is not None:  # validate the timed kernel at this shape against the XLA reference
+                        a = fn(*sets[0]).astype(jnp.float32)
+                        b_ = ref(*sets[0]).astype(jnp.float32)
+                        row[name]["rel_err_vs_xla"] = float(jnp.max(jnp.abs(a - b_)) / jnp.max(jnp.abs(b_)))
                     log(f"M={m} K={k} N={n} {name}: {t * 1e6:9.1f} us  {ops / t / 1e12:7.1f} T/s  (spread {spread:.2f})")
                 except Exception as e:  # noqa: BLE001
                     row[name] = dict(error=repr(e)[:400])
@@ -206,19 +248,24 @@ def gemm_bench(results, args):
             rec("xla_int8_dot", lambda x, sx, w, sw, b: lax.dot_general(x, w, NT, preferred_element_type=jnp.int32),
                 sets8)
             rec("xla_int8_epi", lambda x, sx, w, sw, b: wm.w8a8_matmul_reference(x, sx, w, sw, b), sets8)
-            rec("pallas_w8a8", lambda x, sx, w, sw, b: wm.w8a8_matmul(x, sx, w, sw, b), sets8)
+            ref8 = wm.w8a8_matmul_reference
+            rec("pallas_w8a8", lambda x, sx, w, sw, b: wm.w8a8_matmul(x, sx, w, sw, b), sets8, ref=ref8)
             row.setdefault("pallas_w8a8", {})["cfg"] = cfg_str(wm.default_config(m, n, k, backend="gpu"))
-            if not args.no_sweep:
+            if not args.no_sweep and m in [int(v) for v in args.sweep_ms.split(",")]:
                 for c in sweep_configs(m):
                     name = "sweep_" + cfg_str(c)
                     rec(name, lambda x, sx, w, sw, b, c=c: wm.w8a8_matmul(
                         x, sx, w, sw, b, block_m=c.block_m, block_n=c.block_n, block_k=c.block_k,
-                        num_warps=c.num_warps, num_stages=c.num_stages), sets8)
-            rec("pallas_w4a8", lambda x, sx, w, sw, b: wm.w4a8_matmul(x, sx, w, sw, b), sets4)
-            zp = jnp.full((m,), 3, jnp.int32)
-            wsums = [jnp.sum(s[2].astype(jnp.int32), axis=1) for s in sets8]
-            rec("pallas_w8a8_affine", lambda x, sx, w, sw, b, ws: wm.w8a8_matmul(
-                x, sx, w, sw, b, x_zero_point=zp, w_sum=ws), [s + (ws,) for s, ws in zip(sets8, wsums)])
+                        num_warps=c.num_warps, num_stages=c.num_stages), sets8, ref=ref8)
+            rec("pallas_w4a8", lambda x, sx, w, sw, b: wm.w4a8_matmul(x, sx, w, sw, b), sets4,
+                ref=wm.w4a8_matmul_reference)
+            if m in [int(v) for v in args.affine_ms.split(",")]:
+                zp = jnp.full((m,), 3, jnp.int32)
+                wsums = [jnp.sum(s[2].astype(jnp.int32), axis=1) for s in sets8]
+                rec("pallas_w8a8_affine", lambda x, sx, w, sw, b, ws: wm.w8a8_matmul(
+                    x, sx, w, sw, b, x_zero_point=zp, w_sum=ws), [s + (ws,) for s, ws in zip(sets8, wsums)],
+                    ref=lambda x, sx, w, sw, b, ws: wm.w8a8_matmul_reference(x, sx, w, sw, b, x_zero_point=zp,
+                                                                             w_sum=ws))
             best = None
             for name, v in row.items():
                 if (name == "pallas_w8a8" or name.startswith("sweep_")) and isinstance(v, dict) and "us" in v:
@@ -226,10 +273,8 @@ def gemm_bench(results, args):
                         best = name
             row["pallas_best"] = best
             rows.append(row)
-            results["gemm"] = rows
             del sets8, setsbf, sets4
             write(results, args.out)
-    results["gemm"] = rows
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -245,7 +290,7 @@ def rms_bench(results, args):
     log(f"copy (x+1, bf16 2 GiB): {copy_bw:.0f} GB/s")
     del xs
     for k in (4096, 8192):
-        for m in (16, 256, 4096, 16384):
+        for m in [int(v) for v in args.rms_ms.split(",")]:
             if time.time() - T0 > args.budget_s:
                 continue
             nbytes = m * k * 2 + k * 2 + m * k + m * 4 + m * 4
@@ -258,11 +303,15 @@ def rms_bench(results, args):
             row = dict(m=m, k=k, bytes=nbytes, sets=r)
             for name, fn in [
                 ("pallas_fused", lambda x, w: rq.rmsnorm_quantize(x, w, qparam_dtype=jnp.float16, check=False)),
-                ("pallas_fused_rows1", lambda x, w: rq.rmsnorm_quantize(x, w, qparam_dtype=jnp.float16, check=False,
-                                                                        block_rows=1, num_warps=4)),
+                ("pallas_fused_r1w4", lambda x, w: rq.rmsnorm_quantize(x, w, qparam_dtype=jnp.float16, check=False,
+                                                                       block_rows=1, num_warps=4)),
+                ("pallas_fused_r4w16", lambda x, w: rq.rmsnorm_quantize(x, w, qparam_dtype=jnp.float16, check=False,
+                                                                        block_rows=4, num_warps=16)),
                 ("xla_unfused_ref", lambda x, w: rq.rmsnorm_quantize_reference(x, w, qparam_dtype=jnp.float16,
                                                                                check=False)),
             ]:
+                if time.time() - T0 > args.budget_s:
+                    continue
                 try:
                     t, spread = time_multi(fn, sets, args.iters)
                     row[name] = dict(us=t * 1e6, GBps=nbytes / t / 1e9, frac_copy=nbytes / t / 1e9 / copy_bw)
@@ -295,6 +344,9 @@ def markdown(results):
         for c in bad:
             lines.append(f"- FAILED: {c}")
         lines.append("")
+    if results.get("sanity_8192"):
+        lines += [f"Sanity 8192^3: XLA bf16 {results['sanity_8192'].get('xla_bf16', 0):.0f} TFLOP/s, XLA int8 "
+                  f"{results['sanity_8192'].get('xla_int8', 0):.0f} TOPS (reference 665 / 762)", ""]
     if results.get("gemm"):
         lines += ["| M | K | N | XLA bf16 us (TFLOP/s) | XLA int8 dot us (TOPS) | XLA int8+epi us | Pallas W8A8 us "
                   "(TOPS) [default tiles] | best Pallas us (TOPS) [tiles] | best / bf16 | best / int8+epi | "
@@ -317,14 +369,16 @@ def markdown(results):
         lines.append("")
     if results.get("rmsnorm"):
         lines += [f"Copy ceiling (x+1 on 2 GiB bf16, read+write): {results.get('copy_GBps', 0):.0f} GB/s", "",
-                  "| M | K | fused us | fused GB/s | % copy | fused rows=1 us (GB/s) | XLA unfused ref us (GB/s) |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| M | K | fused us | fused GB/s | % copy | rows=1/4 warps us (GB/s) | rows=4/16 warps us (GB/s) | "
+                  "XLA unfused ref us (GB/s) |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in results["rmsnorm"]:
             f_ = r.get("pallas_fused", {})
             lines.append(
                 f"| {r['m']} | {r['k']} | {fmt(f_)} | {fmt(f_, 'GBps', '{:.0f}')} | "
-                f"{fmt(f_, 'frac_copy', '{:.0%}')} | {fmt(r.get('pallas_fused_rows1'))} "
-                f"({fmt(r.get('pallas_fused_rows1'), 'GBps', '{:.0f}')}) | {fmt(r.get('xla_unfused_ref'))} "
+                f"{fmt(f_, 'frac_copy', '{:.0%}')} | {fmt(r.get('pallas_fused_r1w4'))} "
+                f"({fmt(r.get('pallas_fused_r1w4'), 'GBps', '{:.0f}')}) | {fmt(r.get('pallas_fused_r4w16'))} "
+                f"({fmt(r.get('pallas_fused_r4w16'), 'GBps', '{:.0f}')}) | {fmt(r.get('xla_unfused_ref'))} "
                 f"({fmt(r.get('xla_unfused_ref'), 'GBps', '{:.0f}')}) |")
     return "\n".join(lines) + "\n"
 
@@ -341,8 +395,13 @@ def write(results, out):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True, help="output path prefix (writes PREFIX.json and PREFIX.md)")
-    p.add_argument("--phases", default="check,gemm,rmsnorm")
-    p.add_argument("--ms", default="16,256,4096,16384")
+    p.add_argument("--phases", default="check,sanity,gemm_large,rmsnorm,gemm_small",
+                   help="gemm_large: M in --large-ms; gemm_small: M in --small-ms")
+    p.add_argument("--large-ms", default="4096,16384")
+    p.add_argument("--small-ms", default="16,256")
+    p.add_argument("--sweep-ms", default="16,256,4096,16384", help="M values that get the tile sweep")
+    p.add_argument("--affine-ms", default="4096", help="M values that get the affine-zero-point variant")
+    p.add_argument("--rms-ms", default="16,256,4096,16384")
     p.add_argument("--kns", default="4096x4096,4096x14336,8192x8192")
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--no-sweep", action="store_true")
@@ -360,10 +419,17 @@ def main():
         if "check" in phases:
             run_checks(results)
             write(results, args.out)
-        if "gemm" in phases:
-            gemm_bench(results, args)
-        if "rmsnorm" in phases:
-            rms_bench(results, args)
+            phases.remove("check")
+        for ph in phases:
+            if ph == "sanity":
+                sanity(results, args)
+            elif ph == "gemm_large":
+                gemm_bench(results, args, [int(v) for v in args.large_ms.split(",")])
+            elif ph == "gemm_small":
+                gemm_bench(results, args, [int(v) for v in args.small_ms.split(",")])
+            elif ph == "rmsnorm":
+                rms_bench(results, args)
+            write(results, args.out)
     except Exception:  # noqa: BLE001
         results["fatal"] = traceback.format_exc()
         log(results["fatal"])

@@ -1,4 +1,4 @@
-"""``kvq`` command line: fetch-model, generate, ppl, ledger, eval, sweep."""
+"""``kvq`` command line: fetch-model, generate, ppl, ledger, calibrate, eval, sweep."""
 from __future__ import annotations
 
 import argparse
@@ -82,6 +82,15 @@ def cmd_ledger(args):
     print(ledger_from_config(args.config))
 
 
+def cmd_calibrate(args):
+    from kvquant_jax.calibration import kvquant as KC
+
+    config = KC.CalibrationConfig.from_file(args.config)
+    cal = KC.calibrate(config, progress=args.progress)
+    path = KC.save(cal, args.out)
+    print(json.dumps({"out": str(path), **KC.summary(cal)}))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="kvq", description="kvquant_jax: live-data quantization for LLM serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -121,6 +130,17 @@ def main(argv=None):
     p = sub.add_parser("ledger", help="print the byte ledger of a cache config")
     p.add_argument("config")
     p.set_defaults(func=cmd_ledger)
+
+    p = sub.add_parser("calibrate", help="offline KVQuant calibration (per-channel pre-RoPE K ranges, Fisher-weighted "
+                                         "k-means codebooks) on the calibration text -> artifact DIR")
+    p.add_argument("config", help="YAML calibration config (configs/calibration/kvquant_*.yaml)")
+    p.add_argument("--out", required=True, help="new artifact directory (Orbax arrays + manifest.json)")
+    p.add_argument("--progress", action="store_true")
+    p.set_defaults(func=cmd_calibrate)
+
+    from kvquant_jax.eval.commands import add_parsers as add_eval_parsers
+
+    add_eval_parsers(sub)
 
     args = ap.parse_args(argv)
     try:

@@ -658,7 +658,8 @@ def _resolve(backend, interpret):
 
 def decode_attention(q, regions: Sequence[Region] = (), *, k_new=None, v_new=None, sm_scale: float | None = None,
                      backend: str | None = None, interpret: Any = None,
-                     config: KernelConfig | Sequence[KernelConfig | None] | None = None, small_rows: int = 0):
+                     config: KernelConfig | Sequence[KernelConfig | None] | None = None, small_rows: int = 0,
+                     out_dtype=None):
     """Attention of one new token over quantized/full-precision regions (+ the exact current token), ONE softmax.
 
     Args:
@@ -673,7 +674,8 @@ def decode_attention(q, regions: Sequence[Region] = (), *, k_new=None, v_new=Non
         :func:`default_config`.
       small_rows: regions of at most this many rows (a residual tail, sink rows) and regions the kernel cannot
         take (:func:`kernel_unsupported`) are attended in plain JAX and merged into the same softmax.
-    Returns ``[B, Hq, D]`` in ``q.dtype``.
+      out_dtype: output dtype (default ``q.dtype``).
+    Returns ``[B, Hq, D]``.
     """
     regions = list(regions)
     b, hq, hkv, d = check_query(q, regions, k_new, v_new)
@@ -700,13 +702,13 @@ def decode_attention(q, regions: Sequence[Region] = (), *, k_new=None, v_new=Non
     if k_new is not None:
         parts.append(_dense_partial(q4, qs, k_new.astype(_F32)[:, :, None], v_new.astype(_F32)[:, :, None],
                                     jnp.ones((b, 1), jnp.bool_)))
-    return _combine(parts).reshape(b, hq, d).astype(q.dtype)
+    return _combine(parts).reshape(b, hq, d).astype(out_dtype or q.dtype)
 
 
 def decode_attention_reference(q, regions: Sequence[Region] = (), *, k_new=None, v_new=None,
                                sm_scale: float | None = None, backend: str | None = None, interpret: Any = None,
                                config: KernelConfig | Sequence[KernelConfig | None] | None = None,
-                               small_rows: int = 0):
+                               small_rows: int = 0, out_dtype=None):
     """Plain-JAX twin of :func:`decode_attention` (same signature; the kernel-only arguments are ignored)."""
     del backend, interpret, config, small_rows
-    return decode_attention_jnp(q, regions, k_new=k_new, v_new=v_new, sm_scale=sm_scale)
+    return decode_attention_jnp(q, regions, k_new=k_new, v_new=v_new, sm_scale=sm_scale, out_dtype=out_dtype)

@@ -9,6 +9,9 @@ Semantics per row ``x[m, :]`` (arithmetic in float32 inside the kernel)::
     s_eff  = float32(scale)                       (the stored scale is re-read before encoding)
     codes  = clip(rint(y / s_eff), -127, 127)     (rint = round half to even) -> int8
 
+(Implementation: ``rint(clip(y * (1 / s_eff)))`` with one reciprocal per row; it can differ from the division only
+when ``y / s_eff`` lies within one float32 ulp of a .5 tie, the same order as the float32 rounding of ``y`` itself.)
+
 Per-row status (int32 [M]):
 
 - ``STATUS_OK = 0``
@@ -59,12 +62,18 @@ _X_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.floa
 _Q_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
-def _rint_half_even(v):
-    """Round-half-to-even for float32 |v| < 2**22 using only floor (portable to Triton/Mosaic/XLA)."""
-    r = jnp.floor(v + 0.5)
-    tie = (r - v) == 0.5
-    odd = (r - 2.0 * jnp.floor(r * 0.5)) != 0.0
-    return jnp.where(tie & odd, r - 1.0, r)
+_RINT_MAGIC = 12582912.0  # 1.5 * 2**23
+_RINT_MAGIC_BITS = 0x4B400000  # float32 bit pattern of _RINT_MAGIC
+
+
+def _rint_to_int32(v):
+    """Round-half-to-even of float32 |v| < 2**22 to int32, exactly, without a float->int conversion instruction.
+
+    ``v + 1.5*2**23`` lands in [2**23, 2**24) where the float32 ulp is 1, so the IEEE round-to-nearest-even add does
+    the rounding (the constant is even, so tie parity is kept) and the integer sits in the low mantissa bits:
+    ``bits(v + C) - bits(C) == rint(v)``. (A float ``(v + C) - C`` would be folded to ``v`` by XLA's simplifier;
+    the bitcast cannot be.) Two full-rate ops on every backend (Triton, Mosaic, XLA)."""
+    return lax.bitcast_convert_type(v + _RINT_MAGIC, jnp.int32) - _RINT_MAGIC_BITS
 
 
 def _row_math(x, w, *, k, eps, qdtype):
@@ -73,9 +82,10 @@ def _row_math(x, w, *, k, eps, qdtype):
     inv = lax.rsqrt(ss / float(k) + eps)
     y = x * inv * w
     ay = jnp.abs(y)
-    amax = jnp.max(ay, axis=1, keepdims=True)
-    y_bad = jnp.max(jnp.where(ay <= _F32_MAX, 0.0, 1.0), axis=1, keepdims=True) > 0.0
-    nonfinite = y_bad | ~(ss <= _F32_MAX)
+    # NaN/Inf in y become +inf before the max (a float max may drop NaN), so one reduction gives both the absmax
+    # and the finiteness of the row.
+    amax = jnp.max(jnp.where(ay <= _F32_MAX, ay, jnp.inf), axis=1, keepdims=True)
+    nonfinite = ~(ss <= _F32_MAX) | ~(amax <= _F32_MAX)
     zero = amax == 0.0
     ideal = jnp.where(zero, 1.0, amax / float(QMAX))
     scale = ideal.astype(qdtype)
@@ -84,9 +94,11 @@ def _row_math(x, w, *, k, eps, qdtype):
     ftz = ~zero & ~((eff >= float(finfo.tiny)) & (eff <= float(finfo.max)))
     status = jnp.where(nonfinite, STATUS_NONFINITE, jnp.where(ftz, STATUS_FTZ_UNSAFE, STATUS_OK)).astype(jnp.int32)
     bad = status != STATUS_OK
-    q = jnp.clip(_rint_half_even(y / eff), -float(QMAX), float(QMAX))
-    q = jnp.where(bad, 0.0, q)
-    codes = q.astype(jnp.int32).astype(jnp.int8)
+    # one reciprocal per row, then a multiply per element (differs from y / s_eff only within one float32 ulp of a
+    # rounding tie); clip first (the bounds are integers, so clip and rint commute), then round half to even.
+    rinv = 1.0 / eff
+    q = _rint_to_int32(jnp.clip(y * rinv, -float(QMAX), float(QMAX)))
+    codes = jnp.where(bad, 0, q).astype(jnp.int8)
     scale = jnp.where(bad, jnp.nan, scale).astype(qdtype)
     return codes, scale, status
 
@@ -292,6 +304,11 @@ def rmsnorm_quantize(
     return _check_status(*out, check, (x, weight))
 
 
+@functools.partial(jax.jit, static_argnames=("k", "eps", "qdtype"))
+def _reference_math(x2, weight, *, k, eps, qdtype):
+    return _row_math(x2.astype(jnp.float32), weight.astype(jnp.float32)[None, :], k=k, eps=eps, qdtype=qdtype)
+
+
 def rmsnorm_quantize_reference(
     x: jax.Array,
     weight: jax.Array,
@@ -308,7 +325,6 @@ def rmsnorm_quantize_reference(
     del block_rows, num_warps, backend, interpret
     x, weight, eps, qdtype = _validate(x, weight, eps, qparam_dtype)
     lead, k = x.shape[:-1], x.shape[-1]
-    codes, scale, status = _row_math(
-        x.reshape(-1, k).astype(jnp.float32), weight.astype(jnp.float32)[None, :], k=k, eps=eps, qdtype=qdtype)
+    codes, scale, status = _reference_math(x.reshape(-1, k), weight, k=k, eps=eps, qdtype=qdtype)
     out = codes.reshape(*lead, k), scale.reshape(lead), status.reshape(lead)
     return _check_status(*out, check, (x, weight))

@@ -555,6 +555,11 @@ def w4a8_matmul(
 def _reference(x_q, x_scale, w, w_scale, bias, x_zero_point, w_sum, out_dtype, w4):
     x_q, x_scale, w, w_scale, bias, x_zero_point, w_sum, out_dtype, _ = _validate(
         x_q, x_scale, w, w_scale, bias, x_zero_point, w_sum, out_dtype, w4=w4)
+    return _reference_math(x_q, x_scale, w, w_scale, bias, x_zero_point, w_sum, out_dtype, w4)
+
+
+@functools.partial(jax.jit, static_argnums=(7, 8))
+def _reference_math(x_q, x_scale, w, w_scale, bias, x_zero_point, w_sum, out_dtype, w4):
     wq = _decode_nibbles(w) if w4 else w
     acc = lax.dot_general(x_q, wq, _NT, preferred_element_type=jnp.int32)
     zx = wsum = None

@@ -103,9 +103,11 @@ def layer_regions(scheme, layer_state, lengths) -> tuple[list[Region], int]:
 
 def decode_attention(q: jax.Array, scheme, layer_state, lengths: jax.Array, k_new: jax.Array | None = None,
                      v_new: jax.Array | None = None, *, impl: str = "auto", interpret: Any = None,
-                     backend: str | None = None, config=None, sm_scale: float | None = None) -> jax.Array:
+                     backend: str | None = None, config=None, sm_scale: float | None = None,
+                     out_dtype=None) -> jax.Array:
     """One decode step's attention for one layer: ``q [B, Hq, D]`` over the cached history and the exact current
-    token (``k_new, v_new: [B, Hkv, D]``), one softmax.  Returns ``[B, Hq, D]`` in ``q.dtype``.
+    token (``k_new, v_new: [B, Hkv, D]``), one softmax.  Returns ``[B, Hq, D]`` in ``out_dtype`` (default
+    ``q.dtype``).
 
     ``config``: a :class:`pallas_kernels.decode_attention.KernelConfig` for the kernel path (None: defaults).
     """
@@ -118,6 +120,6 @@ def decode_attention(q: jax.Array, scheme, layer_state, lengths: jax.Array, k_ne
         ok = plat in ("gpu", "tpu") and not kernel.kernel_unsupported(regions[0], d, "tpu" if plat == "tpu" else "gpu")
         impl = "kernel" if ok else "reference"
     if impl == "reference":
-        return decode_attention_jnp(q, regions, k_new=k_new, v_new=v_new, sm_scale=sm_scale)
+        return decode_attention_jnp(q, regions, k_new=k_new, v_new=v_new, sm_scale=sm_scale, out_dtype=out_dtype)
     return kernel.decode_attention(q, regions, k_new=k_new, v_new=v_new, sm_scale=sm_scale, backend=backend,
-                                   interpret=interpret, config=config, small_rows=tail_rows)
+                                   interpret=interpret, config=config, small_rows=tail_rows, out_dtype=out_dtype)

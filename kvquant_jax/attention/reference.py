@@ -107,7 +107,8 @@ def decode_attention_reference(q, regions: Sequence[Region] = (), *, k_new=None,
 
 
 def decode_attention_jnp(q, regions: Sequence[Region] = (), *, k_new=None, v_new=None,
-                         sm_scale: float | None = None):
-    """float32 ``jax.numpy`` version of :func:`decode_attention_reference`; returns ``q.dtype`` ``[B, Hq, D]``."""
+                         sm_scale: float | None = None, out_dtype=None):
+    """float32 ``jax.numpy`` version of :func:`decode_attention_reference`; returns ``[B, Hq, D]`` in
+    ``out_dtype`` (default ``q.dtype``)."""
     out = _attend(q, list(regions), k_new, v_new, sm_scale, jnp, jnp.float32)
-    return out.astype(q.dtype)
+    return out.astype(out_dtype or q.dtype)

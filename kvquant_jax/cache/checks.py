@@ -61,3 +61,12 @@ def ring_finite(what: str, ring, lo, hi) -> None:
         slots = np.arange(lo[b], hi[b]) % max(s, 1)
         if slots.size and not np.isfinite(r[b][:, slots]).all():
             raise ValueError(f"{what}: sequence {b} exposes a non-finite residual row")
+
+
+def unpack_codes(packed, bits: int) -> np.ndarray:
+    """Host-side unpack of little-endian packed codes along the last axis (``uint8 [..., n*bits/8]``)."""
+    p = host(packed).astype(np.uint8)
+    stream = np.unpackbits(p, axis=-1, bitorder="little")
+    n = stream.shape[-1] // bits
+    stream = stream[..., : n * bits].reshape(p.shape[:-1] + (n, bits)).astype(np.int64)
+    return (stream << np.arange(bits)).sum(axis=-1)

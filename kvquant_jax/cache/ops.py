@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvquant_jax.cache._rows import host
-from kvquant_jax.cache.interface import KVCache, check_room, init_cache, layer_state
+from kvquant_jax.cache.interface import KVCache, check_room, init_cache
 
 
 class TruncationNeedsRowsError(ValueError):
@@ -220,6 +220,11 @@ def fork(cache: KVCache, parent_index_per_child) -> KVCache:
         h = host(idx)
         if (h < 0).any() or (h >= cache.batch).any():
             raise ValueError(f"fork: parent indices {h.tolist()} out of range [0, {cache.batch})")
+    return _fork_jit(cache, idx)
+
+
+@jax.jit
+def _fork_jit(cache: KVCache, idx: jax.Array) -> KVCache:
     groups = tuple(_gather_batch(s, st, idx) for (s, _, _), st in zip(cache.schemes, cache.groups))
     return cache.replace(groups=groups, lengths=jnp.take(cache.lengths, idx))
 
@@ -320,15 +325,36 @@ def truncate(cache: KVCache, new_lengths, *, rows: Sequence | None = None) -> KV
 # reference decode and validation
 # --------------------------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnums=0)
-def _materialize(scheme, state, lengths):
-    return scheme.materialize_layer(state, lengths)
+def _materialize(scheme, group_state, index, lengths):
+    st = jax.tree.map(lambda a: a[index], group_state)
+    return scheme.materialize_layer(st, lengths)
 
 
 def decode_reference(cache: KVCache, layer: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Dequantized ``(k, v, valid)`` of one layer: float32 ``[B, Hkv, C, D]`` twice and bool ``[B, C]``
     (rows at or past ``lengths`` are zero and invalid; keys in the schema's stored stage).  The oracle's view."""
-    scheme, st = layer_state(cache, layer)
-    return _materialize(scheme, st, cache.lengths)
+    for g, (scheme, first, n) in enumerate(cache.schemes):
+        if first <= layer < first + n:
+            return _materialize(scheme, cache.groups[g], np.int32(layer - first), cache.lengths)
+    raise IndexError(f"layer {layer} out of range [0, {cache.num_layers})")
+
+
+@jax.jit
+def decode_all(cache: KVCache) -> tuple:
+    """:func:`decode_reference` of every layer in one call: a tuple over layers of ``(k, v, valid)``."""
+    out = []
+    for (scheme, _, n), st in zip(cache.schemes, cache.groups):
+        k, v, valid = jax.vmap(scheme.materialize_layer, in_axes=(0, None))(st, cache.lengths)
+        out += [(k[i], v[i], valid[i]) for i in range(n)]
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(per_layer: tuple, batch: int, capacity: int, num_kv_heads: int, head_dim: int):
+    want = jax.eval_shape(lambda: init_cache(per_layer, num_layers=len(per_layer), batch=batch, capacity=capacity,
+                                             num_kv_heads=num_kv_heads, head_dim=head_dim))
+    leaves, treedef = jax.tree.flatten(want.groups)
+    return treedef, tuple((tuple(a.shape), np.dtype(a.dtype)) for a in leaves)
 
 
 def validate(cache: KVCache) -> None:
@@ -352,19 +378,19 @@ def validate(cache: KVCache) -> None:
     if len(cache.groups) != len(cache.schemes):
         raise ValueError(f"validate: {len(cache.groups)} stacked states for {len(cache.schemes)} layer runs")
     if cache.num_kv_heads and cache.head_dim:
-        want = jax.eval_shape(lambda: init_cache(cache.per_layer_schemes, num_layers=cache.num_layers,
-                                                 batch=cache.batch, capacity=cache.capacity,
-                                                 num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim))
+        treedef, want = _layout(cache.per_layer_schemes, cache.batch, cache.capacity, cache.num_kv_heads,
+                                cache.head_dim)
         got_leaves, got_def = jax.tree.flatten(cache.groups)
-        want_leaves, want_def = jax.tree.flatten(want.groups)
-        if got_def != want_def:
+        if got_def != treedef:
             raise ValueError("validate: state structure differs from the schemes' layout")
-        for g, w in zip(got_leaves, want_leaves):
-            if g.shape != w.shape or g.dtype != w.dtype:
-                raise ValueError(f"validate: array {g.shape} {g.dtype} where the layout has {w.shape} {w.dtype}")
-    for layer in range(cache.num_layers):
-        scheme, st = layer_state(cache, layer)
-        try:
-            scheme.validate_layer(st, lengths)
-        except ValueError as e:
-            raise ValueError(f"validate: layer {layer}: {e}") from None
+        for g, (shape, dtype) in zip(got_leaves, want):
+            if tuple(g.shape) != shape or np.dtype(g.dtype) != dtype:
+                raise ValueError(f"validate: array {g.shape} {g.dtype} where the layout has {shape} {dtype}")
+    groups = jax.device_get(cache.groups)
+    for (scheme, first, n), gstate in zip(cache.schemes, groups):
+        for i in range(n):
+            st = jax.tree.map(lambda a, i=i: np.asarray(a)[i], gstate)
+            try:
+                scheme.validate_layer(st, lh)
+            except ValueError as e:
+                raise ValueError(f"validate: layer {first + i}: {e}") from None

@@ -131,7 +131,7 @@ class PerTokenScheme(SchemeBase):
         qmax = 2 ** (self.bits - 1) - 1
         half = 2 ** (self.bits - 1)
         for name, codes, scale in (("K", state.k_codes, state.k_scale), ("V", state.v_codes, state.v_scale)):
-            u = unpack_bits(codes, self.bits, axis=-1)
+            u = checks.unpack_codes(codes, self.bits)
             checks.codes_in_range(f"per_token {name} codes", u, lengths, half - qmax, half + qmax)
             checks.positive_normal(f"per_token {name} scale", scale, lengths)
 

@@ -29,8 +29,9 @@ A :class:`PrefixArtifact` carries a :class:`PrefixIdentity` (model sha256, token
 theta/pairing, key stage, geometry, layout, compute dtype).  :func:`start_request` refuses an artifact whose
 identity differs from the serving model's (:func:`model_identity`) or a body scheme with another RoPE convention /
 key stage / bound model, raising :class:`~kvquant_jax.cache.schema.IncompatibleSchemaError` that lists every
-differing field.  A started prefix cache reused for another request goes through :func:`reuse_prefix`, which
-compares the full per-layer :class:`CacheSchema` (which names the prefix artifact id, dtype and the body ABI).
+differing field.  A started prefix cache reused for another request goes through ``kvquant_jax.cache.reuse.reuse_prefix`` with the
+request's :func:`prefix_policy`: the full per-layer :class:`CacheSchema` is compared, and it names the prefix
+artifact id, dtype, sharing, the model / tokenizer and the body ABI.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from flax import struct
 from kvquant_jax.cache import _rows, checks
 from kvquant_jax.cache._rows import DTYPES
 from kvquant_jax.cache.interface import CacheScheme, KVCache, init_cache
-from kvquant_jax.cache.schema import Compatibility, IncompatibleSchemaError, check_compatible, require_compatible
+from kvquant_jax.cache.schema import Compatibility, IncompatibleSchemaError, check_compatible
 
 LAYOUT = "prefix_rows/v1"   # k, v: [L, Hkv, P, D]; keys post-RoPE at positions 0..P-1
 KINDS = ("intactkv-extracted", "intactkv-calibrated", "prefixquant")
@@ -502,29 +503,6 @@ def start_request(artifact: PrefixArtifact, body, batch: int, capacity: int, *, 
 
         groups.append(st.replace(prefix_k=rows(artifact.k), prefix_v=rows(artifact.v)))
     return cache.replace(groups=tuple(groups), lengths=jnp.full((batch,), artifact.prefix_len, jnp.int32))
-
-
-def reuse_prefix(template: KVCache, expected: Sequence, batch: int = 1) -> KVCache:
-    """A new request's cache forked from a started prefix cache ``template`` (sequence 0, no body rows).
-
-    ``expected``: the per-layer schemes (or schemas) the new request would run with, e.g.
-    ``prefix_policy(artifact, body)`` built from the REQUEST's model identity.  Every layer's full schema must match
-    (model, tokenizer, prefix artifact id and dtype, body ABI...), else ``IncompatibleSchemaError`` names every
-    differing field.  The shared prefix arrays are not copied.
-    """
-    from kvquant_jax.cache import ops
-
-    exp = tuple(expected)
-    if len(exp) != template.num_layers:
-        raise ValueError(f"reuse_prefix: {len(exp)} expected schemes for a {template.num_layers}-layer cache")
-    for i, (have, want) in enumerate(zip(template.schemas, exp)):
-        require_compatible(have, want, f"prefix cache reuse (layer {i})")
-    lengths = _rows.host(template.lengths)
-    p = template.per_layer_schemes[0].prefix_len
-    if int(lengths[0]) != p:
-        raise ValueError(f"reuse_prefix: template sequence 0 holds {int(lengths[0])} rows, not just the {p} prefix "
-                         "rows (a template must hold the prefix only)")
-    return ops.fork(template, [0] * batch)
 
 
 def prefix_rows(cache: KVCache) -> int:

@@ -150,8 +150,9 @@ class IntactKVConfig:
 def make_optimizer(c: IntactKVConfig):
     import optax
 
-    sched = optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=c.lr, warmup_steps=min(c.warmup, c.steps),
-                                               decay_steps=c.steps, end_value=c.lr * c.end_lr_ratio)
+    warmup = min(c.warmup, c.steps - 1)
+    sched = optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=c.lr, warmup_steps=warmup,
+                                               decay_steps=max(c.steps, warmup + 1), end_value=c.lr * c.end_lr_ratio)
     return optax.chain(optax.clip_by_global_norm(c.clip_norm),
                        optax.adamw(sched, weight_decay=c.weight_decay)), sched
 
@@ -282,7 +283,7 @@ def calibrate_intactkv(params, cfg: LlamaConfig, artifact: PrefixArtifact, body:
         "rounding_gradient": "straight-through estimator (forward: dequantized rows; backward: identity)",
         "trainable": "prefix K (post-RoPE) and V of every layer; model frozen",
         "optimizer": {"name": "adamw", "peak_lr": config.lr, "schedule": "linear warmup + cosine decay",
-                      "warmup_steps": min(config.warmup, config.steps), "end_lr": config.lr * config.end_lr_ratio,
+                      "warmup_steps": min(config.warmup, config.steps - 1), "end_lr": config.lr * config.end_lr_ratio,
                       "weight_decay": config.weight_decay, "clip_global_norm": config.clip_norm,
                       "b1": 0.9, "b2": 0.999, "eps": 1e-8},
         "config": dataclasses.asdict(config),

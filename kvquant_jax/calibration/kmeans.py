@@ -39,7 +39,7 @@ def assign(x: jax.Array, centers_sorted: jax.Array) -> jax.Array:
     """Index of the nearest centre (ties -> lower), centres sorted ascending (the nuq encode rule)."""
     c = centers_sorted
     mids = c[:-1] * jnp.float32(0.5) + c[1:] * jnp.float32(0.5)
-    return jnp.searchsorted(mids, x, side="left").astype(jnp.int32)
+    return jnp.searchsorted(mids, x, side="left", method="compare_all").astype(jnp.int32)
 
 
 def weighted_sse(x, w, centers_sorted) -> jax.Array:
@@ -48,20 +48,25 @@ def weighted_sse(x, w, centers_sorted) -> jax.Array:
     return jnp.sum(w * jnp.square(x - centers_sorted[a]))
 
 
+def _draw(p, u):
+    """Index drawn with probability ``p / sum(p)`` by inverse CDF at ``u`` in [0, 1) (``p >= 0``, sum > 0)."""
+    cdf = jnp.cumsum(p)
+    i = jnp.searchsorted(cdf, u * cdf[-1], side="right")
+    return jnp.minimum(i, p.shape[0] - 1)
+
+
 def _seed(x, w, key, k: int):
-    """Weighted k-means++ seeding: ``k`` centres drawn from the points."""
-    logw = jnp.where(w > 0, jnp.log(jnp.maximum(w, jnp.float32(1e-38))), -jnp.inf)
-    keys = jax.random.split(key, k)
-    first = x[jax.random.categorical(keys[0], logw)]
+    """Weighted k-means++ seeding: ``k`` centres drawn from the points (inverse-CDF draws from ``k`` uniforms)."""
+    u = jax.random.uniform(key, (k,), jnp.float32)
+    first = x[_draw(w, u[0])]
     centers = jnp.full((k,), first, jnp.float32)
     d2 = jnp.square(x - first)
 
     def body(j, carry):
         centers, d2 = carry
         p = w * d2
-        logits = jnp.where(p > 0, jnp.log(jnp.maximum(p, jnp.float32(1e-38))), -jnp.inf)
-        logits = jnp.where(jnp.any(p > 0), logits, logw)        # every point already a centre: duplicate one
-        c = x[jax.random.categorical(keys[j], logits)]
+        p = jnp.where(jnp.sum(p) > 0, p, w)                     # every point already a centre: duplicate one
+        c = x[_draw(p, u[j])]
         return centers.at[j].set(c), jnp.minimum(d2, jnp.square(x - c))
 
     centers, _ = jax.lax.fori_loop(1, k, body, (centers, d2))

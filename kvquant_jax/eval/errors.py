@@ -146,8 +146,8 @@ def kv_errors(params, cfg, tokens, policy, *, prefill: int, probes: int, positio
     """Reconstruction and attention errors of ``policy`` on one sequence ``tokens`` (int32 [T]); see module doc.
 
     Returns plain floats / lists: per-layer lists (``k_nmse``, ``v_nmse``, ``logit_rel_rms``, ``attn_tv``,
-    ``out_rel``), their layer means, and breakdowns averaged over layers (``*_by_pos`` binned into
-    ``position_bins``, ``*_by_head``, ``*_by_chan``, attention ``*_by_probe``)."""
+    ``out_rel``), their layer means, and breakdowns averaged over layers (``*_by_pos``: rows ``[0, last probe)`` of the largest probe's
+    state, binned into ``position_bins``, ``*_by_head``, ``*_by_chan``, attention ``*_by_probe``)."""
     policy = as_policy(policy)
     tokens = np.asarray(tokens, np.int32).reshape(1, -1)
     t = tokens.shape[1]
@@ -170,7 +170,7 @@ def kv_errors(params, cfg, tokens, policy, *, prefill: int, probes: int, positio
         res[name + "_by_layer"] = stack[name].tolist()
         res[name] = float(stack[name].mean()) if "nmse" in name else float(stack[name].max())
     for name in ("k_nmse", "v_nmse"):
-        res[name + "_by_pos"] = bin_means(stack[name + "_by_pos"].mean(axis=0), position_bins)
+        res[name + "_by_pos"] = bin_means(stack[name + "_by_pos"].mean(axis=0)[: pr[-1]], position_bins)
         res[name + "_by_head"] = stack[name + "_by_head"].mean(axis=0).tolist()
         res[name + "_by_chan"] = stack[name + "_by_chan"].mean(axis=0).tolist()
     for name in ("logit_rel_rms", "attn_tv", "out_rel"):

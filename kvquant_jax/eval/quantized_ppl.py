@@ -99,12 +99,13 @@ def _prefill(params, cfg, tokens, cache):
     return logits[:, -1], cache, ok
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "free_running", "attention_impl"), donate_argnames=("cache",))
-def _decode_scan(params, cfg, cache, first, forced, targets, *, free_running: bool, attention_impl: str):
+@functools.partial(jax.jit, static_argnames=("cfg", "attention_impl"), donate_argnames=("cache",))
+def _decode_scan(params, cfg, cache, first, forced, targets, free_running, *, attention_impl: str):
     """Decode ``N`` steps (T = 1 forwards) in one compiled scan.
 
     first: int32 [B] input of step 0; forced: int32 [B, N] teacher inputs of steps 1.. (column i feeds step i + 1;
-    ignored when ``free_running``: then step i + 1 feeds step i's argmax); targets: int32 [B, N] scored tokens.
+    ignored when ``free_running`` (a traced bool, so both modes share one compilation): then step i + 1 feeds step
+    i's argmax); targets: int32 [B, N] scored tokens.
     Returns (nll [B, N], argmax [B, N], cache, ok).
     """
     b = first.shape[0]
@@ -117,7 +118,7 @@ def _decode_scan(params, cfg, cache, first, forced, targets, *, free_running: bo
         lg = logits[:, 0]
         nll = _gather_nll(lg, target)
         am = jnp.argmax(lg, axis=-1).astype(jnp.int32)
-        nxt = am if free_running else nxt_forced
+        nxt = jnp.where(free_running, am, nxt_forced)
         return (cache, nxt, ok & ok2), (nll, am)
 
     (cache, _, ok), (nll, am) = jax.lax.scan(body, (cache, first, jnp.bool_(True)),
@@ -152,7 +153,7 @@ def decode(params, cfg, policy, prompt, n: int, *, targets=None, free_running: b
     first = first_am if free_running else jnp.asarray(targets[:, 0])
     forced = jnp.asarray(np.concatenate([targets[:, 1:n], np.zeros((b, 1), np.int32)], axis=1))
     nll, am, cache, ok = _decode_scan(params, cfg, cache, first, forced, jnp.asarray(targets[:, 1:]),
-                                      free_running=free_running, attention_impl=attention_impl)
+                                      jnp.bool_(free_running), attention_impl=attention_impl)
     if not bool(ok):
         raise CacheEvalError("a decode step produced non-finite K/V")
     return {"first": np.asarray(first_am), "nll": np.asarray(nll), "argmax": np.asarray(am)}

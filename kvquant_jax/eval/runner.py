@@ -223,9 +223,7 @@ def run_sweep(loaded: LoadedConfig, out_dir: str | Path | None, *, metrics=None,
               on_row=None, log=None, command: str | None = None, report: bool = True) -> RunSummary:
     """Run every point of ``loaded`` (its ``sweep`` block; one point without one) into ``out_dir``."""
     points = loaded.points()
-    sw = loaded.config.sweep
-    name = (sw.name if sw and sw.name else loaded.config.name) or Path(loaded.path).stem
-    baseline = sw.baseline if sw else SchemeSpec("fp32")
+    name, baseline = sweep_name(loaded), sweep_baseline(loaded)
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -239,6 +237,16 @@ def run_sweep(loaded: LoadedConfig, out_dir: str | Path | None, *, metrics=None,
 
             write_report(out, points=points, sweep_name=name, baseline=baseline, command=command)
     return summary
+
+
+def sweep_name(loaded: LoadedConfig) -> str:
+    sw = loaded.config.sweep
+    return (sw.name if sw and sw.name else loaded.config.name) or Path(loaded.path).stem
+
+
+def sweep_baseline(loaded: LoadedConfig) -> SchemeSpec:
+    sw = loaded.config.sweep
+    return sw.baseline if sw else SchemeSpec("fp32")
 
 
 def _write_manifest(out: Path, loaded: LoadedConfig, points: list[Point], command: str | None) -> None:

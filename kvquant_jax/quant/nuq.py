@@ -132,6 +132,6 @@ def dequantize_nuq(codes, scale, offset, codebook, axis: int = -1, group_size: i
 
 
 def uniform_codebook(bits: int) -> jax.Array:
-    """``2**bits`` evenly spaced signposts on ``[-1, 1]`` (a baseline / test codebook)."""
-    bits = C.check_bits(bits, 1, 8, "uniform_codebook")
-    return jnp.linspace(-1.0, 1.0, 2 ** bits, dtype=jnp.float32)
+    """``2**bits`` evenly spaced signposts ``(2i - L + 1) / (L - 1)`` on ``[-1, 1]`` (correctly rounded float32)."""
+    n = 2 ** C.check_bits(bits, 1, 8, "uniform_codebook")
+    return C.exact_divide(jnp.arange(1 - n, n, 2, dtype=jnp.int32).astype(jnp.float32), n - 1)

@@ -1,0 +1,239 @@
+"""IntactKV / PrefixQuant ablation on SmolLM2 (issue H): delta-ppl of quantized KV caches with and without prefix rows.
+
+Variants (each on the same WikiText-2 TEST segments; calibration only ever reads the VALIDATION split):
+  none                 [BOS] + text, every row (BOS included) stored under the body scheme
+  intactkv-extracted   [BOS] rows extracted from the full-precision model, text rows under the body scheme
+  intactkv-calibrated  the same [BOS] rows calibrated (Optax, STE) against that body scheme
+  prefixquant          discovered outlier tokens + [BOS] as a hidden full-precision prefix, text rows under the body
+Body schemes: fp32 (reference), KIVI-2, per-token INT3 / INT4, static per-tensor INT4 (scales fitted on body rows of
+the validation split, prefix rows excluded).  Scored: next-token NLL of text[1:] (the same predictions in every
+variant), every segment read chunk by chunk through the real cache (``llama.forward`` over ``start_request``).
+
+    python experiments/intactkv_ablation.py --out docs/results/intactkv
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvquant_jax.cache.full import FullPrecisionScheme
+from kvquant_jax.cache.interface import init_cache
+from kvquant_jax.cache.kivi import KIVIScheme
+from kvquant_jax.cache.prefix import model_identity, save_artifact, start_request
+from kvquant_jax.cache.static_int import StaticIntScheme, load_static_scales, per_token_int
+from kvquant_jax.calibration import intactkv as ikv
+from kvquant_jax.calibration import prefixquant as pq
+from kvquant_jax.data import load_corpus
+from kvquant_jax.eval.ppl import token_nll
+from kvquant_jax.models import load_model
+from kvquant_jax.models.llama import forward_jit
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def schemes(cfg, names):
+    kw = dict(rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
+    table = {"fp32": lambda: FullPrecisionScheme(**kw), "kivi2": lambda: KIVIScheme(k_bits=2, v_bits=2, group_size=32, residual=32, **kw),
+             "int3": lambda: per_token_int(3, **kw), "int4": lambda: per_token_int(4, **kw),
+             "static4": lambda: StaticIntScheme(bits=4, scale_axis="tensor", calibration_id="pending", **kw)}
+    return {n: table[n]() for n in names}
+
+
+def chunked_nll(params, cfg, cache, tokens: np.ndarray, chunk: int) -> np.ndarray:
+    """Run ``tokens [B, T]`` through ``cache`` in chunks (the serving path); NLL ``[B, T-1]`` of tokens[:, 1:]."""
+    b, t = tokens.shape
+    n = -(-t // chunk)
+    padded = np.zeros((b, n * chunk), np.int32)
+    padded[:, :t] = tokens
+    logits = []
+    for j in range(n):
+        num = min(chunk, t - j * chunk)
+        lg, cache, ok = forward_jit(params, cfg, jnp.asarray(padded[:, j * chunk:(j + 1) * chunk]), cache,
+                                    jnp.full((b,), num, jnp.int32))
+        if not bool(ok):
+            raise RuntimeError("non-finite K/V during evaluation")
+        logits.append(lg[:, :num])
+    return np.asarray(token_nll(jnp.concatenate(logits, axis=1), jnp.asarray(tokens)))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="docs/results/intactkv")
+    ap.add_argument("--artifact-dir", default=None, help="where prefix artifacts are written (default: a temp dir)")
+    ap.add_argument("--schemes", default="fp32,kivi2,int3,int4,static4")
+    ap.add_argument("--segments", type=int, default=8, help="WikiText-2 test segments")
+    ap.add_argument("--seq-len", type=int, default=256, help="text tokens per test segment")
+    ap.add_argument("--chunk", type=int, default=32, help="tokens per forward (eval and calibration)")
+    ap.add_argument("--discovery-seqs", type=int, default=32)
+    ap.add_argument("--discovery-len", type=int, default=256)
+    ap.add_argument("--eta", type=float, default=64.0)
+    ap.add_argument("--calib-seqs", type=int, default=8)
+    ap.add_argument("--heldout-seqs", type=int, default=4)
+    ap.add_argument("--calib-len", type=int, default=128)
+    ap.add_argument("--scale-seqs", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--eval-every", type=int, default=4)
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    art_dir = Path(args.artifact_dir or tempfile.mkdtemp(prefix="intactkv-artifacts-"))
+    m = load_model()
+    cfg, params, tok = m.cfg, m.params, m.tokenizer
+    expect = model_identity(cfg, tok.hash, params=params)
+    val = load_corpus(None, split="validation", fallback=False)
+    test = load_corpus(None, split="test", fallback=False)
+    val_ids = tok.encode(val.text)
+    test_ids = tok.encode(test.text)
+    bos = cfg.bos_id
+    log(f"[ablation] validation {len(val_ids)} tokens, test {len(test_ids)} tokens")
+
+    # disjoint validation windows: discovery | static scales | calibration train | held-out
+    cursor = 0
+
+    def take(n, length):
+        nonlocal cursor
+        a = np.asarray(val_ids[cursor:cursor + n * length], np.int32).reshape(n, length)
+        cursor += n * length
+        return a
+
+    disc_text = take(args.discovery_seqs, args.discovery_len - 1)
+    scale_text = take(args.scale_seqs, args.calib_len)
+    calib_window = cursor
+    train_text = take(args.calib_seqs, args.calib_len)
+    held_text = take(args.heldout_seqs, args.calib_len)
+    calib_window = f"validation token ids [{calib_window}, {cursor})"
+    with_bos = lambda a: np.concatenate([np.full((len(a), 1), bos, np.int32), a], axis=1)  # noqa: E731
+
+    # ---- artifacts -------------------------------------------------------------------------------------------
+    art_b = ikv.extract_prefix(params, cfg, ikv.bos_prefix(tok), tokenizer_hash=tok.hash)
+    sys_ids = ikv.system_prefix(tok)
+    art_s = ikv.extract_prefix(params, cfg, sys_ids, tokenizer_hash=tok.hash, template=ikv.template_hash(tok))
+    t0 = time.perf_counter()
+    disc_stats = pq.down_proj_token_max(params, cfg, with_bos(disc_text))
+    flags = pq.outlier_mask(disc_stats, args.eta).any(axis=0)
+    disc = pq.select_prefix(with_bos(disc_text), flags, bos_id=bos, eta=args.eta, tokenizer_hash=tok.hash)
+    art_pq = pq.prefixquant_artifact(params, cfg, disc, tokenizer_hash=tok.hash,
+                                     provenance={"corpus": val.name, "corpus_sha256": val.sha256})
+    log(f"[ablation] PrefixQuant prefix {disc.prefix_token_ids} in {time.perf_counter() - t0:.0f}s")
+    for name, a in (("bos", art_b), ("system", art_s), ("prefixquant", art_pq)):
+        save_artifact(a, art_dir / f"{name}-{a.artifact_id}")
+
+    # ---- token-wise outliers before vs after the prefix (discovery sequences) ------------------------------------
+    after_b = pq.down_proj_token_max(params, cfg, disc_text, art_b)
+    after_pq = pq.down_proj_token_max(params, cfg, disc_text, art_pq)
+    outliers = {"before ([BOS] + text, all tokens)": pq.outlier_summary(disc_stats, args.eta),
+                "before, text tokens only": pq.outlier_summary(disc_stats, args.eta, skip_first=1),
+                "after IntactKV [BOS] prefix (text tokens)": pq.outlier_summary(after_b, args.eta),
+                "after PrefixQuant prefix (text tokens)": pq.outlier_summary(after_pq, args.eta)}
+
+    # ---- static per-tensor INT4 scales: body rows only ------------------------------------------------------------
+    scales = {"none": pq.static_kv_scales(params, cfg, with_bos(scale_text), None, bits=4),
+              "bos": pq.static_kv_scales(params, cfg, scale_text, art_b, bits=4),
+              "prefixquant": pq.static_kv_scales(params, cfg, scale_text, art_pq, bits=4)}
+    log("[ablation] static scales fitted")
+
+    # ---- evaluation ---------------------------------------------------------------------------------------------
+    s = args.seq_len
+    n_seg = min(args.segments, len(test_ids) // s)
+    segs = np.asarray(test_ids[: n_seg * s], np.int32).reshape(n_seg, s)
+    rows, records = [], {}
+    sch = schemes(cfg, args.schemes.split(","))
+
+    def body_for(name, scheme, which):
+        if name != "static4":
+            return scheme, None
+        ks, vs, info = scales[which]
+        sid = f"static-int4-{which}-{info['method']}"
+        return StaticIntScheme(bits=4, scale_axis="tensor", calibration_id=sid, rope_theta=cfg.rope_theta,
+                               rope_pairing=cfg.rope_pairing), (ks, vs)
+
+    def evaluate(body, static, art):
+        if art is None:
+            toks = with_bos(segs)
+            cache = init_cache(body, num_layers=cfg.num_layers, batch=n_seg, capacity=s + 1,
+                               num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+        else:
+            toks = segs
+            cache = start_request(art, body, n_seg, art.prefix_len + s, expect=expect)
+        if static is not None:
+            cache = load_static_scales(cache, *static)
+        nll = chunked_nll(params, cfg, cache, toks, args.chunk)
+        nll = nll[:, 1:] if art is None else nll          # score text[1:] in every variant
+        per = nll.mean(axis=1)
+        return float(math.exp(per.mean())), per.tolist()
+
+    for name, scheme in sch.items():
+        variants = [("none", None, "none"), ("intactkv-extracted", art_b, "bos"),
+                    ("intactkv-calibrated", None, "bos"), ("prefixquant", art_pq, "prefixquant")]
+        for vname, art, which in variants:
+            body, static = body_for(name, scheme, which)
+            if vname == "intactkv-calibrated":
+                if name == "fp32":
+                    continue        # nothing to calibrate against: the fp body reproduces the teacher exactly
+                t0 = time.perf_counter()
+                art, rec = ikv.calibrate_intactkv(
+                    params, cfg, art_b, body, train_text, held_text,
+                    config=ikv.IntactKVConfig(steps=args.steps, batch=args.batch, chunk=args.chunk, lr=args.lr,
+                                              eval_every=args.eval_every),
+                    checkpoint_dir=Path(tempfile.mkdtemp(prefix=f"intactkv-{name}-")) / "ckpt",
+                    corpus={"name": val.name, "sha256": val.sha256, "split": "validation",
+                            "tokens": calib_window},
+                    static_scales=static, log=log)
+                save_artifact(art, art_dir / f"bos-calibrated-{name}-{art.artifact_id}")
+                rec = {k: v for k, v in rec.items() if k not in ("body_scheme",)}
+                records[name] = rec
+                log(f"[ablation] calibrated {name} in {time.perf_counter() - t0:.0f}s: held-out "
+                    f"{rec['heldout_before']:.5g} -> {rec['heldout_after']:.5g} (step {rec['selected_step']})")
+            t0 = time.perf_counter()
+            ppl, per = evaluate(body, static, art)
+            rows.append({"scheme": name, "variant": vname, "ppl": ppl, "segment_nll": per,
+                         "prefix_ids": list(art.token_ids) if art is not None else [bos],
+                         "artifact_id": art.artifact_id if art is not None else None})
+            log(f"[ablation] {name:8s} {vname:20s} ppl {ppl:.4f} ({time.perf_counter() - t0:.0f}s)")
+
+    ref = next(r["ppl"] for r in rows if r["scheme"] == "fp32" and r["variant"] == "none")
+    for r in rows:
+        r["delta_ppl"] = r["ppl"] - ref
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {
+        "command": "python experiments/intactkv_ablation.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": datetime.date.today().isoformat(), "git_commit": commit, "jax": jax.__version__,
+        "backend": jax.default_backend(), "machine": platform.machine(), "model": m.path,
+        "model_sha256": cfg.sha256, "tokenizer_hash": tok.hash, "test_corpus": test.name,
+        "test_corpus_sha256": test.sha256, "calibration_corpus": val.name, "calibration_corpus_sha256": val.sha256,
+        "args": vars(args), "reference_ppl": ref, "rows": rows,
+        "artifacts": {"bos": art_b.artifact_id, "system": art_s.artifact_id, "system_prefix_ids": sys_ids,
+                      "system_prefix_text": tok.decode(sys_ids, skip_special=False),
+                      "prefixquant": art_pq.artifact_id, "artifact_dir": str(art_dir)},
+        "prefixquant_discovery": disc.to_dict(),
+        "prefixquant_tokens": [tok.decode([t], skip_special=False) for t in disc.prefix_token_ids],
+        "outliers": outliers,
+        "static_scales": {k: {"k": v[0].tolist(), "v": v[1].tolist(), **v[2]} for k, v in scales.items()},
+        "calibration": records, "seconds": time.perf_counter() - t_start,
+    }
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    log(f"[ablation] wrote {out / 'results.json'} in {result['seconds']:.0f}s")
+    return result
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("KVQ_CACHE_DIR", os.path.expanduser("~/.cache/kvquant_jax"))
+    main()

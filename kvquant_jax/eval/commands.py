@@ -1,0 +1,118 @@
+"""``kvq eval CONFIG`` and ``kvq sweep CONFIG --out DIR`` (registered by ``kvquant_jax.cli``)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import sys
+import time
+
+from kvquant_jax.config import METRICS
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate one config (its sweep block ignored): ppl, serving ppl, passkey, "
+                                    "K/V + attention error, greedy agreement, bytes")
+    _common(p)
+    p.add_argument("--out", default=None, help="also write DIR/results.jsonl and DIR/report.md")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("sweep", help="run a config's sweep block into DIR (results.jsonl, report.md, plots); "
+                                     "rerunning resumes")
+    _common(p)
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--report-only", action="store_true", help="only rewrite report.md and plots from results.jsonl")
+    p.add_argument("--list", action="store_true", help="print the resolved points and exit")
+    p.set_defaults(func=cmd_sweep)
+
+
+def _common(p) -> None:
+    p.add_argument("config", help="YAML config (configs/...)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value: dotted key, YAML value (repeatable)")
+    p.add_argument("--metrics", default=None,
+                   help=f"comma-separated subset of the enabled metrics ({','.join(METRICS)})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _metrics(arg):
+    if not arg:
+        return None
+    ms = tuple(m.strip() for m in arg.split(",") if m.strip())
+    bad = [m for m in ms if m not in METRICS]
+    if bad:
+        raise ValueError(f"--metrics: unknown {bad}; known: {list(METRICS)}")
+    return ms
+
+
+def _command() -> str:
+    return "kvq " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def _summary(row: dict) -> dict:
+    v = row["values"]
+    keep = {"ppl": ("ppl", "nll", "tokens"), "serving_ppl": ("ppl", "nll", "tokens"), "passkey": ("mean", "accuracy"),
+            "kv_error": ("k_nmse", "v_nmse", "logit_rel_rms", "attn_tv", "out_rel"),
+            "agreement": ("match", "top1", "mean_first_divergence"),
+            "bytes": ("bits_per_element", "bytes_per_token", "measured_bytes", "simulated")}[row["metric"]]
+    out = {"point": row["point"], "metric": row["metric"], **{k: v[k] for k in keep if k in v}}
+    out.update(row.get("delta", {}))
+    return out
+
+
+def _interrupted(out) -> None:
+    where = f"{out}/results.jsonl" if out else "memory"
+    print(f"\nkvq: interrupted; completed rows are kept in {where}. Run the same command again to resume.",
+          file=sys.stderr)
+    raise SystemExit(130)
+
+
+def cmd_eval(args) -> None:
+    from kvquant_jax.config import load_config
+    from kvquant_jax.eval.runner import run_sweep
+
+    loaded = load_config(args.config, args.overrides)
+    loaded = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, sweep=None))
+    t0 = time.perf_counter()
+    try:
+        summary = run_sweep(loaded, args.out, metrics=_metrics(args.metrics), progress=not args.no_progress,
+                            command=_command())
+    except KeyboardInterrupt:
+        _interrupted(args.out)
+    for r in summary.rows:
+        print(json.dumps(_summary(r)))
+    print(f"[kvq] eval done in {time.perf_counter() - t0:.1f} s"
+          + (f"; report: {args.out}/report.md" if args.out else ""), file=sys.stderr)
+
+
+def cmd_sweep(args) -> None:
+    from pathlib import Path
+
+    from kvquant_jax.config import load_config
+    from kvquant_jax.eval.report import write_report
+    from kvquant_jax.eval.runner import run_sweep, sweep_baseline, sweep_name
+
+    loaded = load_config(args.config, args.overrides)
+    if args.list:
+        for p in loaded.points():
+            print(f"{p.index:3d}  {p.label}")
+        return
+    if loaded.config.sweep is None:
+        print(f"[kvq] {args.config} has no sweep block: running its single point", file=sys.stderr)
+    if args.report_only:
+        import yaml
+
+        manifest = Path(args.out) / "sweep.yaml"
+        command = yaml.safe_load(manifest.read_text()).get("command") if manifest.exists() else None
+        print(write_report(Path(args.out), points=loaded.points(), sweep_name=sweep_name(loaded),
+                           baseline=sweep_baseline(loaded), command=command))
+        return
+    t0 = time.perf_counter()
+    try:
+        summary = run_sweep(loaded, args.out, metrics=_metrics(args.metrics), progress=not args.no_progress,
+                            command=_command())
+    except KeyboardInterrupt:
+        _interrupted(args.out)
+    print(f"[kvq] sweep done in {time.perf_counter() - t0:.1f} s: {summary.computed} rows computed, "
+          f"{summary.skipped} resumed from {args.out}/results.jsonl", file=sys.stderr)
+    print(f"report: {Path(args.out) / 'report.md'}")

@@ -1,0 +1,279 @@
+"""``DIR/report.md`` and PNG plots from ``DIR/results.jsonl`` (only the rows of the current points are used)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from kvquant_jax.config import METRICS, Point, SchemeSpec
+
+
+def _load(path: Path) -> dict[str, dict]:
+    rows = {}
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                rows.setdefault(r["key"], r)
+    return rows
+
+
+def _fmt(x, digits=3, signed=False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if isinstance(x, float):
+        if x != 0 and (abs(x) < 1e-3 or abs(x) >= 1e5):
+            return f"{x:+.2e}" if signed else f"{x:.2e}"
+        return f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
+    return str(x)
+
+
+def collect(rows: dict, points: list[Point], baseline: SchemeSpec) -> list[dict]:
+    """Per point: ``{"point": Point, <metric>: row or None, "baseline_<metric>": row}``."""
+    from kvquant_jax.eval.metrics import DELTA_FIELDS, baseline_config
+    from kvquant_jax.eval.runner import row_key
+
+    out = []
+    for p in points:
+        e = {"point": p}
+        for m in METRICS:
+            if not getattr(p.config.tasks, m).enabled:
+                continue
+            e[m] = rows.get(row_key(p.config, m, "point", baseline))
+            if m in DELTA_FIELDS:
+                e["baseline_" + m] = rows.get(row_key(baseline_config(p.config, baseline), m, "baseline", baseline))
+        out.append(e)
+    return out
+
+
+def _v(e, metric, *path):
+    row = e.get(metric)
+    if row is None:
+        return None
+    node = row
+    for p in path:
+        if not isinstance(node, dict) or p not in node:
+            return None
+        node = node[p]
+    return node
+
+
+def write_report(out_dir: str | Path, *, points: list[Point], sweep_name: str, baseline: SchemeSpec,
+                 command: str | None = None) -> Path:
+    out = Path(out_dir)
+    rows = _load(out / "results.jsonl")
+    entries = collect(rows, points, baseline)
+    done = sum(1 for e in entries for m in METRICS if e.get(m) is not None)
+    planned = sum(1 for e in entries for m in METRICS if m in e)
+    any_row = next((r for e in entries for m in METRICS if (r := e.get(m)) is not None), None)
+    lines = [f"# Sweep `{sweep_name}`", ""]
+    if command:
+        lines += ["Command:", "", "```", command, "```", ""]
+    if any_row is not None:
+        pv = any_row["provenance"]
+        cfg = points[0].config.to_dict()
+        lines += [f"- model: `{pv.get('model')}` sha256 `{pv.get('model_sha256', '')[:16]}…` ({pv.get('model_path')})"]
+        c = next((r["provenance"] for e in entries for m in METRICS if (r := e.get(m)) and "corpus" in r["provenance"]),
+                 None)
+        if c:
+            lines += [f"- corpus: `{c['corpus']}` sha256 `{c['corpus_sha256'][:16]}…` ({c['corpus_source']})"]
+        lines += [f"- git `{pv.get('git_commit', '')[:12]}`{' (dirty tree)' if pv.get('git_dirty') else ''}, "
+                  f"JAX {pv.get('jax_version')}, backend {pv.get('backend')} ({pv.get('device')}, "
+                  f"{pv.get('cpu_count')} CPUs), {pv.get('date')}",
+                  f"- rows: {done} of {planned} planned point rows in `results.jsonl`"
+                  + (" (incomplete: rerun the command to resume)" if done < planned else ""),
+                  f"- baseline (Δ reference): `{baseline}` cache on the same tokens",
+                  f"- tasks: {_task_line(cfg)}", ""]
+    lines += _main_table(entries, baseline)
+    lines += _passkey_tables(entries)
+    lines += _error_tables(entries)
+    plots = _plots(out, entries)
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    lines += _notes()
+    path = out / "report.md"
+    tmp = out / "report.md.tmp"
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def _task_line(cfg: dict) -> str:
+    t = cfg["tasks"]
+    parts = []
+    if t["ppl"]["enabled"]:
+        p = t["ppl"]
+        parts.append(f"fast ppl {p['max_segments']}×{p['seq_len']} tokens, chunk {p['chunk']}")
+    if t["serving_ppl"]["enabled"]:
+        s = t["serving_ppl"]
+        parts.append(f"serving ppl {s['segments']}× (prefill {s['prefill']} + decode {s['decode']})")
+    if t["kv_error"]["enabled"]:
+        k = t["kv_error"]
+        parts.append(f"K/V error on {k['seq_len']} tokens (prefill {k['prefill']}, {k['probes']} probes)")
+    if t["agreement"]["enabled"]:
+        a = t["agreement"]
+        parts.append(f"greedy agreement {a['segments']}× ({a['prompt_tokens']} prompt + {a['new_tokens']} new)")
+    if t["passkey"]["enabled"]:
+        pk = t["passkey"]
+        parts.append(f"passkey lengths {pk['lengths']} depths {pk['depths']} × {pk['trials']} trials")
+    if t["bytes"]["enabled"]:
+        parts.append(f"bytes at {t['bytes']['length']} tokens")
+    return "; ".join(parts)
+
+
+def _main_table(entries, baseline) -> list[str]:
+    head = ["point", "cache policy", "bits/elem", "bytes/token", "ppl", "Δppl", "serving ppl", "Δ serving",
+            "greedy match", "top-1", "K nmse", "V nmse", "attn out err", "passkey"]
+    lines = ["## Summary", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    bl = {m: next((e["baseline_" + m] for e in entries if e.get("baseline_" + m)), None)
+          for m in ("ppl", "serving_ppl", "passkey")}
+    if any(bl.values()):
+        cells = [f"**baseline** `{baseline}`", "", "", "",
+                 _fmt(bl["ppl"]["values"]["ppl"]) if bl["ppl"] else "–", "",
+                 _fmt(bl["serving_ppl"]["values"]["ppl"]) if bl["serving_ppl"] else "–", "", "", "", "", "", "",
+                 _fmt(bl["passkey"]["values"]["mean"], 2) if bl["passkey"] else "–"]
+        lines.append("| " + " | ".join(cells) + " |")
+    for e in entries:
+        p = e["point"]
+        pol = next((r["cache_policy"] for m in METRICS if (r := e.get(m))), "")
+        sim = _v(e, "bytes", "values", "simulated")
+        cells = [p.label, f"`{pol}`" if len(pol) < 60 else f"`{pol[:57]}…`",
+                 _fmt(_v(e, "bytes", "values", "bits_per_element"), 2) + (" (sim)" if sim else ""),
+                 _fmt(_v(e, "bytes", "values", "bytes_per_token"), 0),
+                 _fmt(_v(e, "ppl", "values", "ppl")), _fmt(_v(e, "ppl", "delta", "delta_ppl"), 3, True),
+                 _fmt(_v(e, "serving_ppl", "values", "ppl")),
+                 _fmt(_v(e, "serving_ppl", "delta", "delta_ppl"), 3, True),
+                 _fmt(_v(e, "agreement", "values", "match"), 3), _fmt(_v(e, "agreement", "values", "top1"), 3),
+                 _fmt(_v(e, "kv_error", "values", "k_nmse")), _fmt(_v(e, "kv_error", "values", "v_nmse")),
+                 _fmt(_v(e, "kv_error", "values", "out_rel")), _fmt(_v(e, "passkey", "values", "mean"), 2)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "bits/elem: logical bytes at the bytes-task length (codes + qparams + residual rows + the "
+                  "`lengths` metadata) × 8 / (2·L·Hkv·D·T); `(sim)`: simulated ablation scheme, bits of the "
+                  "equivalent packed layout. nmse: mean over layers of mean((x̂−x)²)/mean(x²). attn out err: "
+                  "relative L2 error of the attention output at the probes. greedy match: fraction of free-running "
+                  "greedy tokens equal to full precision's; top-1: teacher-forced argmax agreement.", ""]
+    return lines
+
+
+def _passkey_tables(entries) -> list[str]:
+    lines = []
+    for e in entries:
+        v = _v(e, "passkey", "values")
+        if v is None:
+            continue
+        if not lines:
+            lines = ["## Passkey retrieval (accuracy per context length × needle depth)", ""]
+        b = _v(e, "baseline_passkey", "values")
+        lines += [f"**{e['point'].label}**" + (f" (baseline mean {_fmt(b['mean'], 2)})" if b else ""), "",
+                  "| length \\ depth | " + " | ".join(f"{d:g}" for d in v["depths"]) + " |",
+                  "|---|" + "---|" * len(v["depths"])]
+        for n, accs in zip(v["lengths"], v["accuracy"]):
+            lines.append(f"| {n} | " + " | ".join(_fmt(a, 2) for a in accs) + " |")
+        lines.append("")
+    return lines
+
+
+def _error_tables(entries) -> list[str]:
+    have = [e for e in entries if _v(e, "kv_error", "values")]
+    if not have:
+        return []
+    lines = ["## K/V and attention error (exact K/V stored by each layer's scheme)", "",
+             "| point | K nmse first / last pos bin | V nmse first / last pos bin | worst K layer | worst V layer "
+             "| logit rel err | attn TV | attn out err |", "|---|---|---|---|---|---|---|---|"]
+    for e in have:
+        v = e["kv_error"]["values"]
+        kl, vl = v["k_nmse_by_layer"], v["v_nmse_by_layer"]
+        ki, vi = max(range(len(kl)), key=kl.__getitem__), max(range(len(vl)), key=vl.__getitem__)
+        lines.append(f"| {e['point'].label} | {_fmt(v['k_nmse_by_pos'][0])} / {_fmt(v['k_nmse_by_pos'][-1])} | "
+                     f"{_fmt(v['v_nmse_by_pos'][0])} / {_fmt(v['v_nmse_by_pos'][-1])} | {ki} ({_fmt(kl[ki])}) | "
+                     f"{vi} ({_fmt(vl[vi])}) | {_fmt(v['logit_rel_rms'])} | {_fmt(v['attn_tv'])} | "
+                     f"{_fmt(v['out_rel'])} |")
+    return lines + [""]
+
+
+def _plots(out: Path, entries) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    pts = [(e["point"].label, _v(e, "bytes", "values", "bits_per_element"), _v(e, "ppl", "delta", "delta_ppl"),
+            _v(e, "serving_ppl", "delta", "delta_ppl")) for e in entries]
+    pts = [p for p in pts if p[1] is not None and (p[2] is not None or p[3] is not None)]
+    if pts:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for label, bits, d_fast, d_serv in pts:
+            if d_fast is not None:
+                ax.scatter(bits, d_fast, marker="o", color="tab:blue")
+                ax.annotate(label, (bits, d_fast), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            if d_serv is not None:
+                ax.scatter(bits, d_serv, marker="x", color="tab:red")
+        ax.scatter([], [], marker="o", color="tab:blue", label="Δppl fast (chunked)")
+        ax.scatter([], [], marker="x", color="tab:red", label="Δppl serving (decode)")
+        ax.axhline(0, color="gray", lw=0.5)
+        ax.set_xlabel("bits per cached K/V element (incl. qparams, residual, metadata)")
+        ax.set_ylabel("Δ perplexity vs full precision")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        made.append(_save(fig, out / "delta_ppl_vs_bits.png"))
+    pk = [(e["point"].label, _v(e, "passkey", "values")) for e in entries if _v(e, "passkey", "values")]
+    if pk:
+        n = len(pk)
+        cols = min(n, 4)
+        rows_ = -(-n // cols)
+        fig, axes = plt.subplots(rows_, cols, figsize=(3.2 * cols, 2.6 * rows_), squeeze=False)
+        for ax, (label, v) in zip(axes.flat, pk):
+            im = ax.imshow(v["accuracy"], vmin=0, vmax=1, cmap="viridis", aspect="auto")
+            ax.set_xticks(range(len(v["depths"])), [f"{d:g}" for d in v["depths"]], fontsize=6)
+            ax.set_yticks(range(len(v["lengths"])), [str(x) for x in v["lengths"]], fontsize=6)
+            ax.set_title(label, fontsize=7)
+            ax.set_xlabel("depth", fontsize=6)
+        for ax in list(axes.flat)[n:]:
+            ax.axis("off")
+        fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
+        made.append(_save(fig, out / "passkey_heatmaps.png"))
+    ev = [(e["point"].label, _v(e, "kv_error", "values")) for e in entries if _v(e, "kv_error", "values")]
+    if ev:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+        for label, v in ev:
+            for ax, name in zip(axes, ("k_nmse_by_pos", "v_nmse_by_pos")):
+                y = [max(x, 1e-12) for x in v[name]]
+                xs = [(i + 0.5) * v["seq_len"] / len(y) for i in range(len(y))]
+                ax.plot(xs, y, label=label, lw=1)
+        for ax, t in zip(axes, ("K", "V")):
+            ax.set_yscale("log")
+            ax.set_xlabel("token position")
+            ax.set_title(f"{t} reconstruction nmse by position (mean over layers)", fontsize=8)
+        axes[0].set_ylabel("nmse")
+        axes[1].legend(fontsize=6)
+        fig.tight_layout()
+        made.append(_save(fig, out / "error_vs_position.png"))
+    return made
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _notes() -> list[str]:
+    return ["## How to read this", "",
+            "- **fast ppl**: contiguous segments fed in `chunk`-token forwards through the cache; a query sees the "
+            "exact K/V of its own chunk and the stored (quantized) K/V of earlier chunks "
+            "(`kvquant_jax/eval/quantized_ppl.py`). Optimistic for lossy caches: up to `chunk − 1` recent tokens "
+            "are exact.",
+            "- **serving ppl**: prefill, then teacher-forced decode one token per forward (T = 1); every decode "
+            "query reads all history from the stored representation — what a deployed decode step sees. Only the "
+            "decode predictions are scored. For a full-precision cache both equal plain perplexity "
+            "(`tests/eval/test_ppl_paths.py`).",
+            "- **Δ** columns: point minus the baseline cache on the same tokens with the same settings.",
+            "- **K/V nmse, attention error**: each layer's exact K/V (from a full-precision forward) stored by that "
+            "layer's scheme as serving would (prefill, then decode appends) and read back; no error feedback "
+            "through later layers (`kvquant_jax/eval/errors.py`).", ""]

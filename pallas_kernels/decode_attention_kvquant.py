@@ -1,0 +1,354 @@
+"""Pallas decode attention over a KVQuant layer: LUT decode, sparse correction and RoPE inside the kernel.
+
+One new query token per sequence (``q: [B, Hq, D]``, already rotated at its own position by the model) attends
+over a :mod:`kvquant_jax.cache.kvquant` layer state read where it lies, plus the exact current token
+(``k_new, v_new: [B, Hkv, D]``), under ONE softmax (design notes 0x07B pseudocode, 0x07F):
+
+    for each cached row n in [sink, length):
+        k_n  = codebook_k[code] * scale_c + zero_c           (LUT decode, calibrated per-channel state)
+        k_n  = where(c is a kept outlier, sparse value, k_n)  (exact holes + full values)
+        k_n  = R_{pos[n]} k_n                                  (RoPE at the row's STORED position, in-kernel)
+        s_n  = q . k_n * sm_scale
+        v_n  = where(outlier, sparse value, codebook_v[code] * v_scale_n + v_offset_n)
+    online softmax over the rows; the full-precision sink rows (rotated at their positions) and the current token
+    are merged into the same normalization outside the kernel (split-K style partials ``(acc, m, l)``).
+
+No decoded key or value is written to memory: each block of ``block_t`` rows is unpacked, looked up, corrected,
+rotated and consumed in registers.
+
+Channel planes (why no register interleave is needed).  The packed stream holds 8 codes in every ``b`` bytes
+(kvquant_jax.quant.packing, ``b`` = bits <= 4), so byte ``kk`` of chunk ``J`` sits at column ``b*J + kk``: one
+strided load per byte plane, ``w = sum_kk byte_kk << 8 kk``, and code plane ``r`` = ``(w >> b r) & (2^b - 1)``
+holds channels ``8 J + r``.  The channel axis is further cut in two halves (``J < D/16`` and ``J >= D/16``) so a
+"sub-plane" ``(half, r)`` holds channels ``half * D/2 + 8 j + r``.  Under the ``half_split`` RoPE pairing channel
+``c`` rotates with ``c + D/2``: sub-plane ``(0, r)`` with ``(1, r)``, column by column; under ``interleaved``
+(``2i`` with ``2i + 1``) sub-plane ``(h, 2m)`` pairs with ``(h, 2m + 1)``.  The query is cut into the same
+sub-planes by the wrapper, logits are the sum of sub-plane dots, and the output comes back as sub-planes that the
+wrapper re-assembles.  Sparse outliers are matched against each sub-plane's channel numbers (a compare + select
+per slot).  The LUT is a select tree over the code bits (``2^b - 1`` selects), a gather-free form.
+
+Backend: the Pallas Triton-style loop kernel (grid ``(B, Hkv, num_splits)``, a ``fori_loop`` over blocks), run
+with ``interpret=True`` where no GPU exists (:func:`pallas_kernels.backend.default_interpret`); validated in the
+interpreter against a float64 NumPy oracle (tests/kernels/test_decode_attention_kvquant.py).
+:func:`decode_attention_kvquant_reference` is the plain-JAX twin (materialize the layer, one softmax).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kvquant_jax.cache.kvquant import KVQuantScheme
+from kvquant_jax.models.rope import apply_rope
+from pallas_kernels.backend import default_interpret
+
+__all__ = ["decode_attention_kvquant", "decode_attention_kvquant_reference", "channel_subplanes"]
+
+_F32 = jnp.float32
+_NEG = -1e30
+_HP = lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    d: int
+    mp: int             # padded query rows per KV head
+    bt: int             # rows per block
+    ns: int             # splits
+    kb: int
+    vb: int
+    ck: int             # key sparse slots per row
+    cv: int             # value sparse slots per row
+    rope: str           # "half_split" | "interleaved" | "none" (post-RoPE keys)
+
+    @property
+    def w(self):        # columns per sub-plane
+        return self.d // 16
+
+
+def channel_subplanes(d: int) -> np.ndarray:
+    """int ``[2, 8, D/16]``: channel held by column ``j`` of sub-plane ``(half, r)`` = ``half*D/2 + 8 j + r``."""
+    if d % 16:
+        raise ValueError(f"decode_attention_kvquant: head_dim must be a multiple of 16, got {d}")
+    j = np.arange(d // 16)
+    return np.array([[h * (d // 2) + 8 * j + r for r in range(8)] for h in range(2)])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# kernel body
+# --------------------------------------------------------------------------------------------------------------
+def _lut(code, cb_ref, bits: int):
+    """``codebook[code]`` as a select tree over the code bits (no gather)."""
+    vals = [jnp.full(code.shape, cb_ref[e], _F32) for e in range(2 ** bits)]
+    for bit in range(bits):
+        sel = ((code >> bit) & 1) == 1
+        vals = [jnp.where(sel, vals[2 * i + 1], vals[2 * i]) for i in range(len(vals) // 2)]
+    return vals[0]
+
+
+def _decode_subplanes(codes_ref, lead, rows, bits: int, cb_ref, sp: _Spec):
+    """Codes of ``rows`` -> 16 float32 sub-planes ``[bt, D/16]`` of codebook values (``[half][r]``)."""
+    out = []
+    mask = 2 ** bits - 1
+    for half in range(2):
+        w = None
+        for kk in range(bits):
+            col = pl.ds(bits * half * sp.w + kk, sp.w, stride=bits)
+            byte = codes_ref[lead + (rows, col)].astype(jnp.int32) << (8 * kk)
+            w = byte if w is None else w | byte
+        out.append([_lut((w >> (bits * r)) & mask, cb_ref, bits) for r in range(8)])
+    return out
+
+
+def _apply_sparse(planes, idx_ref, val_ref, lead, rows, slots: int, sp: _Spec):
+    """Replace the kept outlier coordinates (exact holes + full values) in the sub-planes."""
+    col = lax.broadcasted_iota(jnp.int32, (1, sp.w), 1)
+    for s in range(slots):
+        idx = idx_ref[lead + (rows, pl.ds(s, 1))].astype(jnp.int32)                 # [bt, 1], 255 = unused
+        val = val_ref[lead + (rows, pl.ds(s, 1))].astype(_F32)
+        for half in range(2):
+            for r in range(8):
+                hit = idx == (half * (sp.d // 2) + 8 * col + r)
+                planes[half][r] = jnp.where(hit, val, planes[half][r])
+    return planes
+
+
+def _rotate(planes, ang, sp: _Spec):
+    """RoPE of the sub-planes; ``ang[half][r]``: ``[bt, D/16]`` angles of the pair each column belongs to."""
+    if sp.rope == "none":
+        return planes
+    out = [[None] * 8 for _ in range(2)]
+    pairs = ([((0, r), (1, r)) for r in range(8)] if sp.rope == "half_split"
+             else [((h, 2 * m), (h, 2 * m + 1)) for h in range(2) for m in range(4)])
+    for (h1, r1), (h2, r2) in pairs:
+        a, b = planes[h1][r1], planes[h2][r2]
+        c, s = jnp.cos(ang[h1][r1]), jnp.sin(ang[h1][r1])
+        out[h1][r1] = a * c - b * s
+        out[h2][r2] = b * c + a * s
+    return out
+
+
+def _kernel(start_ref, end_ref, q_ref, kc_ref, kcb_ref, ks_ref, kz_ref, ki_ref, kv_ref, vc_ref, vcb_ref,
+            vs_ref, vo_ref, vi_ref, vv_ref, pos_ref, freq_ref, o_ref, m_ref, l_ref, *, sp: _Spec):
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start, end = start_ref[b], end_ref[b]
+    bt = jnp.int32(sp.bt)
+    first = lax.div(start, bt)
+    last = lax.div(end + bt - 1, bt)
+    per = lax.div(jnp.maximum(last - first, 0) + sp.ns - 1, sp.ns)
+    lo = first + s * per
+    hi = jnp.minimum(lo + per, last)
+    lead = (b, h)
+    q = [[q_ref[b, h, half, r] for r in range(8)] for half in range(2)]            # [Mp, D/16] each
+    ks = [[ks_ref[h, half, r][None, :] for r in range(8)] for half in range(2)]     # [1, D/16]
+    kz = [[kz_ref[h, half, r][None, :] for r in range(8)] for half in range(2)]
+    fr = [[freq_ref[half, r][None, :] for r in range(8)] for half in range(2)]
+
+    def body(blk, carry):
+        m, l, acc = carry
+        row0 = blk * sp.bt
+        rows = pl.ds(row0, sp.bt)
+        posn = row0 + lax.broadcasted_iota(jnp.int32, (sp.bt, 1), 0)
+        valid_col = (posn >= start) & (posn < end)                                  # [bt, 1]
+        valid_row = jnp.reshape(valid_col, (1, sp.bt))
+        # keys: LUT decode -> per-channel scale/zero -> sparse -> RoPE at the stored position -> dots
+        kp = _decode_subplanes(kc_ref, lead, rows, sp.kb, kcb_ref, sp)
+        kp = [[kp[hh][r] * ks[hh][r] + kz[hh][r] for r in range(8)] for hh in range(2)]
+        kp = _apply_sparse(kp, ki_ref, kv_ref, lead, rows, sp.ck, sp)
+        p_row = pos_ref[b, rows][:, None].astype(_F32)                              # [bt, 1]
+        ang = [[p_row * fr[hh][r] for r in range(8)] for hh in range(2)]
+        kp = _rotate(kp, ang, sp)
+        sc = None
+        for hh in range(2):
+            for r in range(8):
+                t = lax.dot_general(q[hh][r], kp[hh][r], (((1,), (1,)), ((), ())), precision=_HP,
+                                    preferred_element_type=_F32)
+                sc = t if sc is None else sc + t
+        sc = jnp.where(valid_row, sc, _NEG)                                          # [Mp, bt]
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1, keepdims=True))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(valid_row, jnp.exp(sc - m_new), 0.0)
+        l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+        # values: LUT decode -> per-row scale/offset -> sparse -> PV
+        vp = _decode_subplanes(vc_ref, lead, rows, sp.vb, vcb_ref, sp)
+        vs = vs_ref[lead + (rows, pl.ds(0, 1))].astype(_F32)                        # [bt, 1]
+        vo = vo_ref[lead + (rows, pl.ds(0, 1))].astype(_F32)
+        vp = [[vp[hh][r] * vs + vo for r in range(8)] for hh in range(2)]
+        vp = _apply_sparse(vp, vi_ref, vv_ref, lead, rows, sp.cv, sp)
+        new_acc = []
+        for hh in range(2):
+            row_acc = []
+            for r in range(8):
+                v = jnp.where(valid_col, vp[hh][r], 0.0)                              # unspecified rows: 0
+                t = lax.dot_general(p, v, (((1,), (0,)), ((), ())), precision=_HP, preferred_element_type=_F32)
+                row_acc.append(acc[hh][r] * alpha + t)
+            new_acc.append(row_acc)
+        return m_new, l, new_acc
+
+    init = (jnp.full((sp.mp, 1), _NEG, _F32), jnp.zeros((sp.mp, 1), _F32),
+            [[jnp.zeros((sp.mp, sp.w), _F32) for _ in range(8)] for _ in range(2)])
+    m, l, acc = lax.fori_loop(lo, hi, body, init)
+    for hh in range(2):
+        for r in range(8):
+            o_ref[b, h, s, hh, r] = acc[hh][r]
+    m_ref[b, h, s] = m
+    l_ref[b, h, s] = l
+
+
+# --------------------------------------------------------------------------------------------------------------
+# wrapper
+# --------------------------------------------------------------------------------------------------------------
+def _subplanes(x, d):
+    """``[..., D]`` -> ``[..., 2, 8, D/16]`` (sub-plane ``(half, r)`` column ``j`` = channel ``half*D/2+8j+r``)."""
+    return jnp.swapaxes(x.reshape(x.shape[:-1] + (2, d // 16, 8)), -1, -2)
+
+
+def _from_subplanes(x, d):
+    return jnp.swapaxes(x, -1, -2).reshape(x.shape[:-3] + (d,))
+
+
+def _inv_freq(d: int, theta: float, pairing: str):
+    """float32 ``[D]``: the RoPE frequency of the pair each channel belongs to (the model's formula)."""
+    inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / jnp.float32(d)))     # [D/2], pair i
+    if pairing == "half_split":
+        return jnp.concatenate([inv, inv])
+    return jnp.repeat(inv, 2)
+
+
+def _pick_block(rows: int, want: int) -> int:
+    bt = 1 << max(int(want).bit_length() - 1, 0)
+    while rows % bt:
+        bt //= 2
+    return bt
+
+
+def _combine(parts):
+    """Merge partials ``(acc [B,Hkv,S,G,D], m [B,Hkv,S,G], l)`` into normalized outputs ``[B, Hkv, G, D]``."""
+    acc = jnp.concatenate([p[0] for p in parts], axis=2)
+    m = jnp.concatenate([p[1] for p in parts], axis=2)
+    l = jnp.concatenate([p[2] for p in parts], axis=2)
+    w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))
+    den = jnp.sum(w * l, axis=2)
+    num = jnp.sum(w[..., None] * acc, axis=2)
+    return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+
+
+def _dense_partial(q4, k, v, valid):
+    """Partial ``(acc, m, l)`` of a small dense key set ``k, v [B, Hkv, N, D]`` (valid ``[B, N]``), in JAX."""
+    s = jnp.einsum("bhgd,bhnd->bhgn", q4, k, precision=_HP)
+    s = jnp.where(valid[:, None, None, :], s, _NEG)
+    m = jnp.max(s, axis=-1)
+    p = jnp.where(valid[:, None, None, :], jnp.exp(s - m[..., None]), 0.0)
+    acc = jnp.einsum("bhgn,bhnd->bhgd", p, jnp.where(valid[:, None, :, None], v, 0.0), precision=_HP)
+    return acc[:, :, None], m[:, :, None], jnp.sum(p, axis=-1)[:, :, None]
+
+
+def _check(q, scheme, state, lengths, k_new, v_new):
+    if not isinstance(scheme, KVQuantScheme):
+        raise ValueError(f"decode_attention_kvquant needs a KVQuantScheme, got {type(scheme).__name__}")
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, Hq, D] (one new token), got shape {q.shape}")
+    b, hq, d = q.shape
+    bs, hkv, cap, _ = state.k_codes.shape
+    if bs != b or state.k_sink.shape[-1] != d:
+        raise ValueError(f"q {q.shape} does not match the layer state (B={bs}, D={state.k_sink.shape[-1]})")
+    if hq % hkv:
+        raise ValueError(f"GQA needs Hq ({hq}) to be a multiple of Hkv ({hkv})")
+    if tuple(lengths.shape) != (b,):
+        raise ValueError(f"lengths must be int [B={b}], got shape {lengths.shape}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("pass both k_new and v_new, or neither")
+    if k_new is not None and (tuple(k_new.shape) != (b, hkv, d) or tuple(v_new.shape) != (b, hkv, d)):
+        raise ValueError(f"k_new, v_new must be [B, Hkv, D] = {(b, hkv, d)}, got {k_new.shape}, {v_new.shape}")
+    channel_subplanes(d)
+    return b, hq, hkv, d, cap
+
+
+def decode_attention_kvquant(q, scheme: KVQuantScheme, state, lengths, k_new=None, v_new=None, *,
+                             sm_scale: float | None = None, interpret: Any = None, block_t: int = 64,
+                             num_splits: int = 1):
+    """Attention of one new token over a KVQuant layer (+ the exact current token), ONE softmax.
+
+    Args:
+      q: ``[B, Hq, D]`` query, post-RoPE (rotated once at its position).
+      scheme, state: the layer's :class:`~kvquant_jax.cache.kvquant.KVQuantScheme` and (unstacked) state.
+      lengths: int ``[B]`` committed rows (history = positions ``[0, lengths)``).
+      k_new, v_new: optional ``[B, Hkv, D]`` exact post-RoPE K/V of the current token.
+      sm_scale: logit scale (default ``1/sqrt(D)``).  interpret: None -> interpreter unless on GPU.
+      block_t: rows per kernel block (the largest power of two <= it dividing the capacity).
+      num_splits: split-K programs per (sequence, KV head).
+    Returns ``[B, Hq, D]`` in ``q.dtype``.  Raises ``ValueError`` for mismatched shapes, a non-KVQuant scheme or
+    ``D`` not a multiple of 16.
+    """
+    b, hq, hkv, d, cap = _check(q, scheme, state, lengths, k_new, v_new)
+    g = hq // hkv
+    if interpret is None:
+        interpret = default_interpret()
+    if num_splits < 1 or block_t < 1:
+        raise ValueError(f"num_splits and block_t must be >= 1, got {num_splits}, {block_t}")
+    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
+    lengths = lengths.astype(jnp.int32)
+    q4 = q.astype(_F32).reshape(b, hkv, g, d) * scale
+    mp = max(8, -(-g // 8) * 8)
+    bt = _pick_block(cap, block_t)
+    ns = max(1, min(num_splits, cap // bt))
+    rope = scheme.rope_pairing if scheme.key_stage == "pre_rope" else "none"
+    sp = _Spec(d=d, mp=mp, bt=bt, ns=ns, kb=scheme.k_bits, vb=scheme.v_bits, ck=scheme.k_sparse_capacity,
+               cv=scheme.v_outliers, rope=rope)
+    qsub = _subplanes(jnp.pad(q4, ((0, 0), (0, 0), (0, mp - g), (0, 0))), d)          # [B, Hkv, Mp, 2, 8, D/16]
+    qsub = jnp.moveaxis(qsub, 2, 4)                                                     # [B, Hkv, 2, 8, Mp, D/16]
+    freq = _subplanes(_inv_freq(d, scheme.rope_theta, scheme.rope_pairing), d)          # [2, 8, D/16]
+    start = jnp.minimum(jnp.int32(scheme.sink), lengths)
+    st = state
+
+    def dummy(x):      # Pallas cannot take zero-size operands: a one-slot never-matching stand-in
+        return x if x.shape[-1] else jnp.full(x.shape[:-1] + (1,), 255 if x.dtype == jnp.uint8 else 0, x.dtype)
+
+    out_shape = (jax.ShapeDtypeStruct((b, hkv, ns, 2, 8, mp, d // 16), _F32),
+                 jax.ShapeDtypeStruct((b, hkv, ns, mp, 1), _F32),
+                 jax.ShapeDtypeStruct((b, hkv, ns, mp, 1), _F32))
+    o, m, l = pl.pallas_call(
+        functools.partial(_kernel, sp=sp), out_shape=out_shape, grid=(b, hkv, ns), interpret=interpret,
+        name=f"decode_attention_kvquant_k{sp.kb}v{sp.vb}",
+    )(start, lengths, qsub, st.k_codes, st.k_codebook, _subplanes(st.k_scale, d), _subplanes(st.k_zero, d),
+      dummy(st.k_sp_idx), dummy(st.k_sp_val), st.v_codes, st.v_codebook, st.v_scale, st.v_offset,
+      dummy(st.v_sp_idx), dummy(st.v_sp_val), st.pos, freq)
+    acc = _from_subplanes(jnp.moveaxis(o, 5, 3), d)[:, :, :, :g]                        # [B, Hkv, S, G, D]
+    parts = [(acc, m[:, :, :, :g, 0], l[:, :, :, :g, 0])]
+    if scheme.sink:
+        n = min(scheme.sink, cap)
+        ks = st.k_sink[:, :, :n].astype(_F32)
+        pos = st.pos[:, :n]
+        if scheme.key_stage == "pre_rope":
+            ks = jnp.swapaxes(apply_rope(jnp.swapaxes(ks, 1, 2), pos, scheme.rope_theta, scheme.rope_pairing), 1, 2)
+        valid = jnp.arange(n, dtype=jnp.int32)[None, :] < lengths[:, None]
+        parts.append(_dense_partial(q4, ks, st.v_sink[:, :, :n].astype(_F32), valid))
+    if k_new is not None:
+        parts.append(_dense_partial(q4, k_new.astype(_F32)[:, :, None], v_new.astype(_F32)[:, :, None],
+                                    jnp.ones((b, 1), jnp.bool_)))
+    return _combine(parts).reshape(b, hq, d).astype(q.dtype)
+
+
+def decode_attention_kvquant_reference(q, scheme: KVQuantScheme, state, lengths, k_new=None, v_new=None, *,
+                                       sm_scale: float | None = None, interpret: Any = None, block_t: int = 64,
+                                       num_splits: int = 1):
+    """Plain-JAX twin of :func:`decode_attention_kvquant` (same signature; kernel-only arguments ignored):
+    ``scheme.materialize_layer`` (post-RoPE keys) and one float32 softmax with the current token."""
+    del interpret, block_t, num_splits
+    b, hq, hkv, d, cap = _check(q, scheme, state, lengths, k_new, v_new)
+    g = hq // hkv
+    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
+    q4 = q.astype(_F32).reshape(b, hkv, g, d) * scale
+    k, v, valid = scheme.materialize_layer(state, lengths.astype(jnp.int32))
+    parts = [_dense_partial(q4, k, v, valid)]
+    if k_new is not None:
+        parts.append(_dense_partial(q4, k_new.astype(_F32)[:, :, None], v_new.astype(_F32)[:, :, None],
+                                    jnp.ones((b, 1), jnp.bool_)))
+    return _combine(parts).reshape(b, hq, d).astype(q.dtype)

@@ -1,0 +1,92 @@
+"""Perplexity paths: plain (no cache) = fast (chunked through the cache) = serving (prefill + T=1 decode) for a
+full-precision cache, and the definitions line up for a lossy cache."""
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvquant_jax.cache.registry import make_scheme
+from kvquant_jax.eval.ppl import _segment_nll, perplexity
+from kvquant_jax.eval.quantized_ppl import chunked_nll, make_nll_fn, serving_nll
+
+
+def _plain(tiny, toks):
+    cfg, params = tiny
+    return np.asarray(_segment_nll(params, cfg, jnp.asarray(toks)), np.float64)
+
+
+def test_full_precision_fast_equals_plain(tiny, tokens):
+    cfg, params = tiny
+    toks = tokens(2, 40)
+    plain = _plain(tiny, toks)
+    for chunk in (7, 40):          # a chunk that does not divide T (padded last chunk) and a single forward
+        fast = np.asarray(chunked_nll(params, cfg, toks, make_scheme("fp32"), chunk), np.float64)
+        assert fast.shape == plain.shape == (2, 39)
+        np.testing.assert_allclose(fast, plain, rtol=0, atol=5e-5)
+
+
+def test_full_precision_serving_equals_fast_equals_plain(tiny, tokens):
+    cfg, params = tiny
+    toks = tokens(2, 40, seed=1)
+    prefill = 11
+    plain = _plain(tiny, toks)
+    fp = make_scheme("fp32")
+    serving = np.asarray(serving_nll(params, cfg, toks, fp, prefill), np.float64)
+    fast = np.asarray(chunked_nll(params, cfg, toks, fp, 16), np.float64)
+    assert serving.shape == (2, 40 - prefill - 1)
+    np.testing.assert_allclose(serving, plain[:, prefill:], rtol=0, atol=5e-5)
+    np.testing.assert_allclose(serving, fast[:, prefill:], rtol=0, atol=5e-5)
+    # and as perplexities on the same tokens
+    ppl = [math.exp(x[:, prefill:].mean()) for x in (plain, fast)] + [math.exp(serving.mean())]
+    assert max(ppl) / min(ppl) - 1 < 1e-5
+
+
+def test_lossy_cache_paths_line_up(tiny, tokens):
+    """chunk = 1 feeds every token alone: that IS the serving path with a 1-token prefill.  chunk >= T never reads
+    the cache, so it equals plain perplexity even for a lossy cache.  A real lossy cache changes the NLL."""
+    cfg, params = tiny
+    toks = tokens(1, 33, seed=2)
+    scheme = make_scheme("int4")
+    one = np.asarray(chunked_nll(params, cfg, toks, scheme, 1), np.float64)
+    serving = np.asarray(serving_nll(params, cfg, toks, scheme, 1), np.float64)
+    np.testing.assert_allclose(one[:, 1:], serving, rtol=0, atol=5e-5)
+    whole = np.asarray(chunked_nll(params, cfg, toks, scheme, 64), np.float64)
+    np.testing.assert_allclose(whole, _plain(tiny, toks), rtol=0, atol=5e-5)
+    assert np.abs(one - _plain(tiny, toks)).max() > 1e-3
+
+
+def test_make_nll_fn_plugs_into_perplexity(tiny, tokens):
+    cfg, params = tiny
+    ids = tokens(1, 100, seed=3)[0].tolist()
+    a = perplexity(params, cfg, ids, seq_len=32, max_segments=3)
+    b = perplexity(params, cfg, ids, seq_len=32, max_segments=3, nll_fn=make_nll_fn(make_scheme("fp32"), chunk=8))
+    assert b.segments == 3 and b.tokens == 3 * 31
+    assert abs(a.nll - b.nll) < 5e-5
+
+
+def test_bad_arguments_raise(tiny, tokens):
+    cfg, params = tiny
+    with pytest.raises(ValueError, match="chunk"):
+        chunked_nll(params, cfg, tokens(1, 8), make_scheme("fp32"), 0)
+    with pytest.raises(ValueError, match="prefill"):
+        serving_nll(params, cfg, tokens(1, 8), make_scheme("fp32"), 7)
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_smollm_paths_agree_and_int8_is_close(smollm, wikitext_test_path):
+    """On the real model: fp32 serving = fast = plain NLL on the same WikiText-2 tokens; INT8 moves ppl < 1%."""
+    from kvquant_jax.data import load_corpus
+
+    ids = smollm.tokenizer.encode(load_corpus(str(wikitext_test_path)).text[:4000])
+    toks = np.asarray(ids[:97], np.int32)[None]
+    p, c = smollm.params, smollm.cfg
+    plain = np.asarray(_segment_nll(p, c, jnp.asarray(toks)), np.float64)
+    fp = make_scheme("fp32", rope_theta=c.rope_theta)
+    fast = np.asarray(chunked_nll(p, c, toks, fp, 32), np.float64)
+    serving = np.asarray(serving_nll(p, c, toks, fp, 64), np.float64)
+    np.testing.assert_allclose(fast, plain, rtol=0, atol=2e-3)
+    np.testing.assert_allclose(serving, plain[:, 64:], rtol=0, atol=2e-3)
+    q = np.asarray(serving_nll(p, c, toks, make_scheme("int8", rope_theta=c.rope_theta), 64), np.float64)
+    assert abs(math.exp(q.mean()) / math.exp(plain[:, 64:].mean()) - 1) < 0.01
