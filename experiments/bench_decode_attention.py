@@ -168,12 +168,25 @@ def baseline_fns():
     return {"cudnn": cudnn, "xla": xla}
 
 
+class _Rows(list):
+    """Row list that publishes every row to ``results`` and flushes the output files as it grows."""
+
+    def __init__(self, args, results):
+        super().__init__()
+        self.args, self.results = args, results
+
+    def append(self, row):
+        super().append(row)
+        self.results["rows"].append(row)
+        flush(self.args, self.results)
+
+
 def run_size(args, t, names, configs, results, log):
     b, hq, hkv, d = args.B, args.hq, args.hkv, args.d
     key = jax.random.PRNGKey(t)
     q = jax.random.normal(jax.random.fold_in(key, 1), (b, hq, d), jnp.float32).astype(jnp.bfloat16)
     bf16_bytes = 2 * b * hkv * t * d * 2
-    rows = []
+    rows = _Rows(args, results)
     n = n_sets_for(bf16_bytes)
     base = {}
     for bname, fn in baseline_fns().items():
@@ -198,8 +211,13 @@ def run_size(args, t, names, configs, results, log):
         if name.endswith("+tail"):
             run_dispatch_kivi(args, t, name, q, configs, base, rows, log)
             continue
-        kf, vf = FORMATS[name]
-        cfg = configs.get(name)
+        base_name, _, prec = name.partition("@")
+        kf, vf = FORMATS[base_name]
+        cfg = configs.get(base_name)
+        if prec:
+            from pallas_kernels.decode_attention import default_config
+            cfg = dataclasses.replace(cfg or default_config(kf, t, b, hkv, backend="gpu", interpret=False),
+                                      precision=prec)
         try:
             one = device_region(jax.random.fold_in(key, 1000), kf, vf, b, hkv, t, d)
             set_bytes = nbytes(one) - 2 * b * 4
@@ -225,7 +243,6 @@ def run_size(args, t, names, configs, results, log):
         except Exception as e:  # noqa: BLE001
             log(f"T={t:6d} {name:16s} FAILED {type(e).__name__}: {str(e)[:400]}")
             rows.append(dict(T=t, impl="pallas", format=name, error=f"{type(e).__name__}: {str(e)[:400]}"))
-    results["rows"].extend(rows)
     return rows
 
 
@@ -348,6 +365,8 @@ def flush(args, results):
     if args.out:
         with open(args.out + ".json", "w") as f:
             json.dump(results, f, indent=1, default=str)
+        with open(args.out + ".md", "w") as f:
+            f.write(markdown(results))
 
 
 def markdown(results) -> str:
@@ -376,6 +395,7 @@ def main(argv=None):
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--T", default="4096,16384,32768,131072")
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--extra", default="", help="formats measured only at T == --tune-t (e.g. int4@bf16, kivi2+tail)")
     ap.add_argument("--baselines", default="cudnn,xla")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--check-t", type=int, default=32768, help="compare with the f32 reference up to this T")
@@ -415,12 +435,10 @@ def main(argv=None):
         results["best_configs"] = {k: dataclasses.asdict(v) for k, v in best.items()}
         log("best: " + json.dumps(results["best_configs"]))
         flush(args, results)
+    extra = [x for x in args.extra.split(",") if x]
     for t in [int(x) for x in args.T.split(",") if x]:
-        run_size(args, t, names, configs, results, log)
+        run_size(args, t, names + (extra if t == args.tune_t else []), configs, results, log)
         flush(args, results)
-    if args.out:
-        with open(args.out + ".md", "w") as f:
-            f.write(markdown(results))
     log(markdown(results))
     return results
 

@@ -142,6 +142,10 @@ def main(argv=None):
 
     add_eval_parsers(sub)
 
+    from kvquant_jax.calibration.commands import add_parsers as add_prefix_parsers
+
+    add_prefix_parsers(sub)
+
     args = ap.parse_args(argv)
     try:
         args.func(args)

@@ -21,8 +21,9 @@ Overrides (``--set key=value``): dotted keys, YAML-parsed values (``--set cache.
 
 Sweeps: the points are the cartesian product of the ``grid`` axes (first axis slowest), times the ``zip`` axes
 (all the same length, advanced together), times the explicit ``points`` list (each a mapping of dotted overrides).
-The reserved key ``label`` (in ``zip`` or a point) names a point; otherwise the label is built from the values.
-``--set`` overrides apply after a point's own overrides (the command line wins).
+The reserved key ``label`` (in ``zip`` or a point) names a point (grid values are appended to it); otherwise the
+label is built from the values.  A point's overrides apply broader keys first (``cache.scheme`` before
+``cache.scheme.bits``, whatever axis sets them); ``--set`` overrides apply last (the command line wins).
 
 Every error is a :class:`ConfigError` that names the file the offending key came from and the dotted key.
 """
@@ -414,6 +415,8 @@ def set_dotted(raw: dict, key: str, value: Any, origins: _Origins | None = None,
         nxt = node.get(p)
         if nxt is None:
             nxt = node[p] = {}
+            if origins is not None:
+                origins.map[here] = source
         elif here.endswith("scheme") and isinstance(nxt, str):
             nxt = node[p] = _scheme_as_mapping(nxt)
         elif not isinstance(nxt, dict):
@@ -490,15 +493,15 @@ def _convert(tp, v: Any, key: str, origins: _Origins) -> Any:
             if type(None) in args:
                 return None
             raise origins.error(key, f"must not be null")
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:
+            return _convert(options[0], v, key, origins)
+        for a in options:
             try:
                 return _convert(a, v, key, origins)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise origins.error(key, f"expected {' or '.join(_type_name(a) for a in args)}, got {v!r}")
+            except ConfigError:
+                pass
+        raise origins.error(key, f"expected {' or '.join(_type_name(a) for a in options)}, got {v!r}")
     if tp is SchemeSpec:
         return _scheme_spec(v, key, origins)
     if dataclasses.is_dataclass(tp):
@@ -633,7 +636,7 @@ def _check(cfg: ExperimentConfig, origins: _Origins) -> None:
         for k, v in d.items():
             key = f"{prefix}.{k}" if prefix else k
             if isinstance(v, dict) and key not in ("sweep",) and not key.endswith("scheme"):
-                walk(v, key)
+                yield from walk(v, key)
             else:
                 yield key, v
 
@@ -760,7 +763,7 @@ class Point:
 
 def _short(key: str) -> str:
     parts = key.split(".")
-    return parts[-1] if parts[-1] not in ("name", "scheme") or len(parts) == 1 else ".".join(parts[-2:])
+    return parts[-2] if parts[-1] == "name" and len(parts) > 1 else parts[-1]
 
 
 def _value_label(v: Any) -> str:
@@ -787,16 +790,15 @@ def sweep_points(loaded: LoadedConfig) -> list[Point]:
     for combo in combos:
         for zi in range(n_zip):
             for p in pts:
-                ov = list(zip(grid_keys, combo)) + [(k, vals[zi]) for k, vals in sw.zip] + list(p)
-                label = None
-                ovs = []
-                for k, v in ov:
-                    if k == "label":
-                        label = str(v)
-                    else:
-                        ovs.append((k, v))
-                if label is None:
-                    label = ", ".join(f"{_short(k)}={_value_label(v)}" for k, v in ovs) or "base"
+                named = [(k, vals[zi]) for k, vals in sw.zip] + list(p)
+                labels = [str(v) for k, v in named if k == "label"]
+                named = [(k, v) for k, v in named if k != "label"]
+                grid_ov = list(zip(grid_keys, combo))
+                parts = labels or [f"{_short(k)}={_value_label(v)}" for k, v in named]
+                parts += [f"{_short(k)}={_value_label(v)}" for k, v in grid_ov]
+                label = ", ".join(parts) or "base"
+                # a broader key first, so "cache.scheme.bits" refines a whole "cache.scheme" set by another axis
+                ovs = sorted(grid_ov + named, key=lambda kv: kv[0].count("."))
                 idx = len(out)
                 src = f"{loaded.path}: sweep point {idx} ({label})"
                 origins = loaded.origins.copy()

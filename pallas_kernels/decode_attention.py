@@ -92,11 +92,14 @@ def default_config(fmt_k: KVFormat, rows: int, batch: int, num_kv_heads: int, *,
         return KernelConfig(block_t=32, num_splits=2)
     if backend == "tpu":
         return KernelConfig(block_t=128 if interpret is False else 32, num_splits=1)
-    bt = 64 if not fmt_k.is_int else 128
+    # H200 sweep at T=32K, B*Hkv=64 (docs/benchmarks_decode.md): 64-row blocks, ~1-2K programs, 4 warps.
+    bt = 64
     nb = max(rows // bt, 1)
     programs = batch * num_kv_heads
-    splits = max(1, min(nb, -(-2 * 132 // programs)))   # about two waves over the H200's 132 SMs
-    return KernelConfig(block_t=bt, num_splits=splits, num_warps=4, num_stages=3)
+    splits = max(1, min(nb, -(-(2048 if fmt_k.is_int else 1024) // programs)))
+    unpack = "asm" if fmt_k.is_int and fmt_k.bits < 8 else "magic"
+    return KernelConfig(block_t=bt, num_splits=splits, num_warps=4, num_stages=4 if fmt_k.is_int else 3,
+                        unpack=unpack)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +115,7 @@ class _Spec:
     precision: str
     unpack: str        # "magic" (exponent-bias bit trick), "convert" (int -> float) or "asm" (GPU PRMT unpack)
     q_exact: bool      # the query is exactly representable in the K operand dtype (no hi/lo split needed)
+    dup: int = 0       # > 0: query rows [dup, 2 dup) repeat rows [0, dup); PV feeds them the lo part of p
 
     @property
     def npk(self):
@@ -187,6 +191,18 @@ def _split(a, op_dtype, precision):
     if precision == "bf16":
         return [hi]
     return [hi, (a - hi.astype(_F32)).astype(op_dtype)]
+
+
+def _p_pieces(p, op_dtype, sp: _Spec):
+    """Probability-side operand of the PV dot.  With ``dup`` the hi and lo parts share ONE dot: rows
+    ``[0, dup)`` carry hi(p), the duplicate rows ``[dup, 2 dup)`` (same query, so same p) carry lo(p), and the
+    wrapper adds the two row blocks: float32-grade accuracy at the cost of a single bf16 pass."""
+    if not sp.dup:
+        return _split(p, op_dtype, sp.precision)
+    hi = p.astype(op_dtype)
+    lo = (p - hi.astype(_F32)).astype(op_dtype)
+    rows = lax.broadcasted_iota(jnp.int32, p.shape, 0)
+    return [jnp.where(rows < sp.dup, hi, lo)]
 
 
 def _mm(pieces, b, trans_b):
@@ -271,6 +287,8 @@ def _logits(qv, tile: _Tile, rr: int, j: int, sp: _Spec):
         kt = tile.rows("k", rr, n).astype(op)
         return _mm(pieces[0][0], kt, True)
     planes = _planes(tile.rows("k", rr, n), f, op, sp.unpack)
+    if f.scale == "head":             # static per-head scale: folded into qs outside
+        return functools.reduce(jnp.add, [_mm(pieces[0][r], planes[r], True) for r in range(sp.npk)])
     if f.scale == "channel":          # fold the group's channel scales into the query (0x03B, option 2)
         s = None
         const = None
@@ -304,14 +322,18 @@ def _pv(accs, zaccs, p, valid_row, valid_col, tile: _Tile, rr: int, sp: _Spec):
     if not f.is_int:
         vt = tile.rows("v", rr, n).astype(op)
         vt = jnp.where(valid_col, vt, jnp.zeros_like(vt))     # unspecified rows may hold NaN
-        accs[0][0] = accs[0][0] + _mm(_split(p, op, sp.precision), vt, False)
+        accs[0][0] = accs[0][0] + _mm(_p_pieces(p, op, sp), vt, False)
         return accs, zaccs
     gbytes = sp.vf.data_dim(sp.d) // sp.ngv
     for g in range(sp.ngv):
         cols = pl.ds(g * gbytes, gbytes) if sp.ngv > 1 else slice(None)
         planes = _planes(tile.rows("v", rr, n, cols), f, op, sp.unpack)
-        vs = _as_row(tile.rows("vs", rr, n, pl.ds(g, 1)))
-        pieces = _split(jnp.where(valid_row, p * vs, 0.0), op, sp.precision)   # V scales into p (0x03C)
+        if f.scale == "head":         # static per-head scale: applied to the region's output outside
+            vs = None
+            pieces = _p_pieces(jnp.where(valid_row, p, 0.0), op, sp)
+        else:
+            vs = _as_row(tile.rows("vs", rr, n, pl.ds(g, 1)))
+            pieces = _p_pieces(jnp.where(valid_row, p * vs, 0.0), op, sp)      # V scales into p (0x03C)
         for r in range(sp.npv):
             accs[g][r] = accs[g][r] + _mm(pieces, planes[r], False)
         if sp.v_zero:
@@ -354,6 +376,9 @@ def _block(state, qv, tile: _Tile, pos0, start, end, sp: _Spec):
 
 def _outputs(state, sp: _Spec):
     m, l, accs, zaccs = state
+    if sp.v_zero and sp.dup:      # the wrapper adds rows [dup, 2 dup) to rows [0, dup): count z once
+        rows = lax.broadcasted_iota(jnp.int32, (sp.mp, 1), 0)
+        zaccs = [jnp.where(rows < sp.dup, z, 0.0) for z in zaccs]
     outs = [[a + zaccs[g] if sp.v_zero else a for a in row] for g, row in enumerate(accs)]
     return m, l, outs
 
@@ -574,7 +599,10 @@ def _region_partial(q4, qs, q_dtype, reg: Region, cfg: KernelConfig, backend: st
     why = kernel_unsupported(reg, d, backend)
     if why:
         raise ValueError(f"decode-attention kernel: {why}")
-    mp = max(16, 1 << (g - 1).bit_length()) if backend == "gpu" else -(-g // 8) * 8
+    op_k = _op_dtype(kf, cfg.precision)
+    dup = g if cfg.precision == "bf16x2" and _op_dtype(vf, cfg.precision) != _F32 else 0
+    rows_needed = 2 * g if dup else g
+    mp = max(16, 1 << (rows_needed - 1).bit_length()) if backend == "gpu" else -(-rows_needed // 8) * 8
     group = kf.group if kf.scale == "channel" else 1
     mult = group
     if backend == "tpu" and kf.scale == "channel":   # the [bt / G, D] scale tile needs 8 sublanes (or all rows)
@@ -584,11 +612,14 @@ def _region_partial(q4, qs, q_dtype, reg: Region, cfg: KernelConfig, backend: st
     unpack = cfg.unpack if (backend == "gpu" and not interpret) or cfg.unpack != "asm" else "magic"
     sp = _Spec(kf=kf, vf=vf, d=d, mp=mp, bt=bt, sub=group if kf.scale == "channel" else bt, ns=ns,
                nb=rows // bt, precision=cfg.precision, unpack=unpack,
-               q_exact=kf.scale != "channel" and jnp.dtype(q_dtype) == jnp.dtype(_op_dtype(kf, cfg.precision)))
+               q_exact=kf.scale != "channel" and jnp.dtype(q_dtype) == jnp.dtype(op_k), dup=dup)
     if kf.scale == "head":
         qs = qs * reg.k.scale.astype(_F32)[None, :, None]
+    if dup:
+        q4 = jnp.concatenate([q4, q4], axis=2)
+        qs = jnp.concatenate([qs, qs], axis=2)
     qk = _query_planes(q4, kf, mp)
-    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, mp - g)))[..., None]
+    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, mp - qs.shape[2])))[..., None]
     names = _names(kf, vf)
     arrays = []
     for op in (reg.k, reg.v):
@@ -605,6 +636,8 @@ def _region_partial(q4, qs, q_dtype, reg: Region, cfg: KernelConfig, backend: st
         o, m, l = _gpu_call(start, end, qk, qs, arrays, sp, names, cfg, interpret)
     # [B, Hkv, S, NGv, P, Mp, Gb] -> [B, Hkv, S, Mp, D]: channel d = (group * Gb + col) * P + plane
     o = jnp.transpose(o, (0, 1, 2, 5, 3, 6, 4)).reshape(b, hkv, ns, mp, d)
+    if dup:
+        o = o[:, :, :, :g] + o[:, :, :, g:2 * g]
     if vf.scale == "head":
         o = o * reg.v.scale.astype(_F32)[None, :, None, None, None]
     return o[:, :, :, :g], m[:, :, :, :g, 0], l[:, :, :, :g, 0]

@@ -16,16 +16,17 @@ over a :mod:`kvquant_jax.cache.kvquant` layer state read where it lies, plus the
 No decoded key or value is written to memory: each block of ``block_t`` rows is unpacked, looked up, corrected,
 rotated and consumed in registers.
 
-Channel planes (why no register interleave is needed).  The packed stream holds 8 codes in every ``b`` bytes
-(kvquant_jax.quant.packing, ``b`` = bits <= 4), so byte ``kk`` of chunk ``J`` sits at column ``b*J + kk``: one
-strided load per byte plane, ``w = sum_kk byte_kk << 8 kk``, and code plane ``r`` = ``(w >> b r) & (2^b - 1)``
-holds channels ``8 J + r``.  The channel axis is further cut in two halves (``J < D/16`` and ``J >= D/16``) so a
-"sub-plane" ``(half, r)`` holds channels ``half * D/2 + 8 j + r``.  Under the ``half_split`` RoPE pairing channel
-``c`` rotates with ``c + D/2``: sub-plane ``(0, r)`` with ``(1, r)``, column by column; under ``interleaved``
-(``2i`` with ``2i + 1``) sub-plane ``(h, 2m)`` pairs with ``(h, 2m + 1)``.  The query is cut into the same
-sub-planes by the wrapper, logits are the sum of sub-plane dots, and the output comes back as sub-planes that the
-wrapper re-assembles.  Sparse outliers are matched against each sub-plane's channel numbers (a compare + select
-per slot).  The LUT is a select tree over the code bits (``2^b - 1`` selects), a gather-free form.
+Channel order inside the kernel (why no register interleave is needed).  The packed stream holds 8 codes in every
+``b`` bytes (kvquant_jax.quant.packing, ``b`` = bits <= 4), so byte ``kk`` of chunk ``J`` sits at column
+``b*J + kk``: one strided load per byte position, ``w = sum_kk byte_kk << 8 kk``, and code ``r`` of the chunk is
+``(w >> b r) & (2^b - 1)``, channel ``8 J + r``.  The kernel keeps every tile as ``[rows, 2, 8, D/16]`` =
+(row, half, r, j), i.e. channel ``half * D/2 + 8 j + r`` -- a fixed permutation of the channels.  Under the
+``half_split`` RoPE pairing channel ``c`` rotates with ``c + D/2``: index ``(0, r, j)`` with ``(1, r, j)``; under
+``interleaved`` (``2i`` with ``2i + 1``) ``(h, 2m, j)`` with ``(h, 2m + 1, j)``: both are elementwise between two
+slices of the tile.  A dot product does not care about the channel order, so the wrapper hands the query in the
+same permuted order, the QK dot and the PV product run on ``[rows, D]`` reshapes of the tiles, and the wrapper
+un-permutes the output.  Sparse outliers are matched against each tile position's channel number (a compare +
+select per slot).  The LUT is a select tree over the code bits (``2^b - 1`` selects), a gather-free form.
 
 Backend: the Pallas Triton-style loop kernel (grid ``(B, Hkv, num_splits)``, a ``fori_loop`` over blocks), run
 with ``interpret=True`` where no GPU exists (:func:`pallas_kernels.backend.default_interpret`); validated in the
@@ -69,12 +70,13 @@ class _Spec:
     rope: str           # "half_split" | "interleaved" | "none" (post-RoPE keys)
 
     @property
-    def w(self):        # columns per sub-plane
+    def w(self):        # j extent of a [rows, 2, 8, D/16] tile
         return self.d // 16
 
 
 def channel_subplanes(d: int) -> np.ndarray:
-    """int ``[2, 8, D/16]``: channel held by column ``j`` of sub-plane ``(half, r)`` = ``half*D/2 + 8 j + r``."""
+    """int ``[2, 8, D/16]``: the channel at tile index ``(half, r, j)`` = ``half*D/2 + 8 j + r`` (the kernel's
+    channel permutation)."""
     if d % 16:
         raise ValueError(f"decode_attention_kvquant: head_dim must be a multiple of 16, got {d}")
     j = np.arange(d // 16)
@@ -82,10 +84,10 @@ def channel_subplanes(d: int) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# kernel body
+# kernel body: tiles are [bt, 2, 8, D/16] = (row, half, r, j), i.e. channel half*D/2 + 8 j + r
 # --------------------------------------------------------------------------------------------------------------
 def _lut(code, cb_ref, bits: int):
-    """``codebook[code]`` as a select tree over the code bits (no gather)."""
+    """``codebook[code]`` as a select tree over the code bits (``2^b - 1`` selects, no gather)."""
     vals = [jnp.full(code.shape, cb_ref[e], _F32) for e in range(2 ** bits)]
     for bit in range(bits):
         sel = ((code >> bit) & 1) == 1
@@ -93,46 +95,41 @@ def _lut(code, cb_ref, bits: int):
     return vals[0]
 
 
-def _decode_subplanes(codes_ref, lead, rows, bits: int, cb_ref, sp: _Spec):
-    """Codes of ``rows`` -> 16 float32 sub-planes ``[bt, D/16]`` of codebook values (``[half][r]``)."""
-    out = []
-    mask = 2 ** bits - 1
-    for half in range(2):
-        w = None
-        for kk in range(bits):
-            col = pl.ds(bits * half * sp.w + kk, sp.w, stride=bits)
-            byte = codes_ref[lead + (rows, col)].astype(jnp.int32) << (8 * kk)
-            w = byte if w is None else w | byte
-        out.append([_lut((w >> (bits * r)) & mask, cb_ref, bits) for r in range(8)])
-    return out
+def _decode_tile(codes_ref, lead, rows, bits: int, cb_ref, sp: _Spec):
+    """Packed codes of ``rows`` -> float32 codebook values ``[bt, 2, 8, D/16]`` (sub-plane order).
+
+    8 codes fill ``bits`` bytes, so byte ``kk`` of every chunk is one strided load; the chunk word
+    ``w = sum_kk byte_kk << 8 kk`` holds code ``r`` of the chunk at bit ``bits * r``."""
+    w = None
+    for kk in range(bits):
+        byte = codes_ref[lead + (rows, pl.ds(kk, sp.d // 8, stride=bits))].astype(jnp.int32) << (8 * kk)
+        w = byte if w is None else w | byte
+    shifts = bits * lax.broadcasted_iota(jnp.int32, (1, 1, 8, 1), 2)
+    code = (w.reshape(sp.bt, 2, 1, sp.w) >> shifts) & (2 ** bits - 1)
+    return _lut(code, cb_ref, bits)
 
 
-def _apply_sparse(planes, idx_ref, val_ref, lead, rows, slots: int, sp: _Spec):
-    """Replace the kept outlier coordinates (exact holes + full values) in the sub-planes."""
-    col = lax.broadcasted_iota(jnp.int32, (1, sp.w), 1)
+def _apply_sparse(x, idx_ref, val_ref, lead, rows, slots: int, chan):
+    """Exact holes + full values: replace the kept outlier channels of ``x [bt, 2, 8, D/16]``."""
     for s in range(slots):
-        idx = idx_ref[lead + (rows, pl.ds(s, 1))].astype(jnp.int32)                 # [bt, 1], 255 = unused
-        val = val_ref[lead + (rows, pl.ds(s, 1))].astype(_F32)
-        for half in range(2):
-            for r in range(8):
-                hit = idx == (half * (sp.d // 2) + 8 * col + r)
-                planes[half][r] = jnp.where(hit, val, planes[half][r])
-    return planes
+        idx = idx_ref[lead + (rows, pl.ds(s, 1))].astype(jnp.int32).reshape(-1, 1, 1, 1)   # 255 = unused
+        val = val_ref[lead + (rows, pl.ds(s, 1))].astype(_F32).reshape(-1, 1, 1, 1)
+        x = jnp.where(idx == chan, val, x)
+    return x
 
 
-def _rotate(planes, ang, sp: _Spec):
-    """RoPE of the sub-planes; ``ang[half][r]``: ``[bt, D/16]`` angles of the pair each column belongs to."""
+def _rotate(x, ang, sp: _Spec):
+    """RoPE of ``x [bt, 2, 8, D/16]``; ``ang``: angles of each column's pair, same shape."""
     if sp.rope == "none":
-        return planes
-    out = [[None] * 8 for _ in range(2)]
-    pairs = ([((0, r), (1, r)) for r in range(8)] if sp.rope == "half_split"
-             else [((h, 2 * m), (h, 2 * m + 1)) for h in range(2) for m in range(4)])
-    for (h1, r1), (h2, r2) in pairs:
-        a, b = planes[h1][r1], planes[h2][r2]
-        c, s = jnp.cos(ang[h1][r1]), jnp.sin(ang[h1][r1])
-        out[h1][r1] = a * c - b * s
-        out[h2][r2] = b * c + a * s
-    return out
+        return x
+    c, s = jnp.cos(ang), jnp.sin(ang)
+    if sp.rope == "half_split":                  # channel c pairs with c + D/2: half 0 with half 1
+        a, b = x[:, 0], x[:, 1]
+        return jnp.stack([a * c[:, 0] - b * s[:, 0], b * c[:, 0] + a * s[:, 0]], axis=1)
+    a, b = x[:, :, 0::2], x[:, :, 1::2]          # interleaved: r = 2m pairs with r = 2m + 1
+    ce, se = c[:, :, 0::2], s[:, :, 0::2]
+    out = jnp.stack([a * ce - b * se, b * ce + a * se], axis=3)                    # [bt, 2, 4, 2, w]
+    return out.reshape(x.shape)
 
 
 def _kernel(start_ref, end_ref, q_ref, kc_ref, kcb_ref, ks_ref, kz_ref, ki_ref, kv_ref, vc_ref, vcb_ref,
@@ -146,10 +143,12 @@ def _kernel(start_ref, end_ref, q_ref, kc_ref, kcb_ref, ks_ref, kz_ref, ki_ref, 
     lo = first + s * per
     hi = jnp.minimum(lo + per, last)
     lead = (b, h)
-    q = [[q_ref[b, h, half, r] for r in range(8)] for half in range(2)]            # [Mp, D/16] each
-    ks = [[ks_ref[h, half, r][None, :] for r in range(8)] for half in range(2)]     # [1, D/16]
-    kz = [[kz_ref[h, half, r][None, :] for r in range(8)] for half in range(2)]
-    fr = [[freq_ref[half, r][None, :] for r in range(8)] for half in range(2)]
+    q = q_ref[b, h]                                                                  # [Mp, D] sub-plane order
+    ks, kz = ks_ref[h][None], kz_ref[h][None]                                        # [1, 2, 8, w]
+    freq = freq_ref[...][None]
+    chan = (lax.broadcasted_iota(jnp.int32, (1, 2, 8, sp.w), 1) * (sp.d // 2)
+            + 8 * lax.broadcasted_iota(jnp.int32, (1, 2, 8, sp.w), 3)
+            + lax.broadcasted_iota(jnp.int32, (1, 2, 8, sp.w), 2))
 
     def body(blk, carry):
         m, l, acc = carry
@@ -158,46 +157,29 @@ def _kernel(start_ref, end_ref, q_ref, kc_ref, kcb_ref, ks_ref, kz_ref, ki_ref, 
         posn = row0 + lax.broadcasted_iota(jnp.int32, (sp.bt, 1), 0)
         valid_col = (posn >= start) & (posn < end)                                  # [bt, 1]
         valid_row = jnp.reshape(valid_col, (1, sp.bt))
-        # keys: LUT decode -> per-channel scale/zero -> sparse -> RoPE at the stored position -> dots
-        kp = _decode_subplanes(kc_ref, lead, rows, sp.kb, kcb_ref, sp)
-        kp = [[kp[hh][r] * ks[hh][r] + kz[hh][r] for r in range(8)] for hh in range(2)]
-        kp = _apply_sparse(kp, ki_ref, kv_ref, lead, rows, sp.ck, sp)
-        p_row = pos_ref[b, rows][:, None].astype(_F32)                              # [bt, 1]
-        ang = [[p_row * fr[hh][r] for r in range(8)] for hh in range(2)]
-        kp = _rotate(kp, ang, sp)
-        sc = None
-        for hh in range(2):
-            for r in range(8):
-                t = lax.dot_general(q[hh][r], kp[hh][r], (((1,), (1,)), ((), ())), precision=_HP,
-                                    preferred_element_type=_F32)
-                sc = t if sc is None else sc + t
+        # keys: LUT decode -> per-channel scale/zero -> sparse -> RoPE at the stored position -> one dot
+        k = _decode_tile(kc_ref, lead, rows, sp.kb, kcb_ref, sp) * ks + kz
+        k = _apply_sparse(k, ki_ref, kv_ref, lead, rows, sp.ck, chan)
+        p_row = pos_ref[b, rows].astype(_F32).reshape(sp.bt, 1, 1, 1)
+        k = _rotate(k, p_row * freq, sp).reshape(sp.bt, sp.d)
+        sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HP, preferred_element_type=_F32)
         sc = jnp.where(valid_row, sc, _NEG)                                          # [Mp, bt]
         m_new = jnp.maximum(m, jnp.max(sc, axis=1, keepdims=True))
         alpha = jnp.exp(m - m_new)
         p = jnp.where(valid_row, jnp.exp(sc - m_new), 0.0)
         l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
         # values: LUT decode -> per-row scale/offset -> sparse -> PV
-        vp = _decode_subplanes(vc_ref, lead, rows, sp.vb, vcb_ref, sp)
-        vs = vs_ref[lead + (rows, pl.ds(0, 1))].astype(_F32)                        # [bt, 1]
-        vo = vo_ref[lead + (rows, pl.ds(0, 1))].astype(_F32)
-        vp = [[vp[hh][r] * vs + vo for r in range(8)] for hh in range(2)]
-        vp = _apply_sparse(vp, vi_ref, vv_ref, lead, rows, sp.cv, sp)
-        new_acc = []
-        for hh in range(2):
-            row_acc = []
-            for r in range(8):
-                v = jnp.where(valid_col, vp[hh][r], 0.0)                              # unspecified rows: 0
-                t = lax.dot_general(p, v, (((1,), (0,)), ((), ())), precision=_HP, preferred_element_type=_F32)
-                row_acc.append(acc[hh][r] * alpha + t)
-            new_acc.append(row_acc)
-        return m_new, l, new_acc
+        vs = vs_ref[lead + (rows, pl.ds(0, 1))].astype(_F32).reshape(sp.bt, 1, 1, 1)
+        vo = vo_ref[lead + (rows, pl.ds(0, 1))].astype(_F32).reshape(sp.bt, 1, 1, 1)
+        v = _decode_tile(vc_ref, lead, rows, sp.vb, vcb_ref, sp) * vs + vo
+        v = _apply_sparse(v, vi_ref, vv_ref, lead, rows, sp.cv, chan).reshape(sp.bt, sp.d)
+        v = jnp.where(valid_col, v, 0.0)                                             # unspecified rows: 0
+        pv = lax.dot_general(p, v, (((1,), (0,)), ((), ())), precision=_HP, preferred_element_type=_F32)
+        return m_new, l, acc * alpha + pv
 
-    init = (jnp.full((sp.mp, 1), _NEG, _F32), jnp.zeros((sp.mp, 1), _F32),
-            [[jnp.zeros((sp.mp, sp.w), _F32) for _ in range(8)] for _ in range(2)])
+    init = (jnp.full((sp.mp, 1), _NEG, _F32), jnp.zeros((sp.mp, 1), _F32), jnp.zeros((sp.mp, sp.d), _F32))
     m, l, acc = lax.fori_loop(lo, hi, body, init)
-    for hh in range(2):
-        for r in range(8):
-            o_ref[b, h, s, hh, r] = acc[hh][r]
+    o_ref[b, h, s] = acc
     m_ref[b, h, s] = m
     l_ref[b, h, s] = l
 
@@ -206,7 +188,7 @@ def _kernel(start_ref, end_ref, q_ref, kc_ref, kcb_ref, ks_ref, kz_ref, ki_ref, 
 # wrapper
 # --------------------------------------------------------------------------------------------------------------
 def _subplanes(x, d):
-    """``[..., D]`` -> ``[..., 2, 8, D/16]`` (sub-plane ``(half, r)`` column ``j`` = channel ``half*D/2+8j+r``)."""
+    """``[..., D]`` -> ``[..., 2, 8, D/16]`` in the kernel's channel order (see :func:`channel_subplanes`)."""
     return jnp.swapaxes(x.reshape(x.shape[:-1] + (2, d // 16, 8)), -1, -2)
 
 
@@ -302,8 +284,7 @@ def decode_attention_kvquant(q, scheme: KVQuantScheme, state, lengths, k_new=Non
     rope = scheme.rope_pairing if scheme.key_stage == "pre_rope" else "none"
     sp = _Spec(d=d, mp=mp, bt=bt, ns=ns, kb=scheme.k_bits, vb=scheme.v_bits, ck=scheme.k_sparse_capacity,
                cv=scheme.v_outliers, rope=rope)
-    qsub = _subplanes(jnp.pad(q4, ((0, 0), (0, 0), (0, mp - g), (0, 0))), d)          # [B, Hkv, Mp, 2, 8, D/16]
-    qsub = jnp.moveaxis(qsub, 2, 4)                                                     # [B, Hkv, 2, 8, Mp, D/16]
+    qsub = _subplanes(jnp.pad(q4, ((0, 0), (0, 0), (0, mp - g), (0, 0))), d).reshape(b, hkv, mp, d)
     freq = _subplanes(_inv_freq(d, scheme.rope_theta, scheme.rope_pairing), d)          # [2, 8, D/16]
     start = jnp.minimum(jnp.int32(scheme.sink), lengths)
     st = state
@@ -311,7 +292,7 @@ def decode_attention_kvquant(q, scheme: KVQuantScheme, state, lengths, k_new=Non
     def dummy(x):      # Pallas cannot take zero-size operands: a one-slot never-matching stand-in
         return x if x.shape[-1] else jnp.full(x.shape[:-1] + (1,), 255 if x.dtype == jnp.uint8 else 0, x.dtype)
 
-    out_shape = (jax.ShapeDtypeStruct((b, hkv, ns, 2, 8, mp, d // 16), _F32),
+    out_shape = (jax.ShapeDtypeStruct((b, hkv, ns, mp, d), _F32),
                  jax.ShapeDtypeStruct((b, hkv, ns, mp, 1), _F32),
                  jax.ShapeDtypeStruct((b, hkv, ns, mp, 1), _F32))
     o, m, l = pl.pallas_call(
@@ -320,7 +301,7 @@ def decode_attention_kvquant(q, scheme: KVQuantScheme, state, lengths, k_new=Non
     )(start, lengths, qsub, st.k_codes, st.k_codebook, _subplanes(st.k_scale, d), _subplanes(st.k_zero, d),
       dummy(st.k_sp_idx), dummy(st.k_sp_val), st.v_codes, st.v_codebook, st.v_scale, st.v_offset,
       dummy(st.v_sp_idx), dummy(st.v_sp_val), st.pos, freq)
-    acc = _from_subplanes(jnp.moveaxis(o, 5, 3), d)[:, :, :, :g]                        # [B, Hkv, S, G, D]
+    acc = _from_subplanes(o.reshape(b, hkv, ns, mp, 2, 8, d // 16), d)[:, :, :, :g]   # [B, Hkv, S, G, D]
     parts = [(acc, m[:, :, :, :g, 0], l[:, :, :, :g, 0])]
     if scheme.sink:
         n = min(scheme.sink, cap)

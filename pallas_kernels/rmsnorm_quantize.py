@@ -27,8 +27,10 @@ returns ``(codes, scale, status)``; when called on concrete arrays (not under ``
 Layouts: ``x: [..., K]`` (float32/bfloat16/float16, leading dims flattened to M rows), ``w: [K]`` float;
 outputs ``codes: int8 [..., K]``, ``scale: qparam_dtype [...]``, ``status: int32 [...]``.
 
-Backends: ``"gpu"`` (Pallas Triton; one program handles ``block_rows`` whole rows; K is loaded as one
-power-of-two-wide masked tile, so any K works; M tails are masked), also used on CPU with ``interpret=True``;
+Backends: ``"gpu"`` (Pallas Triton; one program handles ``block_rows`` whole rows (default 1 row, 4 warps up to
+K = 8192); K is loaded as one power-of-two-wide masked tile, so any K works; M tails are masked; with
+``num_programs=P`` a persistent variant runs P programs that loop over row blocks and prefetch the next block,
+measured no faster on an H200), also used on CPU with ``interpret=True``;
 ``"tpu"`` (Mosaic BlockSpecs ``(block_rows, K)``, scale/status as ``[M, 1]``, partial edge blocks), validated only
 with ``pltpu.InterpretParams()``.
 """
@@ -44,6 +46,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.backend import default_interpret, platform
+
+try:  # public alias on JAX 0.10; fall back to the internal class if a later JAX drops the alias
+    from jax.core import Tracer as _Tracer
+except ImportError:  # pragma: no cover
+    from jax._src.core import Tracer as _Tracer
 
 __all__ = [
     "STATUS_FTZ_UNSAFE",
@@ -136,6 +143,42 @@ def _gpu_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, m, k, kp, bm,
         status_ref[...] = status[:, 0]
 
 
+def _gpu_persistent_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, m, k, kp, bm, nprog, iters, eps,
+                           qdtype):
+    """Persistent variant: program p handles row blocks p, p + nprog, ...; the next block's load is issued before the
+    current block is reduced/encoded/stored (register double buffering), so every CTA keeps a row in flight."""
+    from jax.experimental.pallas import triton as plt
+
+    pid = pl.program_id(0)
+    cols_ok = lax.broadcasted_iota(jnp.int32, (kp,), 0) < k
+    if kp != k:
+        w = plt.load(w_ref.at[pl.ds(0, kp)], mask=cols_ok, other=0)
+    else:
+        w = w_ref[...]
+    w = w.astype(jnp.float32)[None, :]
+    iota = lax.broadcasted_iota(jnp.int32, (bm,), 0)
+
+    def rows(it):
+        r0 = (pid + it * nprog) * bm
+        ok = (r0 + iota) < m
+        return r0, ok, ok[:, None] & cols_ok[None, :]
+
+    def load(it):
+        r0, _, tile_ok = rows(it)
+        return plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(0, kp)], mask=tile_ok, other=0)
+
+    def body(it, x_cur):
+        x_next = load(it + 1)  # masked off past the end
+        r0, ok, tile_ok = rows(it)
+        codes, scale, status = _row_math(x_cur.astype(jnp.float32), w, k=k, eps=eps, qdtype=qdtype)
+        plt.store(codes_ref.at[pl.ds(r0, bm), pl.ds(0, kp)], codes, mask=tile_ok)
+        plt.store(scale_ref.at[pl.ds(r0, bm)], scale[:, 0], mask=ok)
+        plt.store(status_ref.at[pl.ds(r0, bm)], status[:, 0], mask=ok)
+        return x_next
+
+    lax.fori_loop(0, iters, body, load(0))
+
+
 def _tpu_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, k, eps, qdtype):
     codes, scale, status = _row_math(
         x_ref[...].astype(jnp.float32), w_ref[...].astype(jnp.float32), k=k, eps=eps, qdtype=qdtype)
@@ -149,41 +192,48 @@ def _next_pow2(v: int) -> int:
 
 
 def _gpu_defaults(k: int) -> tuple[int, int]:
+    """One row per program, 4 warps up to K = 8192 (measured best on an H200, docs/benchmarks_w8a8.md); wider rows
+    get more warps so a thread holds at most ~64 elements."""
     kp = _next_pow2(k)
-    bm = max(1, min(16, 8192 // kp))
-    elems = bm * kp
-    num_warps = 4 if elems <= 2048 else (8 if elems <= 8192 else 16)
-    return bm, num_warps
+    return 1, max(4, min(16, kp // 2048))
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
-def _gpu_call(x2, w, eps, qdtype, block_rows, num_warps, interpret):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7))
+def _gpu_call(x2, w, eps, qdtype, block_rows, num_warps, num_programs, interpret):
     m, k = x2.shape
     kp = _next_pow2(k)
     bm_d, nw_d = _gpu_defaults(k)
     bm = block_rows or bm_d
     if bm & (bm - 1):
         raise ValueError(f"block_rows={bm} must be a power of two on the GPU/Triton path")
-    kernel = functools.partial(_gpu_kernel, m=m, k=k, kp=kp, bm=bm, eps=eps, qdtype=qdtype)
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
 
         compiler_params = plt.CompilerParams(num_warps=num_warps or nw_d, num_stages=1)
+    out_shape = [
+        jax.ShapeDtypeStruct((m, k), jnp.int8),
+        jax.ShapeDtypeStruct((m,), qdtype),
+        jax.ShapeDtypeStruct((m,), jnp.int32),
+    ]
+    nblocks = pl.cdiv(m, bm)
+    if num_programs:
+        nprog = min(num_programs, nblocks)
+        kernel = functools.partial(_gpu_persistent_kernel, m=m, k=k, kp=kp, bm=bm, nprog=nprog,
+                                   iters=pl.cdiv(nblocks, nprog), eps=eps, qdtype=qdtype)
+        return pl.pallas_call(kernel, grid=(nprog,), out_shape=out_shape, compiler_params=compiler_params,
+                              interpret=interpret, name="rmsnorm_quantize_persistent")(x2, w)
+    kernel = functools.partial(_gpu_kernel, m=m, k=k, kp=kp, bm=bm, eps=eps, qdtype=qdtype)
     return pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(m, bm),),
+        grid=(nblocks,),
         in_specs=[pl.BlockSpec((bm, k), lambda i: (i, 0)), pl.BlockSpec((k,), lambda i: (0,))],
         out_specs=[
             pl.BlockSpec((bm, k), lambda i: (i, 0)),
             pl.BlockSpec((bm,), lambda i: (i,)),
             pl.BlockSpec((bm,), lambda i: (i,)),
         ],
-        out_shape=[
-            jax.ShapeDtypeStruct((m, k), jnp.int8),
-            jax.ShapeDtypeStruct((m,), qdtype),
-            jax.ShapeDtypeStruct((m,), jnp.int32),
-        ],
+        out_shape=out_shape,
         compiler_params=compiler_params,
         interpret=interpret,
         name="rmsnorm_quantize",
@@ -242,18 +292,18 @@ def _validate(x, weight, eps, qparam_dtype):
         raise ValueError(f"rmsnorm_quantize: bad qparam_dtype {qparam_dtype!r}") from e
     if qdtype not in _Q_DTYPES:
         raise ValueError(f"rmsnorm_quantize: qparam_dtype must be float16 or float32, got {qdtype}")
-    if isinstance(eps, jax.core.Tracer) or not isinstance(eps, (int, float, np.floating)):
+    if isinstance(eps, _Tracer) or not isinstance(eps, (int, float, np.floating)):
         raise ValueError(f"rmsnorm_quantize: eps must be a static Python float, got {type(eps).__name__}")
     eps = float(eps)
     if not (np.isfinite(eps) and eps > 0):
         raise ValueError(f"rmsnorm_quantize: eps must be finite and > 0, got {eps}")
-    if not isinstance(weight, jax.core.Tracer) and not np.isfinite(np.asarray(weight, np.float32)).all():
+    if not isinstance(weight, _Tracer) and not np.isfinite(np.asarray(weight, np.float32)).all():
         raise ValueError("rmsnorm_quantize: weight has non-finite entries")
     return x, weight, eps, qdtype
 
 
 def _check_status(codes, scale, status, check, args):
-    if not check or any(isinstance(a, jax.core.Tracer) for a in (*args, status)):
+    if not check or any(isinstance(a, _Tracer) for a in (*args, status)):
         return codes, scale, status
     st = np.asarray(status).reshape(-1)
     if (st != STATUS_OK).any():
@@ -278,6 +328,7 @@ def rmsnorm_quantize(
     qparam_dtype: Any = jnp.float32,
     block_rows: int | None = None,
     num_warps: int | None = None,
+    num_programs: int | None = None,
     backend: str | None = None,
     interpret: Any = None,
     check: bool = True,
@@ -299,7 +350,7 @@ def rmsnorm_quantize(
     if backend == "tpu":
         codes, scale, status = _tpu_call(x2, weight, eps, qdtype, block_rows, interpret)
     else:
-        codes, scale, status = _gpu_call(x2, weight, eps, qdtype, block_rows, num_warps, interpret)
+        codes, scale, status = _gpu_call(x2, weight, eps, qdtype, block_rows, num_warps, num_programs, interpret)
     out = codes.reshape(*lead, k), scale.reshape(lead), status.reshape(lead)
     return _check_status(*out, check, (x, weight))
 
@@ -317,12 +368,13 @@ def rmsnorm_quantize_reference(
     qparam_dtype: Any = jnp.float32,
     block_rows: int | None = None,
     num_warps: int | None = None,
+    num_programs: int | None = None,
     backend: str | None = None,
     interpret: Any = None,
     check: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Plain-JAX (unfused, float32) reference with the kernel's semantics; tuning arguments are ignored."""
-    del block_rows, num_warps, backend, interpret
+    del block_rows, num_warps, num_programs, backend, interpret
     x, weight, eps, qdtype = _validate(x, weight, eps, qparam_dtype)
     lead, k = x.shape[:-1], x.shape[-1]
     codes, scale, status = _reference_math(x.reshape(-1, k), weight, k=k, eps=eps, qdtype=qdtype)

@@ -25,6 +25,10 @@ Backends (``backend=None`` picks from :func:`pallas_kernels.backend.platform`):
 - ``"gpu"``: Pallas Triton. 1-D grid over (M/bm) x (N/bn) output tiles in grouped ("swizzled") order for L2
   reuse; each program loops over K in ``block_k`` chunks (``fori_loop`` -> ``scf.for``, software-pipelined by
   Triton with ``num_stages``), accumulates in int32 registers and runs the epilogue before a single store.
+  W4A8 decode (``w4_mode``): ``"planes"`` (default; measured slightly faster on an H200) views the activations as
+  int16 pairs, splits them into even/odd-k int8 halves by shifts and runs two dots (K = bk/2) against the
+  low/high nibble planes, with no register interleave; ``"interleave"`` unpacks the weight tile to int8 in K order
+  (join + reshape) and runs one dot.
   **Tails**: M and N need not be multiples of the block; tail rows/columns are masked (loads read 0, stores are
   masked), no padding copies. K must be a multiple of ``block_k``: ``block_k`` is shrunk to a power of two that
   divides K (>= 32); if none exists, K is zero-padded in the wrapper (a copy; zero codes add nothing to either
@@ -32,9 +36,8 @@ Backends (``backend=None`` picks from :func:`pallas_kernels.backend.platform`):
   On CPU this same kernel runs with ``interpret=True``.
 - ``"tpu"``: Mosaic TPU BlockSpecs: grid (M/bm, N/bn, K/bk) with K innermost ("arbitrary"), int32 VMEM
   accumulator, epilogue on the last K step; edge blocks in M/N are partial blocks (Mosaic/the interpreter pad
-  reads and drop out-of-range writes); K is zero-padded to a multiple of ``block_k`` if needed. W4A8 on TPU avoids
-  an in-register interleave: the activations are viewed as int16 pairs, split into even/odd-k int8 halves by
-  shifts, and dotted with the low/high nibble planes. Validated only in the TPU interpreter
+  reads and drop out-of-range writes); K is zero-padded to a multiple of ``block_k`` if needed. W4A8 on TPU uses
+  the "planes" decode. Validated only in the TPU interpreter
   (``interpret=pltpu.InterpretParams()``), not on TPU hardware.
 
 Accumulator width: |acc| <= K * 128 * 127 (+ |z| * |w_sum| <= K * 128 * 127), so K <= 65536 keeps every term,
@@ -60,6 +63,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.backend import default_interpret, platform
+
+try:  # public alias on JAX 0.10; fall back to the internal class if a later JAX drops the alias
+    from jax.core import Tracer as _Tracer
+except ImportError:  # pragma: no cover
+    from jax._src.core import Tracer as _Tracer
 
 __all__ = [
     "GemmConfig",
@@ -90,6 +98,7 @@ class GemmConfig:
     num_warps: int | None = None  # Triton only
     num_stages: int | None = None  # Triton only
     group_m: int = 8  # Triton grouped tile order (L2 reuse)
+    w4_mode: str = "planes"  # W4A8 decode on the GPU path: "planes" | "interleave" (see _gpu_kernel)
 
 
 def _next_pow2(v: int) -> int:
@@ -97,21 +106,26 @@ def _next_pow2(v: int) -> int:
 
 
 def default_config(m: int, n: int, k: int, *, backend: str, w4: bool = False) -> GemmConfig:
-    """Per-backend default tiles (GPU values were picked on an H200, see docs/benchmarks_w8a8.md)."""
+    """Per-backend default tiles. GPU values were measured on an H200 (JAX 0.11.2, docs/benchmarks_w8a8.md):
+    decode-size M streams the weights with narrow N tiles (>= ~132 CTAs, bk up to 512); M in (64, 512] uses
+    128x128x128; large M uses 128x256x128, 8 warps, 3 stages (256x128x128 was within run-to-run noise)."""
+    del k
     if backend == "tpu":
         bm = m if m <= 256 else 256
         bn = n if n <= 256 else 256
         return GemmConfig(bm, bn, 512)
+    mode = "planes" if w4 else "interleave"
     # GPU (Triton) and the generic interpreter: power-of-two tiles.
-    if m <= 16:
-        return GemmConfig(16, 64, 256, num_warps=4, num_stages=4)
     if m <= 32:
-        return GemmConfig(32, 64, 256, num_warps=4, num_stages=4)
+        bm = 16 if m <= 16 else 32
+        if -(-n // 64) >= 132:
+            return GemmConfig(bm, 64, 256, num_warps=4, num_stages=4, w4_mode=mode)
+        return GemmConfig(bm, 32, 512, num_warps=4, num_stages=4, w4_mode=mode)
     if m <= 64:
-        return GemmConfig(64, 64, 256, num_warps=4, num_stages=4)
+        return GemmConfig(64, 64, 256, num_warps=4, num_stages=4, w4_mode=mode)
     if m <= 512:
-        return GemmConfig(64, 128, 128, num_warps=4, num_stages=4)
-    return GemmConfig(128, 256, 128, num_warps=8, num_stages=3)
+        return GemmConfig(128, 128, 128, num_warps=4, num_stages=4, w4_mode=mode)
+    return GemmConfig(128, 256, 128, num_warps=8, num_stages=3, w4_mode=mode)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -148,7 +162,7 @@ def _decode_nibbles(p):
 # Validation (shared by kernel wrappers and references)
 # --------------------------------------------------------------------------------------------------------------
 def _is_concrete(*arrays) -> bool:
-    return not any(isinstance(a, jax.core.Tracer) for a in arrays if a is not None)
+    return not any(isinstance(a, _Tracer) for a in arrays if a is not None)
 
 
 def _validate(x_q, x_scale, w, w_scale, bias, x_zero_point, w_sum, out_dtype, *, w4: bool):
@@ -248,7 +262,22 @@ def _swizzle(pid, num_m, num_n, group_m):
     return first_m + local % size_m, local // size_m
 
 
-def _gpu_kernel(*refs, m, n, nk, bm, bn, bk, w4, has_bias, has_zp, num_m, num_n, group_m, out_dtype):
+def _split_int16_pairs(x16):
+    """int16 [.., C] holding little-endian int8 pairs -> (even-k int8, odd-k int8), by arithmetic shifts."""
+    x_even = lax.shift_right_arithmetic(lax.shift_left(x16, jnp.int16(8)), jnp.int16(8)).astype(jnp.int8)
+    x_odd = lax.shift_right_arithmetic(x16, jnp.int16(8)).astype(jnp.int8)
+    return x_even, x_odd
+
+
+def _nibble_planes(p):
+    """uint8 [.., C] packed -> (low-nibble codes, high-nibble codes) as int8 in [-8, 7] (k even, k odd)."""
+    return (p & 15).astype(jnp.int8) - 8, (p >> 4).astype(jnp.int8) - 8
+
+
+def _gpu_kernel(*refs, m, n, nk, bm, bn, bk, w4, w4_planes, has_bias, has_zp, num_m, num_n, group_m, out_dtype):
+    """W4A8 decodes: "interleave" unpacks the weight tile to int8 [bn, bk] in K order (join + reshape) and runs one
+    dot; "planes" keeps the nibble planes apart and splits the activation tile (viewed as int16 pairs) into even/odd
+    k by shifts, then runs two dots of K = bk/2 (no register interleave)."""
     from jax.experimental.pallas import triton as plt
 
     refs = list(refs)
@@ -269,6 +298,7 @@ def _gpu_kernel(*refs, m, n, nk, bm, bn, bk, w4, has_bias, has_zp, num_m, num_n,
     rows_ok = (pid_m * bm + lax.broadcasted_iota(jnp.int32, (bm,), 0)) < m
     cols_ok = (pid_n * bn + lax.broadcasted_iota(jnp.int32, (bn,), 0)) < n
     wk = bk // 2 if w4 else bk  # K extent of one weight tile in stored elements
+    xk_w = bk // 2 if w4_planes else bk  # K extent of one activation tile in stored elements
 
     def load_rows(ref, idx, ok, width, masked):
         if not masked:
@@ -276,10 +306,15 @@ def _gpu_kernel(*refs, m, n, nk, bm, bn, bk, w4, has_bias, has_zp, num_m, num_n,
         return plt.load(ref.at[idx], mask=jnp.broadcast_to(ok[:, None], (ok.shape[0], width)), other=0)
 
     def body(i, acc):
-        xk = pl.multiple_of(i * bk, bk)
+        xk = pl.multiple_of(i * xk_w, xk_w)
         wk0 = pl.multiple_of(i * wk, wk)
-        x = load_rows(x_ref, (slice(None), pl.ds(xk, bk)), rows_ok, bk, mask_m)
+        x = load_rows(x_ref, (slice(None), pl.ds(xk, xk_w)), rows_ok, xk_w, mask_m)
         w = load_rows(w_ref, (slice(None), pl.ds(wk0, wk)), cols_ok, wk, mask_n)
+        if w4_planes:
+            x_even, x_odd = _split_int16_pairs(x)
+            w_lo, w_hi = _nibble_planes(w)
+            acc = acc + lax.dot_general(x_even, w_lo, _NT, preferred_element_type=jnp.int32)
+            return acc + lax.dot_general(x_odd, w_hi, _NT, preferred_element_type=jnp.int32)
         if w4:
             w = _decode_nibbles(w)
         return acc + lax.dot_general(x, w, _NT, preferred_element_type=jnp.int32)
@@ -335,6 +370,11 @@ def _gpu_call(x_q, sx, w, sw, bias, zx, wsum, out_dtype, cfg: GemmConfig, interp
     bk, kp = _pick_block_k(k, cfg.block_k, 64 if w4 else 32)
     x_q, w = _pad_k(x_q, w, k, kp, w4)
     nk = kp // bk
+    w4_planes = w4 and cfg.w4_mode == "planes"
+    if w4 and cfg.w4_mode not in ("interleave", "planes"):
+        raise ValueError(f"w4_mode must be 'interleave' or 'planes', got {cfg.w4_mode!r}")
+    if w4_planes:
+        x_q = lax.bitcast_convert_type(x_q.reshape(m, kp // 2, 2), jnp.int16)
     num_m, num_n = pl.cdiv(m, bm), pl.cdiv(n, bn)
     group_m = max(1, min(cfg.group_m, num_m))
     kw = kp // 2 if w4 else kp
@@ -346,7 +386,7 @@ def _gpu_call(x_q, sx, w, sw, bias, zx, wsum, out_dtype, cfg: GemmConfig, interp
         return _swizzle(pid, num_m, num_n, group_m)[1]
 
     in_specs = [
-        pl.BlockSpec((bm, kp), lambda p: (tile_m(p), 0)),
+        pl.BlockSpec((bm, kp // 2 if w4_planes else kp), lambda p: (tile_m(p), 0)),
         pl.BlockSpec((bn, kw), lambda p: (tile_n(p), 0)),
         pl.BlockSpec((bm,), lambda p: (tile_m(p),)),
         pl.BlockSpec((bn,), lambda p: (tile_n(p),)),
@@ -359,7 +399,7 @@ def _gpu_call(x_q, sx, w, sw, bias, zx, wsum, out_dtype, cfg: GemmConfig, interp
         in_specs += [pl.BlockSpec((bm,), lambda p: (tile_m(p),)), pl.BlockSpec((bn,), lambda p: (tile_n(p),))]
         args += [zx, wsum]
     kernel = functools.partial(
-        _gpu_kernel, m=m, n=n, nk=nk, bm=bm, bn=bn, bk=bk, w4=w4, has_bias=bias is not None,
+        _gpu_kernel, m=m, n=n, nk=nk, bm=bm, bn=bn, bk=bk, w4=w4, w4_planes=w4_planes, has_bias=bias is not None,
         has_zp=zx is not None, num_m=num_m, num_n=num_n, group_m=group_m, out_dtype=out_dtype)
     compiler_params = None
     if not interpret:
@@ -401,12 +441,8 @@ def _tpu_kernel(*refs, w4, has_bias, has_zp, out_dtype):
 
     if w4:
         # x_ref holds int16 pairs (x[2j] in the low byte, x[2j+1] in the high byte, little-endian).
-        x16 = x_ref[...]
-        x_even = lax.shift_right_arithmetic(lax.shift_left(x16, jnp.int16(8)), jnp.int16(8)).astype(jnp.int8)
-        x_odd = lax.shift_right_arithmetic(x16, jnp.int16(8)).astype(jnp.int8)
-        p = w_ref[...]
-        w_lo = (p & 15).astype(jnp.int8) - 8
-        w_hi = (p >> 4).astype(jnp.int8) - 8
+        x_even, x_odd = _split_int16_pairs(x_ref[...])
+        w_lo, w_hi = _nibble_planes(w_ref[...])
         part = lax.dot_general(x_even, w_lo, _NT, preferred_element_type=jnp.int32)
         part = part + lax.dot_general(x_odd, w_hi, _NT, preferred_element_type=jnp.int32)
     else:
@@ -480,7 +516,7 @@ def _resolve_backend(backend):
 
 
 def _matmul(x_q, x_scale, w, w_scale, bias, x_zero_point, w_sum, out_dtype, block_m, block_n, block_k,
-            num_warps, num_stages, backend, interpret, w4):
+            num_warps, num_stages, backend, interpret, w4, w4_mode=None):
     x_q, x_scale, w, w_scale, bias, x_zero_point, w_sum, out_dtype, (m, n, k) = _validate(
         x_q, x_scale, w, w_scale, bias, x_zero_point, w_sum, out_dtype, w4=w4)
     backend = _resolve_backend(backend)
@@ -496,6 +532,7 @@ def _matmul(x_q, x_scale, w, w_scale, bias, x_zero_point, w_sum, out_dtype, bloc
         block_k=block_k or cfg.block_k,
         num_warps=num_warps or cfg.num_warps,
         num_stages=num_stages or cfg.num_stages,
+        w4_mode=w4_mode or cfg.w4_mode,
     )
     sx = x_scale.astype(jnp.float32)
     sw = w_scale.astype(jnp.float32)
@@ -544,12 +581,13 @@ def w4a8_matmul(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    w4_mode: str | None = None,
     backend: str | None = None,
     interpret: Any = None,
 ) -> jax.Array:
     """As :func:`w8a8_matmul` with ``w_packed: uint8 [N, K // 2]`` (offset-binary int4 nibbles, see module doc)."""
     return _matmul(x_q, x_scale, w_packed, w_scale, bias, x_zero_point, w_sum, out_dtype, block_m, block_n,
-                   block_k, num_warps, num_stages, backend, interpret, w4=True)
+                   block_k, num_warps, num_stages, backend, interpret, w4=True, w4_mode=w4_mode)
 
 
 def _reference(x_q, x_scale, w, w_scale, bias, x_zero_point, w_sum, out_dtype, w4):
@@ -581,7 +619,7 @@ def w8a8_matmul_reference(x_q, x_scale, w_q, w_scale, bias=None, *, x_zero_point
 
 def w4a8_matmul_reference(x_q, x_scale, w_packed, w_scale, bias=None, *, x_zero_point=None, w_sum=None,
                           out_dtype=jnp.bfloat16, block_m=None, block_n=None, block_k=None, num_warps=None,
-                          num_stages=None, backend=None, interpret=None):
+                          num_stages=None, w4_mode=None, backend=None, interpret=None):
     """Plain-JAX reference for :func:`w4a8_matmul` (unpacks the nibbles, then as the W8A8 reference)."""
-    del block_m, block_n, block_k, num_warps, num_stages, backend, interpret
+    del block_m, block_n, block_k, num_warps, num_stages, w4_mode, backend, interpret
     return _reference(x_q, x_scale, w_packed, w_scale, bias, x_zero_point, w_sum, out_dtype, w4=True)

@@ -4,7 +4,9 @@
 layer state is read in place (docs/architecture.md, "Physical layouts"); every region boundary is derived from
 ``lengths`` with the scheme's own frontier functions:
 
-* ``full`` / ``fp8`` / ``per_token`` / ``qserve``: one region, rows ``[0, len)``.
+* ``full`` / ``fp8`` / ``per_token`` / ``static_int`` / ``qserve``: one region, rows ``[0, len)``.
+* ``prefix`` (IntactKV / PrefixQuant rows): the body scheme's regions at ``lengths - P`` plus the ``P`` immutable
+  full-precision prefix rows as a small dense region (attended in plain JAX, same softmax).
 * ``kivi``: the quantized region ``[0, min(fk, fv))`` (K per-channel groups, V per-token) read by the kernel, plus a
   small dense *tail* ``[min(fk, fv), len)`` (at most ``max(S_k, S_v)`` rows) gathered from the residual rings and,
   for positions whose K is already closed but whose V is still in the rolling tail (``[fv, fk)`` under the
@@ -87,10 +89,24 @@ def layer_regions(scheme, layer_state, lengths) -> tuple[list[Region], int]:
     if fam == "fp8":
         f = KVFormat(scheme.fmt, "head")
         return [region(KVOperand(st.k, st.k_scale, None, f), KVOperand(st.v, st.v_scale, None, f), lengths)], 0
-    if fam == "per_token":
+    if fam in ("per_token", "per_token_any") and scheme.bits in (1, 2, 4, 8):
         f = KVFormat(f"int{scheme.bits}", "token", "symmetric", scheme.group_size)
         return [region(KVOperand(st.k_codes, st.k_scale, None, f), KVOperand(st.v_codes, st.v_scale, None, f),
                        lengths)], 0
+    if fam == "static_int" and scheme.bits in (1, 2, 4, 8):
+        f = KVFormat(f"int{scheme.bits}", "head", "symmetric")
+        return [region(KVOperand(st.k_codes, st.k_scale, None, f), KVOperand(st.v_codes, st.v_scale, None, f),
+                       lengths)], 0
+    if fam == "prefix":            # immutable full-precision prefix rows + any body scheme at lengths - P
+        from kvquant_jax.cache.prefix import split_state
+
+        pk, pv, body = split_state(st)
+        b = lengths.shape[0]
+        full = (b,) + pk.shape[1:]
+        sink = region(dense_operand(jnp.broadcast_to(pk, full)), dense_operand(jnp.broadcast_to(pv, full)),
+                      jnp.minimum(lengths, scheme.prefix_len))
+        body_regions, tail_rows = layer_regions(scheme.body, body, scheme.body_lengths(lengths))
+        return body_regions + [sink], max(tail_rows, scheme.prefix_len)
     if fam == "qserve":
         f = KVFormat("int4", "token", "offset")
         return [region(KVOperand(st.k_codes, st.k_scale[..., None], st.k_offset[..., None], f),

@@ -46,6 +46,8 @@ def dequantize_operand(op: KVOperand, head_dim: int, xp=np, dtype=np.float64):
     u = unpack_codes(xp.asarray(op.data), f.bits, xp).astype(dtype)
     s = xp.asarray(op.scale).astype(dtype)
     z = None if op.zero is None else xp.asarray(op.zero).astype(dtype)
+    if f.scale == "head":       # static per-KV-head scale (symmetric)
+        return (u - float(2 ** (f.bits - 1))) * s[None, :, None, None]
     if f.scale == "token":
         rep = head_dim // s.shape[-1]
         axis = 3

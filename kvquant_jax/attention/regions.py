@@ -13,6 +13,7 @@ Formats (``KVFormat``; layouts from docs/architecture.md, "Physical layouts")::
     fp32/bf16/fp16  [B, Hkv, N, D] float             x = data
     e4m3/e5m2  [B, Hkv, N, D] float8                 x = float(data) * scale        scale "head": f32 [Hkv] or "none"
     int8/4/2/1  [B, Hkv, N, D*bits/8] uint8 packed     u = unpacked offset-binary code (element i at bit i*bits)
+        scale "head":    f32 [Hkv] (static per-layer scales, symmetric only)
         scale "token":   [B, Hkv, N, D // G_d] (group = G_d elements along D, 0 = D)
         scale "channel": [B, Hkv, N // G, D]   (group = G tokens along the row axis; KIVI keys)
         zero "symmetric": x = (u - 2^(bits-1)) * s
@@ -66,8 +67,11 @@ class KVFormat:
             raise ValueError(f"{self.payload} payload takes scale 'none' or 'head' and no zero, "
                              f"got {self.scale}/{self.zero}")
         if self.is_int:
-            if self.scale not in ("token", "channel"):
-                raise ValueError(f"{self.payload} payload needs scale 'token' or 'channel', got {self.scale!r}")
+            if self.scale not in ("token", "channel", "head"):
+                raise ValueError(f"{self.payload} payload needs scale 'token', 'channel' or 'head', "
+                                 f"got {self.scale!r}")
+            if self.scale == "head" and self.zero != "symmetric":
+                raise ValueError(f"per-head static INT scales are symmetric, got zero={self.zero!r}")
             if self.zero not in ("symmetric", "offset", "min"):
                 raise ValueError(f"{self.payload} payload needs zero 'symmetric', 'offset' or 'min', "
                                  f"got {self.zero!r}")

@@ -23,6 +23,7 @@ PRESETS = {
     "int4": (KVFormat("int4", "token", "symmetric"), KVFormat("int4", "token", "symmetric")),
     "int2": (KVFormat("int2", "token", "symmetric"), KVFormat("int2", "token", "symmetric")),
     "qserve": (KVFormat("int4", "token", "offset"), KVFormat("int4", "token", "offset")),
+    "static_int4": (KVFormat("int4", "head", "symmetric"), KVFormat("int4", "head", "symmetric")),
 }
 
 
@@ -60,6 +61,9 @@ def random_operand(rng: np.random.Generator, fmt: KVFormat, b: int, hkv: int, n:
         return KVOperand(data=data, scale=scale, fmt=fmt)
     data = jnp.asarray(rng.integers(0, 256, (b, hkv, n, fmt.data_dim(d)), dtype=np.uint8))
     levels = 2 ** fmt.bits - 1
+    if fmt.scale == "head":
+        scale = rng.uniform(0.5, 1.5, (hkv,)) * 2.0 / levels
+        return KVOperand(data=data, scale=jnp.asarray(scale.astype(np.float32)), fmt=fmt)
     if fmt.scale == "token":
         shape = (b, hkv, n, fmt.token_groups(d))
         group_dead = dead

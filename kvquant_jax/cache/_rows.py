@@ -117,16 +117,6 @@ def host(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def expand_group_rows(p: jax.Array, group: int, capacity: int) -> jax.Array:
-    """Per-token-group qparams ``[B, H, C // G, ...]`` -> per-row ``[B, H, C, ...]`` (rows past the last whole
-    group repeat nothing meaningful: they are zero-filled and never inside a quantized frontier)."""
-    rep = jnp.repeat(p, group, axis=2)
-    pad = capacity - rep.shape[2]
-    if pad:
-        rep = jnp.concatenate([rep, jnp.zeros(rep.shape[:2] + (pad,) + rep.shape[3:], rep.dtype)], axis=2)
-    return rep
-
-
 # ----- quantizer status policy shared by the integer schemes -----
 def split_status(status: jax.Array):
     """``(narrow, hard)`` bool masks of a quantizer status array.

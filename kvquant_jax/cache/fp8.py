@@ -30,6 +30,7 @@ import numpy as np
 from flax import struct
 
 from kvquant_jax.cache import _rows, checks
+from kvquant_jax.cache._scales import layer_scale_table
 from kvquant_jax.cache.interface import KVCache, SchemeBase, rows_finite
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
 from kvquant_jax.quant.fp8 import dequantize_fp8, fp8_dtype, fp8_scale_from_absmax, quantize_fp8
@@ -168,8 +169,6 @@ def load_scales(cache: KVCache, k_scales, v_scales) -> KVCache:
     if np.asarray(jax.device_get(cache.lengths)).any():
         raise ValueError("fp8.load_scales: the cache already holds rows; scales must be set before the first "
                          "append (changing them would reinterpret stored codes)")
-    ks = np.asarray(k_scales, np.float32)
-    vs = np.asarray(v_scales, np.float32)
     groups = list(cache.groups)
     for g, (scheme, first, n) in enumerate(cache.schemes):
         if not isinstance(scheme, FP8Scheme):
@@ -178,18 +177,8 @@ def load_scales(cache: KVCache, k_scales, v_scales) -> KVCache:
             raise ValueError(f"fp8.load_scales: layers {first}..{first + n - 1} use scales={scheme.scales!r}, "
                              "not 'calibrated'")
         h = groups[g].k_scale.shape[-1]
-        new = {}
-        for name, arr in (("k_scale", ks), ("v_scale", vs)):
-            sel = arr[first:first + n]
-            if sel.shape[0] != n:
-                raise ValueError(f"fp8.load_scales: {name} has {arr.shape[0]} layers, need layer {first + n - 1}")
-            sel = sel.reshape(n, -1)
-            if scheme.scale_axis == "tensor" and sel.shape[1] != 1:
-                raise ValueError(f"fp8.load_scales: per-tensor scheme needs one {name} per layer")
-            if sel.shape[1] not in (1, h):
-                raise ValueError(f"fp8.load_scales: {name} has {sel.shape[1]} values per layer for {h} KV heads")
-            if not (np.isfinite(sel).all() and (sel >= np.finfo(np.float32).tiny).all()):
-                raise ValueError(f"fp8.load_scales: {name} must be finite, positive and normal")
-            new[name] = jnp.asarray(np.broadcast_to(sel, (n, h)).copy())
-        groups[g] = groups[g].replace(**new)
+        tensor = scheme.scale_axis == "tensor"
+        groups[g] = groups[g].replace(
+            k_scale=layer_scale_table(k_scales, first, n, h, tensor, "fp8.load_scales: k_scales"),
+            v_scale=layer_scale_table(v_scales, first, n, h, tensor, "fp8.load_scales: v_scales"))
     return cache.replace(groups=tuple(groups))

@@ -68,8 +68,11 @@ class TruncationNeedsRowsError(ValueError):
 # --------------------------------------------------------------------------------------------------------------
 # argument plumbing
 # --------------------------------------------------------------------------------------------------------------
+_TRACER = getattr(jax.core, "Tracer", None) or __import__("jax._src.core", fromlist=["Tracer"]).Tracer
+
+
 def _is_tracer(x) -> bool:
-    return any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(x))
+    return any(isinstance(a, _TRACER) for a in jax.tree.leaves(x))
 
 
 def _as_num_new(cache: KVCache, num_new, t: int) -> jax.Array:

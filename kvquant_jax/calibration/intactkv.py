@@ -169,7 +169,8 @@ def _teacher(params, cfg, tokens, art, chunk):
 
 def calibrate_intactkv(params, cfg: LlamaConfig, artifact: PrefixArtifact, body: CacheScheme, train_tokens,
                        heldout_tokens, *, config: IntactKVConfig = IntactKVConfig(), checkpoint_dir: str | Path,
-                       corpus: dict | None = None, static_scales=None, log=None) -> tuple[PrefixArtifact, dict]:
+                       corpus: dict | None = None, static_scales=None, init: PrefixArtifact | None = None,
+                       log=None) -> tuple[PrefixArtifact, dict]:
     """Calibrate the prefix K/V of ``artifact`` against the quantized body scheme ``body``.
 
     Args:
@@ -178,6 +179,8 @@ def calibrate_intactkv(params, cfg: LlamaConfig, artifact: PrefixArtifact, body:
       checkpoint_dir: Orbax ``CheckpointManager`` directory (must not hold checkpoints yet).
       corpus: provenance of the tokens, e.g. ``{"name": ..., "sha256": ..., "split": "validation"}``.
       static_scales: ``(k_scales, v_scales)`` for a static-scale body scheme.
+      init: rows to start from (same identity; e.g. an earlier calibration); default the extracted rows.  The
+        teacher always uses ``artifact``'s exact rows.
     Returns the calibrated artifact (kind ``"intactkv-calibrated"``, provenance = the record) and the record.
     """
     import optax
@@ -225,7 +228,9 @@ def calibrate_intactkv(params, cfg: LlamaConfig, artifact: PrefixArtifact, body:
             tot += float(grad_fn(theta, jnp.asarray(x), tg, body_state(len(x)))[0]) * len(x)
         return tot / len(held)
 
-    pk, pv = artifact_rows(artifact)
+    if init is not None and (init.identity != artifact.identity or init.k.shape != artifact.k.shape):
+        raise ValueError("calibrate_intactkv: init rows must have the artifact's identity and shape")
+    pk, pv = artifact_rows(init if init is not None else artifact)
     theta = {"k": pk, "v": pv}
     opt, _ = make_optimizer(config)
     opt_state = opt.init(theta)
@@ -298,6 +303,7 @@ def calibrate_intactkv(params, cfg: LlamaConfig, artifact: PrefixArtifact, body:
         "heldout_before": heldout_before, "heldout_after": heldout_after,
         "equals_extracted": bool(equals),
         "extracted_artifact_id": artifact.artifact_id,
+        "init_artifact_id": (init if init is not None else artifact).artifact_id,
         "checkpoint_dir": str(ckpt),
         "seconds": time.perf_counter() - t0,
     }

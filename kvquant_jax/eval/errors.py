@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvquant_jax.eval.policy import as_policy, needs_fp8_scales
-from kvquant_jax.models.llama import _layer, attend
+from kvquant_jax.models.llama import _finish, _qkv, attend
 from kvquant_jax.models.rope import apply_rope
 
 NEG = jnp.float32(-1e30)
@@ -41,14 +41,9 @@ def exact_qkv(params, cfg, tokens):
     num_new = jnp.full((b,), t, jnp.int32)
 
     def body(x, lp):
-        seen = {}
-
-        def attn_fn(q, k, v):
-            seen["q"] = q
-            return attend(q, k, v, num_new, None)
-
-        x, k, v = _layer(cfg, x, lp, positions, attn_fn)
-        return x, (seen["q"].astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+        q, k, v = _qkv(cfg, x, lp, positions)
+        x = _finish(cfg, x, lp, attend(q, k, v, num_new, None))
+        return x, (q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
 
     _, (q, k, v) = jax.lax.scan(body, params["embed"][tokens], params["layers"])
     return q, k, v

@@ -71,6 +71,9 @@ class Session:
 
             if src == "observe":
                 c = self.corpus(cfg, calibration=True)
+                if c.sha256 == self.corpus(cfg).sha256:
+                    raise ValueError(f"calibration.fp8_scales: observe: the calibration text ({c.source}) is the "
+                                     f"evaluation text; set data.calibration_corpus to other text")
                 cal = calib.observe_fp8(m.params, m.cfg, c.ids, cfg.calibration.observe_tokens, c.sha256)
                 if self.artifact_dir is not None:
                     path = self.artifact_dir / f"fp8_scales_{cal.calibration_id.split(':')[-1]}.npz"

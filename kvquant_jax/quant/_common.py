@@ -57,9 +57,14 @@ _STATUS_MESSAGES = {
 }
 
 
+_TRACER = getattr(jax.core, "Tracer", None)
+if _TRACER is None:  # pragma: no cover - public alias present in JAX 0.10 / 0.11; keep a fallback all the same
+    from jax._src.core import Tracer as _TRACER
+
+
 def is_concrete(*arrays) -> bool:
     """True when no argument is a JAX tracer (so values can be inspected and errors raised)."""
-    return not any(isinstance(a, jax.core.Tracer) for a in arrays)
+    return not any(isinstance(a, _TRACER) for a in jax.tree_util.tree_leaves(arrays))
 
 
 def raise_for_status(status, what: str) -> None:

@@ -65,6 +65,9 @@ class Ledger:
     physical: dict
     logical: dict
     read_per_step: dict
+    #: K and V counted separately: ``"{physical|logical}.{category}.{k|v}" -> bytes`` (KIVI's K and V frontiers
+    #: differ, 0x04B: their code / qparam / residual rows are counted at their own lengths).
+    by_tensor: dict = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def total(view: dict) -> int:
@@ -103,35 +106,43 @@ def _packed(d: int, bits: int) -> int:
 
 
 def _layer(schema, b: int, h: int, d: int, rows: int, *, logical: bool, capacity: int) -> dict:
-    """Bytes of ONE layer.  ``rows`` = T for the logical view, C for the physical one."""
-    out = _zero()
+    """Bytes of ONE layer by ``(category, tensor)`` with tensor "k" or "v".  ``rows`` = T for the logical view,
+    C for the physical one."""
+    out: dict = {}
     fam = schema.scheme
     key, val = schema.key, schema.value
     if fam == "full":
-        out["residual"] = 2 * b * h * rows * d * DTYPE_BYTES[key.payload]
+        for t in "kv":
+            out[("residual", t)] = b * h * rows * d * DTYPE_BYTES[key.payload]
     elif fam == "fp8":
-        out["codes"] = 2 * b * h * rows * d
-        out["qparams"] = 2 * h * 4                                        # float32 [Hkv] per tensor, unbatched
+        for t in "kv":
+            out[("codes", t)] = b * h * rows * d
+            out[("qparams", t)] = h * 4                                   # float32 [Hkv] per tensor, unbatched
     elif fam == "per_token":
-        gd = key.group_size or d
-        out["codes"] = 2 * b * h * rows * _packed(d, key.bits)
-        out["qparams"] = 2 * b * h * rows * (d // gd) * DTYPE_BYTES[key.qparam_dtype]
+        for t, fmt in (("k", key), ("v", val)):
+            gd = fmt.group_size or d
+            out[("codes", t)] = b * h * rows * _packed(d, fmt.bits)
+            out[("qparams", t)] = b * h * rows * (d // gd) * DTYPE_BYTES[fmt.qparam_dtype]
     elif fam == "qserve":
-        out["codes"] = 2 * b * h * rows * _packed(d, 4)
-        out["qparams"] = 4 * b * h * rows * DTYPE_BYTES[key.qparam_dtype]      # K/V x (scale, offset)
+        for t, fmt in (("k", key), ("v", val)):
+            out[("codes", t)] = b * h * rows * _packed(d, fmt.bits)
+            out[("qparams", t)] = 2 * b * h * rows * DTYPE_BYTES[fmt.qparam_dtype]      # (scale, offset)
     elif fam == "kivi":
         g, gd = key.group_size, val.group_size or d
-        qb, rb = DTYPE_BYTES[key.qparam_dtype], DTYPE_BYTES[schema.residual_dtype]
+        rb = DTYPE_BYTES[schema.residual_dtype]
         s_k, s_v = _kivi_rings(schema.residual_rule, schema.residual, g)
         if logical:
             fk, fv = _kivi_frontiers(rows, schema.residual_rule, schema.residual, g)
-            k_groups, res_rows = fk // g, (rows - fk) + (rows - fv)
+            k_groups, res_k, res_v = fk // g, rows - fk, rows - fv
         else:
             fk = fv = rows
-            k_groups, res_rows = capacity // g, s_k + s_v
-        out["codes"] = b * h * (fk * _packed(d, key.bits) + fv * _packed(d, val.bits))
-        out["qparams"] = b * h * (k_groups * d * 2 + fv * (d // gd) * 2) * qb     # (scale, min) pairs
-        out["residual"] = b * h * res_rows * d * rb
+            k_groups, res_k, res_v = capacity // g, s_k, s_v
+        out[("codes", "k")] = b * h * fk * _packed(d, key.bits)
+        out[("codes", "v")] = b * h * fv * _packed(d, val.bits)
+        out[("qparams", "k")] = b * h * k_groups * d * 2 * DTYPE_BYTES[key.qparam_dtype]     # (scale, min) pairs
+        out[("qparams", "v")] = b * h * fv * (d // gd) * 2 * DTYPE_BYTES[val.qparam_dtype]
+        out[("residual", "k")] = b * h * res_k * d * rb
+        out[("residual", "v")] = b * h * res_v * d * rb
     else:
         raise ValueError(f"ledger: no byte formula for scheme family {fam!r}")
     return out
@@ -148,15 +159,23 @@ def _per_layer(policy, num_layers: int) -> list:
 
 def ledger(policy, shape: LedgerShape) -> Ledger:
     """Physical / logical / per-decode-step bytes of ``policy`` (a scheme or schema, or a per-layer sequence)."""
-    phys, logi = _zero(), _zero()
     s = shape
+    detail = {"physical": {}, "logical": {}}
     for schema in _per_layer(policy, s.num_layers):
-        for view, rows, is_logical in ((phys, s.capacity, False), (logi, s.length, True)):
-            for c, n in _layer(schema, s.batch, s.num_kv_heads, s.head_dim, rows, logical=is_logical,
-                               capacity=s.capacity).items():
-                view[c] += n
-    phys["metadata"] = logi["metadata"] = 4 * s.batch                      # lengths: int32 [B]
-    return Ledger(shape=s, physical=phys, logical=logi, read_per_step=dict(logi))
+        for view, rows, is_logical in (("physical", s.capacity, False), ("logical", s.length, True)):
+            for key, n in _layer(schema, s.batch, s.num_kv_heads, s.head_dim, rows, logical=is_logical,
+                                 capacity=s.capacity).items():
+                detail[view][key] = detail[view].get(key, 0) + n
+    views = {}
+    for view, parts in detail.items():
+        views[view] = _zero()
+        for (cat, _), n in parts.items():
+            views[view][cat] += n
+        views[view]["metadata"] = 4 * s.batch                               # lengths: int32 [B]
+    return Ledger(shape=s, physical=views["physical"], logical=views["logical"],
+                  read_per_step=dict(views["logical"]),
+                  by_tensor={f"{view}.{cat}.{t}": n for view, parts in detail.items()
+                             for (cat, t), n in sorted(parts.items())})
 
 
 def cumulative_read(policy, shape: LedgerShape, new_tokens: int) -> int:

@@ -51,12 +51,11 @@ def _symmetric_core(x, qmax, valid_length, mask, *, axis, group_size, qparam_dty
     """``qmax`` is a traced float32 scalar (one compilation serves every bit width)."""
     g = C.to_groups(x, axis, group_size, valid_length, mask)
     xv = g.values
-    nz = C.nonzero_bits(xv)
-    mag = jnp.abs(xv)
+    nz, mag, finite = C.nonzero_bits(xv), jnp.abs(xv), jnp.isfinite(xv)
     if g.valid is not None:
-        nz = nz & g.valid
+        nz, finite = nz & g.valid, finite | ~g.valid
         mag = jnp.where(g.valid, mag, jnp.float32(0))
-    all_finite = jnp.all(jnp.isfinite(xv) | (False if g.valid is None else ~g.valid), axis=-1)
+    all_finite = jnp.all(finite, axis=-1)
     nonzero = jnp.any(nz, axis=-1)
     amax = jnp.max(mag, axis=-1)
     ideal = jnp.where(nonzero, C.exact_divide(amax, qmax), jnp.float32(1))
@@ -70,11 +69,11 @@ def _symmetric_core(x, qmax, valid_length, mask, *, axis, group_size, qparam_dty
     return SymmetricQuantized(C.from_groups(codes, g), C.qparam_from_groups(scale, g)), C.qparam_from_groups(status, g)
 
 
-def _prepare(x, bits, axis, group_size, qparam_dtype, valid_length, what, ndim=None):
+def _prepare(x, bits, axis, group_size, qparam_dtype, partial_ok, what, ndim=None):
     x = C.check_float_input(x, what, ndim=ndim)
     C.check_bits(bits, 2, 8, what)
     axis = C.normalize_axis(axis, x.ndim, what)
-    group_size = C.resolve_group_size(x.shape[axis], group_size, valid_length is not None, what)
+    group_size = C.resolve_group_size(x.shape[axis], group_size, partial_ok, what)
     return x, jnp.float32(2 ** (bits - 1) - 1), dict(axis=axis, group_size=group_size, qparam_dtype=C.canonical_qparam_dtype(qparam_dtype))
 
 
@@ -87,7 +86,7 @@ def quantize_symmetric_with_status(x, bits: int = 8, axis: int = -1, group_size:
       bits: 2..8 (static).
       axis: the quantized axis (static); groups are consecutive elements along it.
       group_size: elements per group along ``axis``; 0 = the whole axis (static).  A length that is not a multiple
-        raises unless ``valid_length`` is given (then the trailing group is partial and its padding is masked).
+        raises unless ``valid_length`` or ``mask`` is given (then the trailing group is partial, padding masked).
       qparam_dtype: scale storage dtype: ``jnp.float16``/``jnp.bfloat16``/``jnp.float32`` or "fp16"/"bf16"/"fp32".
       valid_length: optional int or int array broadcastable to ``x.shape`` without ``axis``; positions ``>=`` it
         along ``axis`` neither influence the scale nor get a code (their codes are 0).
@@ -96,7 +95,8 @@ def quantize_symmetric_with_status(x, bits: int = 8, axis: int = -1, group_size:
       ``(SymmetricQuantized(codes int8 x.shape, scale [x.shape with axis -> n_groups]), status int32 like scale)``.
       A group with no valid element is an all-zero group (scale 1).
     """
-    x, qmax, static = _prepare(x, bits, axis, group_size, qparam_dtype, valid_length, "quantize_symmetric")
+    x, qmax, static = _prepare(x, bits, axis, group_size, qparam_dtype,
+                               valid_length is not None or mask is not None, "quantize_symmetric")
     return _symmetric_core(x, qmax, valid_length, mask, **static)
 
 
@@ -126,7 +126,7 @@ def dequantize_symmetric(codes, scale, axis: int = -1, group_size: int = 0, dtyp
 def quantize_symmetric_rows_with_status(x, bits: int = 8, qparam_dtype=jnp.float32):
     """Jit-safe per-row form: ``x`` float ``[M, K]`` -> ``(SymmetricQuantized(codes int8 [M, K], scale [M]),
     status int32 [M])``; ``ok = status == 0``.  Rank, emptiness, bits and dtype are still checked statically."""
-    x, qmax, static = _prepare(x, bits, -1, 0, qparam_dtype, None, "quantize_symmetric_rows", ndim=2)
+    x, qmax, static = _prepare(x, bits, -1, 0, qparam_dtype, False, "quantize_symmetric_rows", ndim=2)
     out, status = _symmetric_core(x, qmax, None, None, **static)
     return SymmetricQuantized(out.codes, out.scale[:, 0]), status[:, 0]
 

@@ -55,8 +55,11 @@ def test_prefill_then_decode_matches_shadow(case):
     cache, shadow = _build(policy, rng, [(5, 3, 0)])
     assert_matches_shadow(cache, shadow, "prefill")
     for step in range(13):
+        before, old_shadow = cache, shadow.copy()
         cache = _append(cache, shadow, rows(rng, 1, "mixed"), np.array([1, 1, step % 2]))
         assert_matches_shadow(cache, shadow, f"decode {step}")
+        # frontier rule: a one-row append wrote only slots invisible at the old lengths
+        assert_matches_shadow(cache.replace(lengths=before.lengths), old_shadow, f"decode {step} at old lengths")
     cache = _append(cache, shadow, rows(rng, T_PREFILL, "normal"), np.array([2, 5, 4]))
     assert_matches_shadow(cache, shadow, "second prefill")
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -31,14 +31,20 @@ class CacheMachine(RuleBasedStateMachine):
     """One cache + its shadow; a kept snapshot (value + shadow copy) checks that later operations never change an
     older cache value (forks and their parents are independent)."""
 
-    @initialize(case=st.sampled_from(CASE_IDS))
-    def setup(self, case):
+    @initialize(case=st.sampled_from(CASE_IDS), warm=st.integers(0, 3), data=st.data(),
+                seed=st.integers(0, 2 ** 31))
+    def setup(self, case, warm, data, seed):
+        """Start from ``warm`` random prefills, so histories regularly outgrow KIVI's residual window (R=8)."""
         self.case = case
         self.policy = CASES[case]
         self.cache = new_cache(self.policy)
         self.shadow = ShadowCache(self.policy, B, 2, 8)
         self.snapshot = None
-        self.rng = None
+        for i in range(warm):
+            num = np.array([data.draw(st.integers(0, T_PREFILL)) for _ in range(B)])
+            pairs = rows(self._rng(seed + i), T_PREFILL, "mixed")
+            self.cache = ops.append(self.cache, pairs, num)
+            self.shadow.append(pairs, num)
 
     def _rng(self, seed):
         return np.random.default_rng(seed)
@@ -53,6 +59,7 @@ class CacheMachine(RuleBasedStateMachine):
         pairs = rows(self._rng(seed), T_PREFILL, kind)
         self.cache = ops.append(self.cache, pairs, num)
         self.shadow.append(pairs, num)
+        event(f"prefill reaches capacity: {bool((self.shadow.lengths == C).any())}")
 
     @rule(data=st.data(), seed=st.integers(0, 2 ** 31), kind=st.sampled_from(KINDS))
     def decode(self, data, seed, kind):
@@ -80,6 +87,7 @@ class CacheMachine(RuleBasedStateMachine):
         start = np.array([min(needs_rows_spec(s, int(o), int(n)) for s in self.policy) for o, n in zip(old, new)])
         np.testing.assert_array_equal(ops.rebuild_start(self.cache, new), start)
         needs = bool((start < new).any())
+        event(f"truncate needs original rows: {needs}")
         if needs and not give_rows_first:
             with pytest.raises(ops.TruncationNeedsRowsError):
                 ops.truncate(self.cache, new)
@@ -111,7 +119,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert_matches_shadow(self.cache, self.shadow, self.case)
 
 
-CacheMachine.TestCase.settings = settings(max_examples=int(__import__("os").environ.get("KVQ_SM_EXAMPLES", 520)), stateful_step_count=10, deadline=None,
+CacheMachine.TestCase.settings = settings(max_examples=int(__import__("os").environ.get("KVQ_SM_EXAMPLES", 520)), stateful_step_count=8, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                                           derandomize=True, database=None)
 TestCacheStateMachine = CacheMachine.TestCase

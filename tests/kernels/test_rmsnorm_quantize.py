@@ -75,6 +75,18 @@ def test_parity(backend, interpret, qdtype, case, rng):
     assert np.asarray(scale)[zr] == 1 and not np.asarray(codes)[zr].any()
 
 
+@pytest.mark.parametrize("m,k,br,nprog", [(37, 96, 8, 2), (5, 1000, 1, 3)])
+def test_persistent_variant(m, k, br, nprog, rng):
+    """GPU-path persistent kernel (each program loops over row blocks, prefetching the next one)."""
+    x = rng.normal(size=(m, k)) * rng.uniform(0.05, 20.0, (m, 1))
+    x[1] = 0.0
+    xj = jnp.asarray(x, jnp.bfloat16)
+    w = jnp.asarray(rng.uniform(0.2, 2.0, k), jnp.float32)
+    codes, scale, status = rq.rmsnorm_quantize(xj, w, qparam_dtype=np.float16, block_rows=br, num_programs=nprog,
+                                               backend="gpu", interpret=True)
+    _check_rows(codes, scale, status, np.asarray(xj.astype(jnp.float32)), np.asarray(w), 1e-6, np.float16)
+
+
 def test_reference_matches_oracle_and_leading_dims(rng):
     x = rng.normal(size=(2, 3, 64)).astype(np.float32)
     w = rng.uniform(0.5, 1.5, 64).astype(np.float32)

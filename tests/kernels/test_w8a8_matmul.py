@@ -98,6 +98,18 @@ def test_parity(backend, interpret, w4, affine, case, rng):
     _assert_close(y, ref, mag, out_dtype)
 
 
+@pytest.mark.parametrize("case,affine", [(0, True), (1, False)])
+def test_w4a8_interleave_decode(case, affine, rng):
+    """The alternative GPU W4A8 decode (weight tile unpacked to K order by join + reshape, one dot); the default
+    "planes" decode is covered by test_parity."""
+    m, n, k, blocks = CASES[case]
+    xq, sx, w, wq, sw, bias, zp = _inputs(rng, m, n, k, True, with_zp=affine)
+    y = _call(wm.w4a8_matmul, xq, sx, w, sw, bias, zp, out_dtype=jnp.float32, backend="gpu", interpret=True,
+              w4_mode="interleave", **blocks)
+    ref, mag = _oracle(xq, sx, wq, sw, bias, zp)
+    _assert_close(y, ref, mag, "float32")
+
+
 @pytest.mark.parametrize("backend,interpret", BACKENDS)
 @pytest.mark.parametrize("w4", [False, True], ids=["w8a8", "w4a8"])
 def test_integer_accumulation_is_exact(backend, interpret, w4, rng):
@@ -204,5 +216,7 @@ def test_bad_inputs_misc():
     with pytest.raises(ValueError, match="even"):
         wm.w4a8_matmul(jnp.zeros((8, 31), jnp.int8), sx, jnp.zeros((16, 15), jnp.uint8), a["w_scale"],
                        interpret=True)
+    with pytest.raises(ValueError, match="w4_mode"):
+        wm.w4a8_matmul(xs, sx, jnp.zeros((16, 16), jnp.uint8), a["w_scale"], w4_mode="bogus", interpret=True)
     with pytest.raises(ValueError, match="even K"):
         wm.pack_int4(jnp.zeros((2, 3), jnp.int8))

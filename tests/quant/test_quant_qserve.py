@@ -46,6 +46,17 @@ def test_positive_only_range_keeps_unclamped_offset():
     assert abs(back[0] - 1.0) < 1e-3 and abs(back[-1] - 2.0) < 1e-3
 
 
+def test_offset_uses_the_unrounded_scale():
+    """Reference ABI: offset = fp16(-min / ideal_scale), not -min / fp16(scale).  Designed so the two differ."""
+    ideal = 1.0 + 3 * 2.0**-12                          # fp16 rounds it up to 1 + 2**-10
+    x = np.array([[-7.0, -7.0 + 15 * ideal, 0.0, 1.0]], np.float32)
+    got = Q.quantize_qserve(x)
+    assert float(got.scale[0]) == 1.0 + 2.0**-10
+    want = np.float16(7.0 / ideal)
+    assert want != np.float16(7.0 / float(got.scale[0]))
+    assert np.asarray(got.offset)[0].view(np.uint16) == want.view(np.uint16)
+
+
 def test_constant_and_narrow_heads_policy():
     x = np.array([[0.5, 0.5, 0.5, 0.5], [1.0, 1.0 + 2**-20, 1.0, 1.0], [0.0, 1.0, 2.0, 3.0]], np.float32)
     with pytest.raises(ValueError, match="constant"):
