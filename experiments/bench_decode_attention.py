@@ -181,6 +181,20 @@ class _Rows(list):
         flush(self.args, self.results)
 
 
+def measure_row(args, t, impl, name, fn, ref_fn, q, sets, read, cfg, base, rows, log):
+    """Time ``fn`` over the sets, check its first output against ``ref_fn`` (up to ``--check-t``), record a row."""
+    med, lo, hi, out = time_program(fn, q, sets, args.reps)
+    err = rel_err(out, np.asarray(jax.jit(ref_fn)(q, sets[0]))) if t <= args.check_t else None
+    row = dict(T=t, impl=impl, format=name, us=med * 1e6, us_min=lo * 1e6, us_max=hi * 1e6, bytes=read,
+               tbps=read / med / 1e12, sets=len(sets), rel_err_vs_f32_ref=err,
+               config=dataclasses.asdict(cfg) if cfg else None)
+    if "cudnn" in base:
+        row["speedup_vs_cudnn"] = base["cudnn"] / med
+    rows.append(row)
+    log(f"T={t:6d} {name:16s} {med * 1e6:9.1f} us  {read / med / 1e12:5.2f} TB/s  x{row.get('speedup_vs_cudnn', 0):.2f}"
+        f"  err {err if err is None else f'{err:.1e}'}  (sets {len(sets)}) {cfg}")
+
+
 def run_size(args, t, names, configs, results, log):
     b, hq, hkv, d = args.B, args.hq, args.hkv, args.d
     key = jax.random.PRNGKey(t)
@@ -225,20 +239,8 @@ def run_size(args, t, names, configs, results, log):
             sets = [one] + [device_region(jax.random.fold_in(key, 1000 + i), kf, vf, b, hkv, t, d)
                             for i in range(1, n)]
             fn = lambda q, r, cfg=cfg: decode_attention(q, [r], config=cfg, out_dtype=jnp.float32)  # noqa: E731
-            med, lo, hi, out = time_program(fn, q, sets, args.reps)
-            err = None
-            if t <= args.check_t:
-                ref = jax.jit(lambda q, r: decode_attention_jnp(q.astype(jnp.float32), [r]))(q, sets[0])
-                err = rel_err(out, np.asarray(ref))
-            read = set_bytes + q.size * 2
-            row = dict(T=t, impl="pallas", format=name, us=med * 1e6, us_min=lo * 1e6, us_max=hi * 1e6,
-                       bytes=read, tbps=read / med / 1e12, sets=n, rel_err_vs_f32_ref=err,
-                       config=dataclasses.asdict(cfg) if cfg else None)
-            if "cudnn" in base:
-                row["speedup_vs_cudnn"] = base["cudnn"] / med
-            rows.append(row)
-            log(f"T={t:6d} {name:16s} {med * 1e6:9.1f} us  {read / med / 1e12:5.2f} TB/s  x{row.get('speedup_vs_cudnn', 0):.2f}"
-                f"  err {err if err is None else f'{err:.1e}'}  (sets {n}) {cfg}")
+            ref_fn = lambda q, r: decode_attention_jnp(q.astype(jnp.float32), [r])  # noqa: E731
+            measure_row(args, t, "pallas", name, fn, ref_fn, q, sets, set_bytes + q.size * 2, cfg, base, rows, log)
             del sets
         except Exception as e:  # noqa: BLE001
             log(f"T={t:6d} {name:16s} FAILED {type(e).__name__}: {str(e)[:400]}")
@@ -274,19 +276,9 @@ def run_dispatch_kivi(args, t, name, q, configs, base, rows, log):
         kn = jax.random.normal(jax.random.PRNGKey(1), (b, hkv, d), jnp.float32).astype(jnp.bfloat16)
         fn = lambda q, st, cfg=cfg: dispatch(q, scheme, st, lengths, kn, kn, impl="kernel", config=cfg,  # noqa: E731
                                              out_dtype=jnp.float32)
-        med, lo, hi, out = time_program(fn, q, sets, args.reps)
-        ref = jax.jit(lambda q, st: dispatch(q.astype(jnp.float32), scheme, st, lengths, kn, kn,
-                                             impl="reference"))(q, sets[0])
-        err = rel_err(out, np.asarray(ref))
-        read = nbytes(one)
-        row = dict(T=t, impl="pallas+dispatch", format=name, us=med * 1e6, us_min=lo * 1e6, us_max=hi * 1e6,
-                   bytes=read, tbps=read / med / 1e12, sets=n, rel_err_vs_f32_ref=err,
-                   config=dataclasses.asdict(cfg) if cfg else None)
-        if "cudnn" in base:
-            row["speedup_vs_cudnn"] = base["cudnn"] / med
-        rows.append(row)
-        log(f"T={t:6d} {name:16s} {med * 1e6:9.1f} us  {read / med / 1e12:5.2f} TB/s  x{row.get('speedup_vs_cudnn', 0):.2f}"
-            f"  err {err:.1e}  (sets {n})")
+        ref_fn = lambda q, st: dispatch(q.astype(jnp.float32), scheme, st, lengths, kn, kn,  # noqa: E731
+                                        impl="reference")
+        measure_row(args, t, "pallas+dispatch", name, fn, ref_fn, q, sets, nbytes(one), cfg, base, rows, log)
     except Exception as e:  # noqa: BLE001
         log(f"T={t:6d} {name:16s} FAILED {type(e).__name__}: {str(e)[:400]}")
         rows.append(dict(T=t, impl="pallas+dispatch", format=name, error=f"{type(e).__name__}: {str(e)[:400]}"))

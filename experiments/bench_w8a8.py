@@ -13,6 +13,10 @@ Phases:
      small sweep), Pallas W4A8 and the affine-zero-point variant.
   3. ``rmsnorm``: fused RMSNorm->INT8 achieved bandwidth (bytes = read x + w, write codes + scale + status),
      against the unfused XLA reference and a device copy.
+  Default order: check, sanity (XLA bf16/int8 at 8192^3), gemm_large (M >= 4096), rmsnorm, gemm_small (M <= 256);
+  ``--budget-s`` skips whatever remains once that many seconds have passed (results are written incrementally).
+  4. ``tune`` (not in the default list): copy ceilings (XLA bf16/fp32, Pallas), the persistent RMSNorm variants,
+     W4A8 decode modes and extra large-M tiles, with on-device checks of the new variants first.
 
 Timing: each measured function is jitted over R distinct input sets (R rotating buffers, so weights/activations do
 not sit in the 60 MB L2 between launches), one call launches R kernels back to back; time = median over
@@ -239,7 +243,8 @@ def gemm_bench(results, args, ms):
                         a = fn(*sets[0]).astype(jnp.float32)
                         b_ = ref(*sets[0]).astype(jnp.float32)
                         row[name]["rel_err_vs_xla"] = float(jnp.max(jnp.abs(a - b_)) / jnp.max(jnp.abs(b_)))
-                    log(f"M={m} K={k} N={n} {name}: {t * 1e6:9.1f} us  {ops / t / 1e12:7.1f} T/s  (spread {spread:.2f})")
+                    log(f"M={m} K={k} N={n} {name}: {t * 1e6:9.1f} us  {ops / t / 1e12:7.1f} T/s  "
+                        f"(spread {spread:.2f})")
                 except Exception as e:  # noqa: BLE001
                     row[name] = dict(error=repr(e)[:400])
                     log(f"M={m} K={k} N={n} {name}: ERROR {e!r}"[:600])
@@ -559,7 +564,8 @@ def main():
     dev = jax.devices()[0]
     import jaxlib
 
-    results = dict(device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__, jaxlib=jaxlib.__version__, python=_platform.python_version(),
+    results = dict(device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__, jaxlib=jaxlib.__version__,
+                   python=_platform.python_version(),
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    argv=sys.argv)
     log(results)

@@ -18,7 +18,6 @@ import argparse
 import datetime
 import json
 import math
-import os
 import platform
 import subprocess
 import sys
@@ -77,6 +76,20 @@ SCHEME_NAMES = {"fp32": "fp32 (reference)", "kivi2": "KIVI-2 (G=32, R=32)", "int
                 "int4": "per-token INT4", "static4": "static per-tensor INT4"}
 
 
+def eta_table(stats, seqs, bos, tok, etas=(16, 32, 64, 128)) -> list:
+    """The discovery rule at several eta on the same statistics ``[L, N, T]``."""
+    out = []
+    for eta in etas:
+        d = pq.select_prefix(seqs, pq.outlier_mask(stats, eta).any(axis=0), bos_id=bos, eta=eta,
+                             tokenizer_hash=tok.hash)
+        out.append({"eta": eta, "prefix_token_ids": list(d.prefix_token_ids),
+                    "tokens": [tok.decode([t], skip_special=False) for t in d.prefix_token_ids],
+                    "mean_outlier_tokens": d.mean_outlier_tokens,
+                    "top_counts": {tok.decode([int(k)], skip_special=False): v
+                                   for k, v in list(d.outlier_counts.items())[:5]}})
+    return out
+
+
 def write_report(res: dict, out: Path) -> Path:
     """``out/README.md`` from a results dict (see :func:`main`)."""
     rows = {(r["scheme"], r["variant"]): r for r in res["rows"]}
@@ -120,6 +133,12 @@ def write_report(res: dict, out: Path) -> Path:
               f"Prefix (ids): `{d['prefix_token_ids']}` = " + " ".join(f"`{t!r}`" for t in res["prefixquant_tokens"]),
               "", "Outlier occurrences by token id (BOS excluded): "
               + ", ".join(f"{k}: {v}" for k, v in list(d["outlier_counts"].items())[:10]), "",
+              *(["Same statistics, other η:", "", "| η | prefix | mean outlier tokens / seq | top outlier tokens "
+                 "(count) |", "| --- | --- | --- | --- |"]
+                + [f"| {e['eta']} | " + " ".join(f"`{t!r}`" for t in e["tokens"]) + f" | "
+                   f"{e['mean_outlier_tokens']:.2f} | "
+                   + ", ".join(f"`{k!r}` ({v})" for k, v in e["top_counts"].items()) + " |"
+                   for e in res.get("eta_sweep", [])] + [""] if res.get("eta_sweep") else []),
               "## Token-wise activation outliers before vs after the prefix", "",
               "Per-token max |down_proj input| at each layer; ratio = top token / median token of that layer and "
               "sequence (mean over sequences, and the largest); outlier tokens per sequence at the same η.", "",
@@ -246,6 +265,7 @@ def main(argv=None):
     art_pq = pq.prefixquant_artifact(params, cfg, disc, tokenizer_hash=tok.hash,
                                      provenance={"corpus": val.name, "corpus_sha256": val.sha256})
     log(f"[ablation] PrefixQuant prefix {disc.prefix_token_ids} in {time.perf_counter() - t0:.0f}s")
+    eta_sweep = eta_table(disc_stats, with_bos(disc_text), bos, tok)
     for name, a in (("bos", art_b), ("system", art_s), ("prefixquant", art_pq)):
         save_artifact(a, art_dir / f"{name}-{a.artifact_id}")
 
@@ -338,7 +358,7 @@ def main(argv=None):
         "artifacts": {"bos": art_b.artifact_id, "system": art_s.artifact_id, "system_prefix_ids": sys_ids,
                       "system_prefix_text": tok.decode(sys_ids, skip_special=False),
                       "prefixquant": art_pq.artifact_id, "artifact_dir": str(art_dir)},
-        "prefixquant_discovery": disc.to_dict(),
+        "prefixquant_discovery": disc.to_dict(), "eta_sweep": eta_sweep,
         "prefixquant_tokens": [tok.decode([t], skip_special=False) for t in disc.prefix_token_ids],
         "outliers": outliers,
         "static_scales": {k: {"k": v[0].tolist(), "v": v[1].tolist(), **v[2]} for k, v in scales.items()},
@@ -351,5 +371,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("KVQ_CACHE_DIR", os.path.expanduser("~/.cache/kvquant_jax"))
     main()

@@ -77,7 +77,7 @@ def cmd_ppl(args):
 
 
 def cmd_ledger(args):
-    from kvquant_jax.quant.ledger import ledger_from_config
+    from kvquant_jax.cache.registry import ledger_from_config
 
     print(ledger_from_config(args.config))
 

@@ -17,10 +17,18 @@ Where the scales go (0x03A-0x03C)
 * V per-token scale: folded into the probabilities before the PV product, ``acc += (p * s_t) @ u`` and the zero
   term ``sum_t p_t z_t`` is a per-row scalar accumulated beside ``acc`` (``z = min`` or ``-o * s``); with G_d < D
   each group of columns has its own accumulator.
-* Per-head fp8 scales are folded into the query (K) and into the region's partial output (V) outside the kernel.
-Codes stay exact integers in the dot operands (``bf16`` holds 0..255 exactly); the other operand (scaled query,
-scaled probabilities) is split into ``bf16`` hi + lo parts (``precision="bf16x2"``, about float32 accuracy on
-tensor cores), or rounded once (``"bf16"``), or kept float32 (``"f32"``).  No dequantized K/V is ever written.
+* Per-head scales (fp8, static INT) and the softmax scale multiply the logits after the dot (a per-query-row
+  ``qs``), and the V per-head scale multiplies the region's partial output outside the kernel.
+Codes stay exact integers in the dot operands (``bf16`` holds 0..255 exactly).  The other operand is exact when it
+can be (a bf16 query against bf16 codes: one pass); otherwise (a float32 query, ``q * s_j`` for KIVI, the
+probabilities) ``precision="bf16x2"`` splits it into bf16 hi + lo parts -- for the probabilities inside ONE dot:
+the query rows are duplicated into the tensor-core padding rows, the duplicates carry lo(p) and the wrapper adds
+the two row blocks -- ``"bf16"`` rounds it once (flash-attention practice, ~1e-3 relative error) and ``"f32"``
+keeps float32 operands.  No dequantized K/V is ever written.
+
+Unpacking (``unpack``): ``"asm"`` (GPU) drops each code byte into the mantissa of a bf16 with a PTX ``prmt`` and
+re-centres two lanes per packed ``fma``; ``"magic"`` ORs the code into the mantissa of float32 2^23 and subtracts;
+``"convert"`` uses integer->float conversion.  Measured on the H200 in docs/benchmarks_decode.md.
 
 Packed codes are never interleaved in registers: a byte of INT4/INT2 holds channels ``j*P + r`` (``P`` codes per
 byte, ``r`` = bit plane), so the query is de-interleaved into ``P`` planes outside the kernel, each plane of codes
@@ -75,7 +83,15 @@ _F32 = jnp.float32
 # --------------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Tuning knobs of one region's kernel (all static)."""
+    """Tuning knobs of one region's kernel (all static).
+
+    Attributes:
+      block_t: rows per loop step (shrunk to a power of two dividing the region; a multiple of the KIVI key group).
+      num_splits: split-K programs per (sequence, KV head); partials are merged by the combine step.
+      precision: "bf16x2" (float32-grade), "bf16" (probabilities rounded once) or "f32" (float32 operands).
+      num_warps, num_stages: Triton launch parameters (GPU only).
+      unpack: "magic", "convert" or "asm" (GPU inline PTX; the interpreter falls back to "magic").
+    """
 
     block_t: int = 128
     num_splits: int = 1

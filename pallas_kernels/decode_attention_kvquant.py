@@ -16,17 +16,20 @@ over a :mod:`kvquant_jax.cache.kvquant` layer state read where it lies, plus the
 No decoded key or value is written to memory: each block of ``block_t`` rows is unpacked, looked up, corrected,
 rotated and consumed in registers.
 
-Channel order inside the kernel (why no register interleave is needed).  The packed stream holds 8 codes in every
+Channel order inside the kernel (no register slicing or interleave).  The packed stream holds 8 codes in every
 ``b`` bytes (kvquant_jax.quant.packing, ``b`` = bits <= 4), so byte ``kk`` of chunk ``J`` sits at column
-``b*J + kk``: one strided load per byte position, ``w = sum_kk byte_kk << 8 kk``, and code ``r`` of the chunk is
-``(w >> b r) & (2^b - 1)``, channel ``8 J + r``.  The kernel keeps every tile as ``[rows, 2, 8, D/16]`` =
-(row, half, r, j), i.e. channel ``half * D/2 + 8 j + r`` -- a fixed permutation of the channels.  Under the
-``half_split`` RoPE pairing channel ``c`` rotates with ``c + D/2``: index ``(0, r, j)`` with ``(1, r, j)``; under
-``interleaved`` (``2i`` with ``2i + 1``) ``(h, 2m, j)`` with ``(h, 2m + 1, j)``: both are elementwise between two
-slices of the tile.  A dot product does not care about the channel order, so the wrapper hands the query in the
-same permuted order, the QK dot and the PV product run on ``[rows, D]`` reshapes of the tiles, and the wrapper
-un-permutes the output.  Sparse outliers are matched against each tile position's channel number (a compare +
-select per slot).  The LUT is a select tree over the code bits (``2^b - 1`` selects), a gather-free form.
+``b*J + kk``: one strided load per byte position gives ``w = sum_kk byte_kk << 8 kk`` for a run of chunks, and code
+``r`` of a chunk is ``(w >> b r) & (2^b - 1)``, channel ``8 J + r``.  Keys are decoded as two PARTNER tiles
+``A, B: [rows, D/2]`` whose column ``i`` holds the two channels of one RoPE pair: for ``half_split`` (``c`` with
+``c + D/2``) A is the first half of the chunks and B the second (``(r, j)`` order: channel ``8 j + r`` and
+``D/2 + 8 j + r``); for ``interleaved`` (``2i`` with ``2i + 1``) A holds the even code positions and B the odd ones
+of every chunk (``(half, m, j)`` order: channel ``half D/2 + 8 j + 2m`` and ``+ 1``).  RoPE is then elementwise
+between A and B, and ``q . k = q_A . A + q_B . B`` with the query split the same way by the wrapper (a dot product
+does not care about the channel order).  Values are decoded as one tile ``[rows, D]`` in ``(r, J)`` order (channel
+``8 J + r``); the wrapper un-permutes the output.  Sparse outliers are matched against each tile column's channel
+number (a compare + select per slot; the maps come in as small int32 operands).  The LUT is a select tree over the
+code bits (``2^b - 1`` selects), a gather-free form.  Only elementwise ops, reshapes, strided loads and 2-D dots:
+the body lowers to Pallas Triton (checked on an H200, see docs/results/kvquant/) as well as running interpreted.
 
 Backend: the Pallas Triton-style loop kernel (grid ``(B, Hkv, num_splits)``, a ``fori_loop`` over blocks), run
 with ``interpret=True`` where no GPU exists (:func:`pallas_kernels.backend.default_interpret`); validated in the
@@ -50,7 +53,7 @@ from kvquant_jax.cache.kvquant import KVQuantScheme
 from kvquant_jax.models.rope import apply_rope
 from pallas_kernels.backend import default_interpret
 
-__all__ = ["decode_attention_kvquant", "decode_attention_kvquant_reference", "channel_subplanes"]
+__all__ = ["decode_attention_kvquant", "decode_attention_kvquant_reference", "channel_maps"]
 
 _F32 = jnp.float32
 _NEG = -1e30
@@ -70,21 +73,28 @@ class _Spec:
     rope: str           # "half_split" | "interleaved" | "none" (post-RoPE keys)
 
     @property
-    def w(self):        # j extent of a [rows, 2, 8, D/16] tile
+    def w(self):        # chunks per key half (D/16)
         return self.d // 16
 
 
-def channel_subplanes(d: int) -> np.ndarray:
-    """int ``[2, 8, D/16]``: the channel at tile index ``(half, r, j)`` = ``half*D/2 + 8 j + r`` (the kernel's
-    channel permutation)."""
+def channel_maps(d: int, rope: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """int ``[D/2]``, ``[D/2]``, ``[D]``: the channel of every column of the key partner tiles A and B and of the
+    value tile (see the module docstring).  ``rope``: "half_split", "interleaved" or "none" (A/B as half_split)."""
     if d % 16:
         raise ValueError(f"decode_attention_kvquant: head_dim must be a multiple of 16, got {d}")
-    j = np.arange(d // 16)
-    return np.array([[h * (d // 2) + 8 * j + r for r in range(8)] for h in range(2)])
+    j, r, m = np.arange(d // 16), np.arange(8), np.arange(4)
+    if rope == "interleaved":
+        a = (np.arange(2)[:, None, None] * (d // 2) + 8 * j[None, None, :] + 2 * m[None, :, None]).reshape(-1)
+        b = a + 1
+    else:
+        a = (8 * j[None, :] + r[:, None]).reshape(-1)
+        b = a + d // 2
+    v = (8 * np.arange(d // 8)[None, :] + r[:, None]).reshape(-1)
+    return a, b, v
 
 
 # --------------------------------------------------------------------------------------------------------------
-# kernel body: tiles are [bt, 2, 8, D/16] = (row, half, r, j), i.e. channel half*D/2 + 8 j + r
+# kernel body
 # --------------------------------------------------------------------------------------------------------------
 def _lut(code, cb_ref, bits: int):
     """``codebook[code]`` as a select tree over the code bits (``2^b - 1`` selects, no gather)."""
@@ -95,45 +105,47 @@ def _lut(code, cb_ref, bits: int):
     return vals[0]
 
 
-def _decode_tile(codes_ref, lead, rows, bits: int, cb_ref, sp: _Spec):
-    """Packed codes of ``rows`` -> float32 codebook values ``[bt, 2, 8, D/16]`` (sub-plane order).
-
-    8 codes fill ``bits`` bytes, so byte ``kk`` of every chunk is one strided load; the chunk word
-    ``w = sum_kk byte_kk << 8 kk`` holds code ``r`` of the chunk at bit ``bits * r``."""
+def _words(codes_ref, lead, rows, bits: int, first: int, n: int):
+    """int32 ``[rows, n]``: the packed 8-code words of chunks ``first .. first + n - 1`` (one strided load per
+    byte of the chunk)."""
     w = None
     for kk in range(bits):
-        byte = codes_ref[lead + (rows, pl.ds(kk, sp.d // 8, stride=bits))].astype(jnp.int32) << (8 * kk)
+        byte = codes_ref[lead + (rows, pl.ds(bits * first + kk, n, stride=bits))].astype(jnp.int32) << (8 * kk)
         w = byte if w is None else w | byte
-    shifts = bits * lax.broadcasted_iota(jnp.int32, (1, 1, 8, 1), 2)
-    code = (w.reshape(sp.bt, 2, 1, sp.w) >> shifts) & (2 ** bits - 1)
-    return _lut(code, cb_ref, bits)
+    return w
+
+
+def _values(w, bits: int, positions: int, step: int, phase: int, cb_ref, lead_shape):
+    """Codebook values of code positions ``phase + step * i`` (``i < positions``) of the words ``w``, reshaped to
+    ``lead_shape + (-1,)``: ``[..., positions, n]`` flattened in (position, chunk) order."""
+    shifts = bits * (step * lax.broadcasted_iota(jnp.int32, (1,) * (w.ndim - 1) + (positions, 1), w.ndim - 1)
+                     + phase)
+    code = (jnp.expand_dims(w, -2) >> shifts) & (2 ** bits - 1)
+    return _lut(code, cb_ref, bits).reshape(lead_shape + (-1,))
+
+
+def _key_tiles(codes_ref, lead, rows, cb_ref, sp: _Spec):
+    """Key partner tiles A, B ``[bt, D/2]`` of codebook values (see the module docstring)."""
+    b = sp.kb
+    if sp.rope == "interleaved":
+        w = _words(codes_ref, lead, rows, b, 0, sp.d // 8).reshape(sp.bt, 2, sp.w)
+        return (_values(w, b, 4, 2, 0, cb_ref, (sp.bt,)), _values(w, b, 4, 2, 1, cb_ref, (sp.bt,)))
+    return (_values(_words(codes_ref, lead, rows, b, 0, sp.w), b, 8, 1, 0, cb_ref, (sp.bt,)),
+            _values(_words(codes_ref, lead, rows, b, sp.w, sp.w), b, 8, 1, 0, cb_ref, (sp.bt,)))
 
 
 def _apply_sparse(x, idx_ref, val_ref, lead, rows, slots: int, chan):
-    """Exact holes + full values: replace the kept outlier channels of ``x [bt, 2, 8, D/16]``."""
+    """Exact holes + full values: replace the kept outlier channels of ``x [bt, N]`` (``chan [1, N]``)."""
     for s in range(slots):
-        idx = idx_ref[lead + (rows, pl.ds(s, 1))].astype(jnp.int32).reshape(-1, 1, 1, 1)   # 255 = unused
-        val = val_ref[lead + (rows, pl.ds(s, 1))].astype(_F32).reshape(-1, 1, 1, 1)
+        idx = idx_ref[lead + (rows, pl.ds(s, 1))].astype(jnp.int32)                 # [bt, 1]; 255 = unused
+        val = val_ref[lead + (rows, pl.ds(s, 1))].astype(_F32)
         x = jnp.where(idx == chan, val, x)
     return x
 
 
-def _rotate(x, ang, sp: _Spec):
-    """RoPE of ``x [bt, 2, 8, D/16]``; ``ang``: angles of each column's pair, same shape."""
-    if sp.rope == "none":
-        return x
-    c, s = jnp.cos(ang), jnp.sin(ang)
-    if sp.rope == "half_split":                  # channel c pairs with c + D/2: half 0 with half 1
-        a, b = x[:, 0], x[:, 1]
-        return jnp.stack([a * c[:, 0] - b * s[:, 0], b * c[:, 0] + a * s[:, 0]], axis=1)
-    a, b = x[:, :, 0::2], x[:, :, 1::2]          # interleaved: r = 2m pairs with r = 2m + 1
-    ce, se = c[:, :, 0::2], s[:, :, 0::2]
-    out = jnp.stack([a * ce - b * se, b * ce + a * se], axis=3)                    # [bt, 2, 4, 2, w]
-    return out.reshape(x.shape)
-
-
-def _kernel(start_ref, end_ref, q_ref, kc_ref, kcb_ref, ks_ref, kz_ref, ki_ref, kv_ref, vc_ref, vcb_ref,
-            vs_ref, vo_ref, vi_ref, vv_ref, pos_ref, freq_ref, o_ref, m_ref, l_ref, *, sp: _Spec):
+def _kernel(start_ref, end_ref, qa_ref, qb_ref, kc_ref, kcb_ref, ksa_ref, ksb_ref, kza_ref, kzb_ref, ki_ref,
+            kv_ref, vc_ref, vcb_ref, vs_ref, vo_ref, vi_ref, vv_ref, pos_ref, freq_ref, chan_ref, chanv_ref,
+            o_ref, m_ref, l_ref, *, sp: _Spec):
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, end = start_ref[b], end_ref[b]
     bt = jnp.int32(sp.bt)
@@ -143,12 +155,13 @@ def _kernel(start_ref, end_ref, q_ref, kc_ref, kcb_ref, ks_ref, kz_ref, ki_ref, 
     lo = first + s * per
     hi = jnp.minimum(lo + per, last)
     lead = (b, h)
-    q = q_ref[b, h]                                                                  # [Mp, D] sub-plane order
-    ks, kz = ks_ref[h][None], kz_ref[h][None]                                        # [1, 2, 8, w]
-    freq = freq_ref[...][None]
-    chan = (lax.broadcasted_iota(jnp.int32, (1, 2, 8, sp.w), 1) * (sp.d // 2)
-            + 8 * lax.broadcasted_iota(jnp.int32, (1, 2, 8, sp.w), 3)
-            + lax.broadcasted_iota(jnp.int32, (1, 2, 8, sp.w), 2))
+    qa, qb = qa_ref[b, h], qb_ref[b, h]                                              # [Mp, D/2]
+    half = pl.ds(0, sp.d // 2)
+    ksa, ksb = ksa_ref[pl.ds(h, 1), half], ksb_ref[pl.ds(h, 1), half]              # [1, D/2]
+    kza, kzb = kza_ref[pl.ds(h, 1), half], kzb_ref[pl.ds(h, 1), half]
+    freq = freq_ref[pl.ds(0, 1), half]
+    chan_a, chan_b = chan_ref[pl.ds(0, 1), half], chan_ref[pl.ds(1, 1), half]
+    chan_v = chanv_ref[pl.ds(0, 1), pl.ds(0, sp.d)]
 
     def body(blk, carry):
         m, l, acc = carry
@@ -157,22 +170,27 @@ def _kernel(start_ref, end_ref, q_ref, kc_ref, kcb_ref, ks_ref, kz_ref, ki_ref, 
         posn = row0 + lax.broadcasted_iota(jnp.int32, (sp.bt, 1), 0)
         valid_col = (posn >= start) & (posn < end)                                  # [bt, 1]
         valid_row = jnp.reshape(valid_col, (1, sp.bt))
-        # keys: LUT decode -> per-channel scale/zero -> sparse -> RoPE at the stored position -> one dot
-        k = _decode_tile(kc_ref, lead, rows, sp.kb, kcb_ref, sp) * ks + kz
-        k = _apply_sparse(k, ki_ref, kv_ref, lead, rows, sp.ck, chan)
-        p_row = pos_ref[b, rows].astype(_F32).reshape(sp.bt, 1, 1, 1)
-        k = _rotate(k, p_row * freq, sp).reshape(sp.bt, sp.d)
-        sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HP, preferred_element_type=_F32)
+        # keys: LUT decode -> per-channel scale/zero -> sparse -> RoPE at the stored position -> two dots
+        ka, kb = _key_tiles(kc_ref, lead, rows, kcb_ref, sp)
+        ka = _apply_sparse(ka * ksa + kza, ki_ref, kv_ref, lead, rows, sp.ck, chan_a)
+        kb = _apply_sparse(kb * ksb + kzb, ki_ref, kv_ref, lead, rows, sp.ck, chan_b)
+        if sp.rope != "none":
+            ang = pos_ref[b, rows].astype(_F32)[:, None] * freq                      # [bt, D/2]
+            c, sn = jnp.cos(ang), jnp.sin(ang)
+            ka, kb = ka * c - kb * sn, kb * c + ka * sn
+        dims = (((1,), (1,)), ((), ()))
+        sc = (lax.dot_general(qa, ka, dims, precision=_HP, preferred_element_type=_F32)
+              + lax.dot_general(qb, kb, dims, precision=_HP, preferred_element_type=_F32))
         sc = jnp.where(valid_row, sc, _NEG)                                          # [Mp, bt]
         m_new = jnp.maximum(m, jnp.max(sc, axis=1, keepdims=True))
         alpha = jnp.exp(m - m_new)
         p = jnp.where(valid_row, jnp.exp(sc - m_new), 0.0)
         l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
         # values: LUT decode -> per-row scale/offset -> sparse -> PV
-        vs = vs_ref[lead + (rows, pl.ds(0, 1))].astype(_F32).reshape(sp.bt, 1, 1, 1)
-        vo = vo_ref[lead + (rows, pl.ds(0, 1))].astype(_F32).reshape(sp.bt, 1, 1, 1)
-        v = _decode_tile(vc_ref, lead, rows, sp.vb, vcb_ref, sp) * vs + vo
-        v = _apply_sparse(v, vi_ref, vv_ref, lead, rows, sp.cv, chan).reshape(sp.bt, sp.d)
+        vs = vs_ref[lead + (rows, pl.ds(0, 1))].astype(_F32)                        # [bt, 1]
+        vo = vo_ref[lead + (rows, pl.ds(0, 1))].astype(_F32)
+        v = _values(_words(vc_ref, lead, rows, sp.vb, 0, sp.d // 8), sp.vb, 8, 1, 0, vcb_ref, (sp.bt,))
+        v = _apply_sparse(v * vs + vo, vi_ref, vv_ref, lead, rows, sp.cv, chan_v)
         v = jnp.where(valid_col, v, 0.0)                                             # unspecified rows: 0
         pv = lax.dot_general(p, v, (((1,), (0,)), ((), ())), precision=_HP, preferred_element_type=_F32)
         return m_new, l, acc * alpha + pv
@@ -187,15 +205,6 @@ def _kernel(start_ref, end_ref, q_ref, kc_ref, kcb_ref, ks_ref, kz_ref, ki_ref, 
 # --------------------------------------------------------------------------------------------------------------
 # wrapper
 # --------------------------------------------------------------------------------------------------------------
-def _subplanes(x, d):
-    """``[..., D]`` -> ``[..., 2, 8, D/16]`` in the kernel's channel order (see :func:`channel_subplanes`)."""
-    return jnp.swapaxes(x.reshape(x.shape[:-1] + (2, d // 16, 8)), -1, -2)
-
-
-def _from_subplanes(x, d):
-    return jnp.swapaxes(x, -1, -2).reshape(x.shape[:-3] + (d,))
-
-
 def _inv_freq(d: int, theta: float, pairing: str):
     """float32 ``[D]``: the RoPE frequency of the pair each channel belongs to (the model's formula)."""
     inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / jnp.float32(d)))     # [D/2], pair i
@@ -249,7 +258,7 @@ def _check(q, scheme, state, lengths, k_new, v_new):
         raise ValueError("pass both k_new and v_new, or neither")
     if k_new is not None and (tuple(k_new.shape) != (b, hkv, d) or tuple(v_new.shape) != (b, hkv, d)):
         raise ValueError(f"k_new, v_new must be [B, Hkv, D] = {(b, hkv, d)}, got {k_new.shape}, {v_new.shape}")
-    channel_subplanes(d)
+    channel_maps(d, "none")
     return b, hq, hkv, d, cap
 
 
@@ -284,8 +293,9 @@ def decode_attention_kvquant(q, scheme: KVQuantScheme, state, lengths, k_new=Non
     rope = scheme.rope_pairing if scheme.key_stage == "pre_rope" else "none"
     sp = _Spec(d=d, mp=mp, bt=bt, ns=ns, kb=scheme.k_bits, vb=scheme.v_bits, ck=scheme.k_sparse_capacity,
                cv=scheme.v_outliers, rope=rope)
-    qsub = _subplanes(jnp.pad(q4, ((0, 0), (0, 0), (0, mp - g), (0, 0))), d).reshape(b, hkv, mp, d)
-    freq = _subplanes(_inv_freq(d, scheme.rope_theta, scheme.rope_pairing), d)          # [2, 8, D/16]
+    ca, cb, cv = channel_maps(d, rope)
+    qp = jnp.pad(q4, ((0, 0), (0, 0), (0, mp - g), (0, 0)))
+    freq = _inv_freq(d, scheme.rope_theta, scheme.rope_pairing)[ca][None]             # [1, D/2]
     start = jnp.minimum(jnp.int32(scheme.sink), lengths)
     st = state
 
@@ -298,10 +308,11 @@ def decode_attention_kvquant(q, scheme: KVQuantScheme, state, lengths, k_new=Non
     o, m, l = pl.pallas_call(
         functools.partial(_kernel, sp=sp), out_shape=out_shape, grid=(b, hkv, ns), interpret=interpret,
         name=f"decode_attention_kvquant_k{sp.kb}v{sp.vb}",
-    )(start, lengths, qsub, st.k_codes, st.k_codebook, _subplanes(st.k_scale, d), _subplanes(st.k_zero, d),
-      dummy(st.k_sp_idx), dummy(st.k_sp_val), st.v_codes, st.v_codebook, st.v_scale, st.v_offset,
-      dummy(st.v_sp_idx), dummy(st.v_sp_val), st.pos, freq)
-    acc = _from_subplanes(o.reshape(b, hkv, ns, mp, 2, 8, d // 16), d)[:, :, :, :g]   # [B, Hkv, S, G, D]
+    )(start, lengths, qp[..., ca], qp[..., cb], st.k_codes, st.k_codebook, st.k_scale[:, ca], st.k_scale[:, cb],
+      st.k_zero[:, ca], st.k_zero[:, cb], dummy(st.k_sp_idx), dummy(st.k_sp_val), st.v_codes, st.v_codebook,
+      st.v_scale, st.v_offset, dummy(st.v_sp_idx), dummy(st.v_sp_val), st.pos, freq,
+      jnp.asarray(np.stack([ca, cb]), jnp.int32), jnp.asarray(cv[None], jnp.int32))
+    acc = o[..., np.argsort(cv)][:, :, :, :g]                                           # [B, Hkv, S, G, D]
     parts = [(acc, m[:, :, :, :g, 0], l[:, :, :, :g, 0])]
     if scheme.sink:
         n = min(scheme.sink, cap)

@@ -31,8 +31,8 @@ Backends (``backend=None`` picks from :func:`pallas_kernels.backend.platform`):
   (join + reshape) and runs one dot.
   **Tails**: M and N need not be multiples of the block; tail rows/columns are masked (loads read 0, stores are
   masked), no padding copies. K must be a multiple of ``block_k``: ``block_k`` is shrunk to a power of two that
-  divides K (>= 32); if none exists, K is zero-padded in the wrapper (a copy; zero codes add nothing to either
-  the dot or ``w_sum``; packed weights are padded with 0x88, i.e. q = 0).
+  divides K (>= 32; >= 64 for W4A8); if none exists, K is zero-padded in the wrapper (a copy; zero codes add
+  nothing to either the dot or ``w_sum``; packed weights are padded with 0x88, i.e. q = 0).
   On CPU this same kernel runs with ``interpret=True``.
 - ``"tpu"``: Mosaic TPU BlockSpecs: grid (M/bm, N/bn, K/bk) with K innermost ("arbitrary"), int32 VMEM
   accumulator, epilogue on the last K step; edge blocks in M/N are partial blocks (Mosaic/the interpreter pad

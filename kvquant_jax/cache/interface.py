@@ -96,6 +96,14 @@ class CacheScheme(abc.ABC):
     #: multi-row append is rejected, so a rejected prefill is harmless even when the cache was donated.
     ring_fields: ClassVar[tuple[str, ...]] = ()
 
+    def append_keeps_old_view(self, num_rows: int) -> bool:
+        """Static: does an append of ``num_rows`` rows (the static T) leave every slot visible at the OLD lengths
+        untouched?  Always true for one row (the frontier rule).  For more rows it is true unless the scheme has
+        residual rings (``ring_fields``), which a long append may wrap onto live slots.  A model that appends first
+        and then reads the updated state at the old lengths (in-place decode) may do so only when this is True;
+        otherwise it must read the pre-append state (e.g. chunked prefill with KIVI)."""
+        return num_rows == 1 or not self.ring_fields
+
     def append_layer_with_status(self, state: LayerState, lengths: jax.Array, k: jax.Array, v: jax.Array,
                                  num_new: jax.Array) -> tuple[LayerState, jax.Array]:
         """:meth:`append_layer` plus ``ok: bool [B]``: sequence ``b``'s valid rows were finite and encodable.

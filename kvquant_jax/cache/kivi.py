@@ -3,10 +3,10 @@
 Quantizer (``kvquant_jax.quant.affine``, ``zero="min"``): ``scale = (max - min) / (2^b - 1)`` and ``min`` stored in
 the qparam dtype, ``u = clip(rint((x - min) / scale), 0, 2^b - 1)``, ``x_hat = u * scale + min``.  ``x`` is the row
 rounded to the residual dtype: every row is full precision (in ``residual_dtype``) before it closes, and the
-quantizer sees that stored value whether the row closes in the append that brought it or later from the ring.  K groups are
-``G`` consecutive tokens of one channel of one head; V groups are ``G_d`` consecutive head-dim elements of one
-token of one head (``G_d = v_group_size``, 0 = the whole head vector).  Constant and too-narrow groups store the
-sentinel scale 1 with zero codes and decode to their stored min (``_rows.split_status``).
+quantizer sees that stored value whether the row closes in the append that brought it or later from the ring.
+K groups are ``G`` consecutive tokens of one channel of one head; V groups are ``G_d`` consecutive head-dim
+elements of one token of one head (``G_d = v_group_size``, 0 = the whole head vector).  Constant and too-narrow
+groups store the sentinel scale 1 with zero codes and decode to their stored min (``_rows.split_status``).
 
 Frontiers (pure functions of the committed length ``L``; nothing else is stored):
 

@@ -140,18 +140,17 @@ def value_outlier_split(v, v_outliers: int):
 def normalize_values(v, v_outliers: int, qparam_dtype: str = "fp16"):
     """The normalized values the runtime V encoder codes, for calibration: ``(x, inlier)`` of ``v [..., D]``.
 
-    ``x = (v - offset) / scale`` with the stored (``qparam_dtype``-rounded) per-row qparams of
-    :func:`kvquant_jax.quant.nuq.quantize_nuq` over the dense coordinates; ``inlier`` is False at sparse
-    coordinates and on rows whose stored scale is 0 (constant rows: they decode to their offset, no code matters).
+    ``x = (v - offset) / scale`` with the stored per-row qparams that :func:`kvquant_jax.quant.nuq.quantize_nuq`
+    derives from the dense coordinates (the runtime's own call); ``inlier`` is False at sparse coordinates and on
+    rows whose stored scale is 0 or rejected (constant / too narrow rows decode to their offset: no code matters).
     """
     v = jnp.asarray(v, jnp.float32)
-    mask, _ = value_outlier_split(v, v_outliers)
-    qd = DTYPES[qparam_dtype]
-    mn = jnp.min(jnp.where(mask, v, jnp.inf), axis=-1, keepdims=True)
-    mx = jnp.max(jnp.where(mask, v, -jnp.inf), axis=-1, keepdims=True)
-    scale = (mx * 0.5 - mn * 0.5).astype(qd).astype(jnp.float32)
-    offset = (mn * 0.5 + mx * 0.5).astype(qd).astype(jnp.float32)
-    ok = scale > 0
+    mask, sparse = value_outlier_split(v, v_outliers)
+    cb = jnp.linspace(-1.0, 1.0, 2, dtype=jnp.float32)          # the qparams do not depend on the codebook
+    q, status = quantize_nuq_with_status(v, cb, axis=-1, qparam_dtype=DTYPES[qparam_dtype],
+                                         mask=None if sparse is None else mask)
+    scale, offset = q.scale.astype(jnp.float32), q.offset.astype(jnp.float32)
+    ok = (scale > 0) & (status == 0)
     x = (v - offset) / jnp.where(ok, scale, 1.0)
     return jnp.where(mask & ok, x, 0.0), mask & ok
 

@@ -75,7 +75,7 @@ def _is_tracer(x) -> bool:
     return any(isinstance(a, _TRACER) for a in jax.tree.leaves(x))
 
 
-def _as_num_new(cache: KVCache, num_new, t: int) -> jax.Array:
+def _as_num_new(cache: KVCache, num_new) -> jax.Array:
     n = jnp.asarray(num_new, jnp.int32)
     return jnp.broadcast_to(n, (cache.batch,)) if n.ndim == 0 else n
 
@@ -153,7 +153,7 @@ def try_append(cache: KVCache, layer_kv: Sequence, num_new) -> tuple[KVCache, ja
     """
     pairs = _layer_pairs(cache, layer_kv, "try_append")
     t = int(jnp.shape(pairs[0][0])[1])
-    num_new = _as_num_new(cache, num_new, t)
+    num_new = _as_num_new(cache, num_new)
     groups, ok_lb = _append_core(cache, pairs, num_new)
     ok = jnp.all(ok_lb)
     return publish(cache, groups, num_new, ok, multi_row=t > 1), ok

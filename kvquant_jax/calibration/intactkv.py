@@ -193,6 +193,8 @@ def calibrate_intactkv(params, cfg: LlamaConfig, artifact: PrefixArtifact, body:
                          f"{held.shape}")
     if len(train) < config.batch:
         raise ValueError(f"calibrate_intactkv: {len(train)} training sequences for batch {config.batch}")
+    if init is not None and (init.identity != artifact.identity or init.k.shape != artifact.k.shape):
+        raise ValueError("calibrate_intactkv: init rows must have the artifact's identity and shape")
     t = train.shape[1]
     chunk = min(config.chunk, t)
     ckpt = Path(checkpoint_dir).absolute()
@@ -228,8 +230,6 @@ def calibrate_intactkv(params, cfg: LlamaConfig, artifact: PrefixArtifact, body:
             tot += float(grad_fn(theta, jnp.asarray(x), tg, body_state(len(x)))[0]) * len(x)
         return tot / len(held)
 
-    if init is not None and (init.identity != artifact.identity or init.k.shape != artifact.k.shape):
-        raise ValueError("calibrate_intactkv: init rows must have the artifact's identity and shape")
     pk, pv = artifact_rows(init if init is not None else artifact)
     theta = {"k": pk, "v": pv}
     opt, _ = make_optimizer(config)
@@ -241,6 +241,7 @@ def calibrate_intactkv(params, cfg: LlamaConfig, artifact: PrefixArtifact, body:
         with jax.numpy_dtype_promotion("standard"):
             updates, opt_state = opt.update(grads, opt_state, theta)
             return optax.apply_updates(theta, updates), opt_state
+
     options = ocp.CheckpointManagerOptions(max_to_keep=config.max_to_keep, best_fn=lambda m: m["heldout"],
                                            best_mode="min", keep_checkpoints_without_metrics=False,
                                            enable_async_checkpointing=False)

@@ -29,7 +29,7 @@ from flax import struct
 from kvquant_jax.cache import _rows
 from kvquant_jax.cache._rows import DTYPES
 from kvquant_jax.cache.interface import SchemeBase
-from kvquant_jax.cache.kivi import kivi_frontiers
+from kvquant_jax.cache.kivi import KIVIScheme, kivi_frontiers
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
 from kvquant_jax.quant.affine import dequantize_affine, quantize_affine_with_status
 
@@ -51,7 +51,7 @@ class AxisAblationScheme(SchemeBase):
     Attributes:
       k_axis, v_axis: "channel" (groups of ``group_size`` tokens per channel) or "token" (groups of
         ``token_group_size`` head-dim elements per token; 0 = the whole head vector).
-      k_bits, v_bits: code widths (1..8).
+      k_bits, v_bits: code widths (1, 2, 4 or 8, as KIVI's packed layout).
       group_size: G; residual: R (multiple of G); qparam_dtype, residual_dtype: "fp16" / "bf16" / "fp32".
     """
 
@@ -71,22 +71,10 @@ class AxisAblationScheme(SchemeBase):
         for name in ("k_axis", "v_axis"):
             if getattr(self, name) not in AXES:
                 raise ValueError(f"axis_ablation: {name} must be one of {AXES}, got {getattr(self, name)!r}")
-        for name in ("k_bits", "v_bits"):
-            b = getattr(self, name)
-            if not isinstance(b, int) or not 1 <= b <= 8:
-                raise ValueError(f"axis_ablation: {name} must be an int in 1..8, got {b!r}")
-        if self.group_size < 1:
-            raise ValueError(f"axis_ablation: group_size must be >= 1, got {self.group_size}")
-        if self.token_group_size < 0:
-            raise ValueError(f"axis_ablation: token_group_size must be >= 0, got {self.token_group_size}")
-        if self.residual < 0 or self.residual % self.group_size:
-            raise ValueError(f"axis_ablation: residual ({self.residual}) must be a non-negative multiple of "
-                             f"group_size ({self.group_size})")
-        for name in ("qparam_dtype", "residual_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"axis_ablation: {name} must be one of {sorted(DTYPES)}, got "
-                                 f"{getattr(self, name)!r}")
-        self._check_identity()
+        # every other field has KIVI's meaning and constraints (bits, G | R, dtypes, RoPE identity)
+        KIVIScheme(k_bits=self.k_bits, v_bits=self.v_bits, group_size=self.group_size,
+                   v_group_size=self.token_group_size, residual=self.residual, qparam_dtype=self.qparam_dtype,
+                   residual_dtype=self.residual_dtype, **self._identity())
 
     def _format(self, axis: str, bits: int) -> TensorFormat:
         return TensorFormat(payload=f"uint{bits}", signed=False, zero="min", axis=axis,

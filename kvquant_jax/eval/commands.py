@@ -60,25 +60,27 @@ def _summary(row: dict) -> dict:
     return out
 
 
-def _interrupted(out) -> None:
-    where = f"{out}/results.jsonl" if out else "memory"
-    print(f"\nkvq: interrupted; completed rows are kept in {where}. Run the same command again to resume.",
-          file=sys.stderr)
-    raise SystemExit(130)
+def _run(loaded, args):
+    """run_sweep with the command-line options; Ctrl-C exits 130 after saying where the completed rows are."""
+    from kvquant_jax.eval.runner import run_sweep
+
+    try:
+        return run_sweep(loaded, args.out, metrics=_metrics(args.metrics), progress=not args.no_progress,
+                         command=_command())
+    except KeyboardInterrupt:
+        where = f"{args.out}/results.jsonl" if args.out else "memory (no --out)"
+        print(f"\nkvq: interrupted; completed rows are kept in {where}. Run the same command again to resume.",
+              file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def cmd_eval(args) -> None:
     from kvquant_jax.config import load_config
-    from kvquant_jax.eval.runner import run_sweep
 
     loaded = load_config(args.config, args.overrides)
     loaded = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, sweep=None))
     t0 = time.perf_counter()
-    try:
-        summary = run_sweep(loaded, args.out, metrics=_metrics(args.metrics), progress=not args.no_progress,
-                            command=_command())
-    except KeyboardInterrupt:
-        _interrupted(args.out)
+    summary = _run(loaded, args)
     for r in summary.rows:
         print(json.dumps(_summary(r)))
     print(f"[kvq] eval done in {time.perf_counter() - t0:.1f} s"
@@ -90,7 +92,7 @@ def cmd_sweep(args) -> None:
 
     from kvquant_jax.config import load_config
     from kvquant_jax.eval.report import write_report
-    from kvquant_jax.eval.runner import run_sweep, sweep_baseline, sweep_name
+    from kvquant_jax.eval.runner import sweep_baseline, sweep_name
 
     loaded = load_config(args.config, args.overrides)
     if args.list:
@@ -108,11 +110,7 @@ def cmd_sweep(args) -> None:
                            baseline=sweep_baseline(loaded), command=command))
         return
     t0 = time.perf_counter()
-    try:
-        summary = run_sweep(loaded, args.out, metrics=_metrics(args.metrics), progress=not args.no_progress,
-                            command=_command())
-    except KeyboardInterrupt:
-        _interrupted(args.out)
+    summary = _run(loaded, args)
     print(f"[kvq] sweep done in {time.perf_counter() - t0:.1f} s: {summary.computed} rows computed, "
           f"{summary.skipped} resumed from {args.out}/results.jsonl", file=sys.stderr)
     print(f"report: {Path(args.out) / 'report.md'}")

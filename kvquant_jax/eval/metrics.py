@@ -103,8 +103,8 @@ class Session:
         return self._refs[key]
 
 
-def compute(session: Session, cfg: ExperimentConfig, metric: str, *, baseline: SchemeSpec = SchemeSpec("fp32"),
-            progress=None) -> dict:
+def compute(session: Session, cfg: ExperimentConfig, metric: str, *,
+            baseline: SchemeSpec = SchemeSpec("fp32")) -> dict:
     """Values of one metric for one resolved config (plain JSON types)."""
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; known: {list(METRICS)}")
@@ -115,6 +115,10 @@ def compute(session: Session, cfg: ExperimentConfig, metric: str, *, baseline: S
         from kvquant_jax.eval.footprint import cache_footprint
 
         return cache_footprint(policy, m.cfg, t.length)
+    what, n = _context_needed(metric, t)
+    if n > m.cfg.max_position:
+        raise ValueError(f"tasks.{metric}: {what} = {n} exceeds the context length {m.cfg.max_position} of model "
+                         f"{m.cfg.name}")
     corpus = session.corpus(cfg)
     if metric == "ppl":
         from kvquant_jax.eval.ppl import perplexity
@@ -143,7 +147,7 @@ def compute(session: Session, cfg: ExperimentConfig, metric: str, *, baseline: S
 
         return passkey_accuracy(m.params, m.cfg, m.tokenizer, policy, lengths=t.lengths, depths=t.depths,
                                 trials=t.trials, digits=t.digits, max_new_tokens=t.max_new_tokens,
-                                batch_size=t.batch_size, seed=t.seed, progress=progress)
+                                batch_size=t.batch_size, seed=t.seed)
     if metric == "kv_error":
         from kvquant_jax.eval.errors import kv_errors
 
@@ -157,6 +161,17 @@ def compute(session: Session, cfg: ExperimentConfig, metric: str, *, baseline: S
         ref = session.reference_generation(cfg, baseline, prompts, t.new_tokens)
         return greedy_agreement(m.params, m.cfg, prompts, policy, ref)
     raise AssertionError(metric)
+
+
+def _context_needed(metric: str, t) -> tuple[str, int]:
+    """The longest sequence a task runs the model on (must fit the model's context)."""
+    if metric in ("ppl", "kv_error"):
+        return "seq_len", t.seq_len
+    if metric == "serving_ppl":
+        return "prefill + decode + 1", t.prefill + t.decode + 1
+    if metric == "agreement":
+        return "prompt_tokens + new_tokens", t.prompt_tokens + t.new_tokens
+    return "max(lengths) + max_new_tokens", max(t.lengths) + t.max_new_tokens
 
 
 def deltas(metric: str, values: dict, base: dict) -> dict:

@@ -45,7 +45,7 @@ def first_number(text: str) -> str:
 
 
 def passkey_accuracy(params, cfg, tokenizer, policy, *, lengths, depths, trials: int, digits: int,
-                     max_new_tokens: int, batch_size: int, seed: int, progress=None) -> dict:
+                     max_new_tokens: int, batch_size: int, seed: int) -> dict:
     """Accuracy per (length, depth) cell over ``trials`` random keys.
 
     Returns dict(lengths, depths, accuracy [len][depth], mean, answers [len][depth][trial] (generated text))."""
@@ -69,7 +69,5 @@ def passkey_accuracy(params, cfg, tokenizer, policy, *, lengths, depths, trials:
                 text = tokenizer.decode([int(i) for i in ids])
                 answers[li][di].append(text)
                 acc[li, di] += float(first_number(text) == key) / trials
-            if progress is not None:
-                progress()
     return {"lengths": list(lengths), "depths": list(depths), "accuracy": acc.tolist(), "mean": float(acc.mean()),
             "answers": answers}

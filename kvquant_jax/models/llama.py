@@ -166,9 +166,12 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
             lp, i = inp
             q, k, v = _qkv(cfg, x, lp, positions)
             st = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), gst)
-            st2 = scheme.append_layer(st, lengths, k, v, num_new)
+            st2, fin = scheme.append_layer_with_status(st, lengths, k, v, num_new)
             gst = jax.tree.map(lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, 0), gst, st2)
-            view = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), gst)
+            if scheme.append_keeps_old_view(t):
+                view = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), gst)
+            else:  # a long append may wrap residual rings onto slots still visible at the old lengths
+                view = st
             if attention_impl != "reference" and t == 1:
                 from kvquant_jax.attention.dispatch import decode_attention
 
@@ -177,15 +180,16 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
             else:
                 a = attend(q, k, v, num_new, scheme.materialize_layer(view, lengths))
             x = _finish(cfg, x, lp, a)
-            valid = (jnp.arange(t)[None, :] < num_new[:, None])[:, :, None, None]
-            fin = jnp.all(jnp.where(valid, jnp.isfinite(k) & jnp.isfinite(v), True))
-            return (x, ok & fin, gst), None
+            return (x, ok & jnp.all(fin), gst), None
 
         (x, ok, g2), _ = jax.lax.scan(body, (x, ok, gstate), (lp_all, jnp.arange(n, dtype=jnp.int32)))
         new_groups.append(g2)
     logits = logits_from_hidden(params, cfg, x)
-    new_lengths = jnp.where(ok, lengths + num_new, lengths)
-    return logits, cache.replace(groups=tuple(new_groups), lengths=new_lengths), ok
+    # Publish: lengths advance iff every valid row of every layer was finite and encodable; a rejected multi-row
+    # append restores residual rings it may have wrapped (see kvquant_jax.cache.ops.publish).
+    from kvquant_jax.cache.ops import publish
+
+    return logits, publish(cache, tuple(new_groups), num_new, ok, multi_row=t > 1), ok
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_impl"), donate_argnames=("cache",))

@@ -23,12 +23,16 @@ Three views for a shape ``(L, B, Hkv, D, T, capacity)``:
 
 The ledger is computed from the *schema* alone (the ABI: formats, group sizes, residual rule, dtypes), never from
 the arrays, so agreement with the measured bytes also checks that the schema fully describes the layout.  Schemes
-are duck-typed (``.schema``), so this module does not import the cache layer.
+are duck-typed (``.schema``), so this module does not import the cache layer.  Families without a formula here
+(KVQuant, static INT, prefix wrappers, ...) plug in by giving the scheme a method
+``ledger_layer(batch, heads, head_dim, rows, *, logical, capacity) -> {(category, "k" | "v"): bytes}`` for one
+layer (``rows`` = capacity for the physical view, the length for the logical one); the same contract holds for
+them: physical == measured.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any
 
 CATEGORIES = ("codes", "qparams", "residual", "sparse", "sink_prefix", "metadata", "padding")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "e4m3": 1, "e5m2": 1, "none": 0}
@@ -50,9 +54,9 @@ class LedgerShape:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, int) or v < (0 if f.name == "length" else 1):
-                raise ValueError(f"LedgerShape.{f.name} must be a {'non-negative' if f.name == 'length' else 'positive'}"
-                                 f" int, got {v!r}")
+            low = 0 if f.name == "length" else 1
+            if not isinstance(v, int) or v < low:
+                raise ValueError(f"LedgerShape.{f.name} must be an int >= {low}, got {v!r}")
         if self.length > self.capacity:
             raise ValueError(f"LedgerShape: length {self.length} exceeds capacity {self.capacity}")
 
@@ -144,27 +148,34 @@ def _layer(schema, b: int, h: int, d: int, rows: int, *, logical: bool, capacity
         out[("residual", "k")] = b * h * res_k * d * rb
         out[("residual", "v")] = b * h * res_v * d * rb
     else:
-        raise ValueError(f"ledger: no byte formula for scheme family {fam!r}")
+        raise ValueError(f"ledger: no byte formula for scheme family {fam!r} (give the scheme a ledger_layer "
+                         "method, see the module doc)")
     return out
 
 
 def _per_layer(policy, num_layers: int) -> list:
     if isinstance(policy, (list, tuple)):
-        schemas = [_schema(p) for p in policy]
-        if len(schemas) != num_layers:
-            raise ValueError(f"ledger: policy lists {len(schemas)} layers, shape has {num_layers}")
-        return schemas
-    return [_schema(policy)] * num_layers
+        if len(policy) != num_layers:
+            raise ValueError(f"ledger: policy lists {len(policy)} layers, shape has {num_layers}")
+        return list(policy)
+    return [policy] * num_layers
+
+
+def _layer_bytes(entry, b: int, h: int, d: int, rows: int, *, logical: bool, capacity: int) -> dict:
+    """A scheme's own ``ledger_layer`` (families defined outside this module) or the schema formulas here."""
+    if hasattr(entry, "ledger_layer"):
+        return entry.ledger_layer(b, h, d, rows, logical=logical, capacity=capacity)
+    return _layer(_schema(entry), b, h, d, rows, logical=logical, capacity=capacity)
 
 
 def ledger(policy, shape: LedgerShape) -> Ledger:
     """Physical / logical / per-decode-step bytes of ``policy`` (a scheme or schema, or a per-layer sequence)."""
     s = shape
     detail = {"physical": {}, "logical": {}}
-    for schema in _per_layer(policy, s.num_layers):
+    for entry in _per_layer(policy, s.num_layers):
         for view, rows, is_logical in (("physical", s.capacity, False), ("logical", s.length, True)):
-            for key, n in _layer(schema, s.batch, s.num_kv_heads, s.head_dim, rows, logical=is_logical,
-                                 capacity=s.capacity).items():
+            for key, n in _layer_bytes(entry, s.batch, s.num_kv_heads, s.head_dim, rows, logical=is_logical,
+                                       capacity=s.capacity).items():
                 detail[view][key] = detail[view].get(key, 0) + n
     views = {}
     for view, parts in detail.items():

@@ -53,10 +53,11 @@ def _filled(rng, scheme):
         st = st.replace(prefix_k=pk, prefix_v=pv) if hasattr(st, "replace") else st
         lengths = jnp.full((B,), p, jnp.int32)
     steps = [(jnp.asarray(PREFILL), int(PREFILL.max()))] + [(jnp.ones((B,), jnp.int32), 1)] * 2
+    append = jax.jit(scheme.append_layer)
     for num_new, t in steps:
         k = jnp.asarray(rng.standard_normal((B, t, HKV, D)).astype(np.float32))
         v = jnp.asarray(rng.standard_normal((B, t, HKV, D)).astype(np.float32))
-        st = scheme.append_layer(st, lengths, k, v, num_new)
+        st = append(st, lengths, k, v, num_new)
         lengths = lengths + num_new
     return st, lengths
 

@@ -1,6 +1,8 @@
 """Byte ledger: the schema-derived ledger agrees exactly with the measured bytes; the design notes' example."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -116,3 +118,17 @@ def test_ledger_from_config_and_errors(tmp_path):
         ledger_from_config({"cache": "int8", "layers": 3})
     with pytest.raises(ValueError, match="exceeds capacity"):
         LedgerShape(1, 1, 1, 8, 10, 5)
+
+
+def test_families_outside_the_ledger_plug_in_through_ledger_layer():
+    class Custom:
+        def ledger_layer(self, b, h, d, rows, *, logical, capacity):
+            return {("codes", "k"): b * h * rows * d, ("sink_prefix", "v"): 7 if logical else 9}
+
+    led = ledger([Custom(), make_scheme("fp32")], LedgerShape(2, 1, 2, 4, 3, 5))
+    assert led.physical["codes"] == 2 * 5 * 4 and led.logical["codes"] == 2 * 3 * 4
+    assert (led.logical["sink_prefix"], led.physical["sink_prefix"]) == (7, 9)
+    assert led.logical["residual"] == 2 * 2 * 3 * 4 * 4
+    with pytest.raises(ValueError, match="ledger_layer"):
+        ledger(type("S", (), {"schema": dataclasses.replace(make_scheme("fp32").schema, scheme="mystery")})(),
+               LedgerShape(1, 1, 1, 4, 1, 1))

@@ -11,7 +11,7 @@ from kvquant_jax.cache import ops
 from kvquant_jax.cache.fp8 import FP8Scheme, load_scales
 from kvquant_jax.cache.kivi import KIVIScheme
 
-from cache_helpers import B, C, CASES, D, H, L, T_PREFILL, assert_matches_shadow, new_cache, physical, rows, \
+from cache_helpers import B, CASES, D, H, L, T_PREFILL, assert_matches_shadow, new_cache, physical, rows, \
     jax_tree_index
 from cache_shadow import ShadowCache, needs_rows_spec
 
@@ -60,8 +60,13 @@ def test_prefill_then_decode_matches_shadow(case):
         assert_matches_shadow(cache, shadow, f"decode {step}")
         # frontier rule: a one-row append wrote only slots invisible at the old lengths
         assert_matches_shadow(cache.replace(lengths=before.lengths), old_shadow, f"decode {step} at old lengths")
+    before, old_shadow = cache, shadow.copy()
     cache = _append(cache, shadow, rows(rng, T_PREFILL, "normal"), np.array([2, 5, 4]))
     assert_matches_shadow(cache, shadow, "second prefill")
+    keeps = all(s.append_keeps_old_view(T_PREFILL) for s in policy)
+    assert keeps == (not isinstance(policy[0], KIVIScheme))
+    if keeps:
+        assert_matches_shadow(cache.replace(lengths=before.lengths), old_shadow, "multi-row append at old lengths")
 
 
 @pytest.mark.parametrize("case", CASE_IDS)
@@ -88,6 +93,22 @@ def test_nan_in_one_layer_v_rejects_and_leaves_every_layer_unchanged(case):
     cache = ops.append(cache, pairs, np.array([4, 1, 0]))
     shadow.append(pairs, np.array([4, 1, 0]))
     assert_matches_shadow(cache, shadow, "append with garbage padding")
+
+
+@pytest.mark.parametrize("case", ["int8", "kivi2_official", "qserve4"])
+def test_finite_but_unencodable_row_is_rejected_atomically(case):
+    """A finite value whose stored fp16 qparam / residual would overflow: append raises, try_append reports
+    ok=False, nothing is published."""
+    rng = np.random.default_rng(9)
+    cache, shadow = _build(CASES[case], rng, [(5, 2, 3), 1])
+    pairs = rows(rng, 1)
+    pairs[1][0][2, 0, 1, :] = np.float32(3e9)                   # layer 1, K, sequence 2: beyond fp16 range
+    pairs[1][0][2, 0, 1, 0] = np.float32(-3e9)
+    with pytest.raises(ValueError, match="layer 1 sequence 2: a finite row could not be encoded"):
+        ops.append(cache, pairs, 1)
+    new, ok = ops.try_append_jit(cache, pairs, jnp.ones(B, jnp.int32))
+    assert not bool(ok)
+    assert_matches_shadow(new, shadow, "rejected unencodable append")
 
 
 def _fresh_equivalent(policy, truncated):

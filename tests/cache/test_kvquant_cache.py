@@ -22,6 +22,12 @@ import kvquant_oracle as O
 L, B, H, D, C = 2, 2, 2, 16, 16
 THETA = 10000.0
 
+# jitted views (a scheme is hashable: one compilation per scheme and shape, not one per eager op)
+decode_stored = jax.jit(lambda s, st, lengths: s.decode_stored(st, lengths), static_argnums=0)
+materialize = jax.jit(lambda s, st, lengths: s.materialize_layer(st, lengths), static_argnums=0)
+append_status = jax.jit(lambda s, st, lengths, k, v, n: s.append_layer_with_status(st, lengths, k, v, n),
+                        static_argnums=0)
+
 
 def scheme(**kw):
     base = dict(k_bits=3, v_bits=3, k_sparse_capacity=2, v_outliers=1, sink=1, rope_theta=THETA,
@@ -75,7 +81,7 @@ def test_append_matches_float64_oracle():
     for layer in range(L):
         sch, st = layer_state(cache, layer)
         k_dec, v_dec = O.decode_state(st, k_bits=3, v_bits=3, sink=1, lengths=lengths)
-        k_jax, v_jax, valid, pos = sch.decode_stored(st, cache.lengths)
+        k_jax, v_jax, valid, pos = decode_stored(sch, st, cache.lengths)
         np.testing.assert_allclose(np.asarray(k_jax), k_dec, rtol=0, atol=1e-5)   # JAX decoder == oracle decoder
         np.testing.assert_allclose(np.asarray(v_jax), v_dec, rtol=0, atol=1e-5)
         a = cal.arrays
@@ -121,9 +127,9 @@ def test_pre_rope_storage_and_post_rope_materialize(pairing):
     cache = ops.append(cache, [(k_post[i][:, 4:], v[:, 4:]) for i in range(L)], 3)
     for i in range(L):
         sch, st = layer_state(cache, i)
-        k_st, _, _, pos_st = sch.decode_stored(st, cache.lengths)
+        k_st, _, _, pos_st = decode_stored(sch, st, cache.lengths)
         np.testing.assert_allclose(np.asarray(k_st)[:, :, :t].transpose(0, 2, 1, 3), k_pre[i], atol=2e-5)  # pre
-        k_mat, _, valid = sch.materialize_layer(st, cache.lengths)
+        k_mat, _, valid = materialize(sch, st, cache.lengths)
         np.testing.assert_allclose(np.asarray(k_mat)[:, :, :t].transpose(0, 2, 1, 3), k_post[i], atol=2e-5)  # post
         want = O.rope64(np.asarray(k_st, np.float64), np.asarray(pos_st)[:, None, :], THETA, pairing)
         np.testing.assert_allclose(np.asarray(k_mat), np.where(np.asarray(valid)[:, None, :, None], want, 0),
@@ -138,8 +144,8 @@ def test_post_rope_stage_stores_rotated_keys():
     _, k_post, v = model_rows(rng, 5, outliers=False)
     cache = ops.append(cache, [(k_post, v)] * L, 5)
     sch, st = layer_state(cache, 0)
-    k_st, _, _, _ = sch.decode_stored(st, cache.lengths)
-    k_mat, _, _ = sch.materialize_layer(st, cache.lengths)
+    k_st, _, _, _ = decode_stored(sch, st, cache.lengths)
+    k_mat, _, _ = materialize(sch, st, cache.lengths)
     np.testing.assert_array_equal(np.asarray(k_st), np.asarray(k_mat))          # no rotation anywhere
     a = calibration(s).arrays
     want, tie = O.encode_key_row(k_post[0, 2, 1].astype(np.float64), a["k_zero"][0, 1], a["k_scale"][0, 1],
@@ -166,7 +172,7 @@ def test_exact_holes_and_key_overflow_policy():
     idx = np.asarray(st.k_sp_idx)[0, 0, 0]
     np.testing.assert_array_equal(idx, [4, 12])           # |x| 5 and 4 kept, ascending channel order
     assert int(key_outlier_overflow(jnp.asarray(k_pre[None]), z, sc, 2)[0]) == 2
-    kd, vd, _, _ = sch.decode_stored(st, cache.lengths)
+    kd, vd, _, _ = decode_stored(sch, st, cache.lengths)
     kd, vd = np.asarray(kd)[0, 0, 0], np.asarray(vd)[0, 0, 0]
     np.testing.assert_array_equal(kd[[4, 12]], O.f16(k_pre[[4, 12]]))
     np.testing.assert_allclose(kd[1], cb[-1] * sc[1] + z[1], rtol=1e-6)      # overflowed +3: clipped to top
@@ -175,7 +181,7 @@ def test_exact_holes_and_key_overflow_policy():
     # the dense code under a hole is irrelevant: rewrite every code byte of the row and decode again
     st2 = st.replace(k_codes=st.k_codes.at[0, 0, 0].set(jnp.uint8(0xB6)), v_codes=st.v_codes.at[0, 0, 0].set(
         jnp.uint8(0x5A)))
-    kd2, vd2, _, _ = sch.decode_stored(st2, cache.lengths)
+    kd2, vd2, _, _ = decode_stored(sch, st2, cache.lengths)
     assert np.asarray(kd2)[0, 0, 0, 4] == kd[4] and np.asarray(vd2)[0, 0, 0, 7] == 37.0
     assert np.asarray(kd2)[0, 0, 0, 0] != kd[0]          # ... while a dense coordinate does change
 
@@ -188,7 +194,7 @@ def test_sink_is_full_precision_and_only_position_zero():
         s = scheme(sink=sink)
         cache = ops.append(calibrated_cache(s), [(k_post, v)] * L, 3)
         sch, st = layer_state(cache, 0)
-        k_mat, v_mat, _ = sch.materialize_layer(st, cache.lengths)
+        k_mat, v_mat, _ = materialize(sch, st, cache.lengths)
         err0 = np.abs(np.asarray(k_mat)[:, :, 0] - k_post[:, 0].astype(np.float64)).max()
         if sink:
             assert err0 < 2e-2 * np.abs(k_post[:, 0]).max() / 50 + 0.05      # fp16 storage only
@@ -209,7 +215,7 @@ def test_one_row_appends_equal_prefill():
     for layer in range(L):
         sch, a = layer_state(full, layer)
         _, b = layer_state(step, layer)
-        for x, y in zip(sch.decode_stored(a, full.lengths), sch.decode_stored(b, step.lengths)):
+        for x, y in zip(decode_stored(sch, a, full.lengths), decode_stored(sch, b, step.lengths)):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
 
 
@@ -222,8 +228,8 @@ def test_fork_truncate_and_calibrated_state_shared():
     np.testing.assert_array_equal(np.asarray(child.groups[0].k_scale), np.asarray(cache.groups[0].k_scale))
     sch, st = layer_state(child, 0)
     _, st0 = layer_state(cache, 0)
-    np.testing.assert_array_equal(np.asarray(sch.materialize_layer(st, child.lengths)[0])[2],
-                                  np.asarray(sch.materialize_layer(st0, cache.lengths)[0])[0])
+    np.testing.assert_array_equal(np.asarray(materialize(sch, st, child.lengths)[0])[2],
+                                  np.asarray(materialize(sch, st0, cache.lengths)[0])[0])
     short = ops.truncate(cache, 3)
     fresh = ops.append(calibrated_cache(s), [(k_post[:, :3], v[:, :3])] * L, 3)
     for x, y in zip(ops.decode_reference(short, 1), ops.decode_reference(fresh, 1)):
@@ -260,8 +266,8 @@ def test_nonfinite_and_unencodable_rows_rejected():
     with pytest.raises(ValueError, match="could not be encoded"):
         ops.append(cache, [(k_post, huge)] * L, 3)
     st = jax.tree.map(lambda a: a[0], cache.groups[0])
-    _, ok = s.append_layer_with_status(st, cache.lengths, jnp.asarray(k_post), jnp.asarray(huge),
-                                       jnp.array([3, 3], jnp.int32))
+    _, ok = append_status(s, st, cache.lengths, jnp.asarray(k_post), jnp.asarray(huge),
+                          jnp.array([3, 3], jnp.int32))
     np.testing.assert_array_equal(np.asarray(ok), [False, True])
 
 
@@ -355,11 +361,11 @@ def test_model_forward_appends_pre_rope_rows_at_the_right_positions():
     # layer 0 keys depend only on the tokens; layer 1 keys after the prefill read quantized layer-0 history
     for layer, rows in ((0, slice(1, 12)), (1, slice(1, 8))):
         sch, st = layer_state(cache, layer)
-        k_st, _, _, pos = sch.decode_stored(st, cache.lengths)
+        k_st, _, _, pos = decode_stored(sch, st, cache.lengths)
         np.testing.assert_array_equal(np.asarray(pos)[0, :12], np.arange(12))
         err = np.abs(np.asarray(k_st)[0, :, :12].transpose(1, 0, 2) - k_pre[layer])[rows]
         assert (err <= half_step[layer]).all(), err.max()
-        k_mat, _, _ = sch.materialize_layer(st, cache.lengths)
+        k_mat, _, _ = materialize(sch, st, cache.lengths)
         err_post = np.abs(np.asarray(k_mat)[0, :, :12].transpose(1, 0, 2) - k_post[layer])[rows]
         assert err_post.max() <= np.sqrt(2) * half_step[layer].max()
 

@@ -171,3 +171,15 @@ def test_calibration_decreases_loss_reports_heldout_and_restores_bit_exactly(tmp
         load_artifact(path)
     with pytest.raises(FileExistsError):
         calibrate_intactkv(PARAMS, CFG, art, body, train, held, config=conf, checkpoint_dir=tmp_path / "ckpt")
+
+
+def test_cli_subcommands_are_registered(capsys):
+    from kvquant_jax.cli import main
+
+    for argv in (["intactkv", "extract", "--help"], ["intactkv", "calibrate", "--help"],
+                 ["prefixquant", "discover", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--checkpoint-dir" in out and "--eta" in out

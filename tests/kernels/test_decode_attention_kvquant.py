@@ -14,7 +14,7 @@ import pytest
 from kvquant_jax.cache import ops
 from kvquant_jax.cache.interface import init_cache, layer_state
 from kvquant_jax.cache.kvquant import KVQuantScheme, load_calibration
-from pallas_kernels.decode_attention_kvquant import (channel_subplanes, decode_attention_kvquant,
+from pallas_kernels.decode_attention_kvquant import (channel_maps, decode_attention_kvquant,
                                                      decode_attention_kvquant_reference)
 
 import kvquant_oracle as O
@@ -140,12 +140,17 @@ def test_in_kernel_rotation_equals_post_rope_row():
     assert rel_err(got, want) < 1e-5, rel_err(got, want)
 
 
-def test_subplane_channel_map_and_bad_inputs():
-    m = channel_subplanes(32)
-    assert sorted(m.reshape(-1).tolist()) == list(range(32))
-    assert m[1, 0, 0] == 16 and m[0, 3, 1] == 11                    # half * D/2 + 8 j + r
+def test_channel_maps_pair_rope_partners_and_bad_inputs():
+    for rope, partner in (("half_split", 16), ("interleaved", 1)):
+        a, b, v = channel_maps(32, rope)
+        assert sorted(np.concatenate([a, b]).tolist()) == list(range(32)) and sorted(v.tolist()) == list(range(32))
+        np.testing.assert_array_equal(b - a, partner)                # column i of A and B: one RoPE pair
+        if rope == "interleaved":
+            assert (a % 2 == 0).all()
+    a, _, v = channel_maps(32, "half_split")
+    assert a[3 * 2 + 1] == 11 and v[1 * 4 + 2] == 17               # (r, j) -> 8 j + r; (r, J) -> 8 J + r
     with pytest.raises(ValueError, match="multiple of 16"):
-        channel_subplanes(24)
+        channel_maps(24, "half_split")
     opts, kopts = CASES["nuq3k_nuq2v_interleaved_dense"]
     s = make_scheme(**opts)
     cache, _ = calibrated(s)

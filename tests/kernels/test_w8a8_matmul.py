@@ -64,7 +64,8 @@ def _assert_close(y, ref, mag, out_dtype):
     assert np.isfinite(y).all()
     err = np.abs(y - ref)
     bound = RTOL[out_dtype] * mag + 1e-30
-    assert (err <= bound).all(), f"max err/bound {np.max(err / bound):.3g} at {np.unravel_index(np.argmax(err / bound), err.shape)}"
+    worst = np.unravel_index(np.argmax(err / bound), err.shape)
+    assert (err <= bound).all(), f"max err/bound {np.max(err / bound):.3g} at {worst}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -17,6 +17,13 @@ F16 = np.dtype(jnp.float16)
 @settings(max_examples=30)
 def test_qserve_matches_reference(seed, shape, shift):
     x = random_tensor(seed, shape, -1.0, 1.5) + np.float32(shift)    # shift: positive/negative-only ranges
+    try:
+        for idx in np.ndindex(*shape[:-1]):
+            qserve_head(x[idx])
+    except OracleReject:                                              # (vanishingly rare) narrow head
+        with pytest.raises(ValueError):
+            Q.quantize_qserve(x)
+        return
     got = Q.quantize_qserve(x)
     assert got.codes.dtype == jnp.uint8 and got.scale.dtype == F16 and got.offset.dtype == F16
     assert got.scale.shape == shape[:-1] and got.offset.shape == shape[:-1]

@@ -31,13 +31,19 @@ def check_codes(got, want, quotient, slack=2e-6):
        dtype=st.sampled_from(QDTYPES), zero_fraction=st.sampled_from([0.0, 0.3]))
 def test_rows_match_oracle(seed, shape, bits, dtype, zero_fraction):
     x = random_tensor(seed, shape, -1.0, 3.0, zero_fraction)
+    try:
+        oracle = [symmetric_row(r, bits, dtype) for r in x]
+    except OracleReject:                         # e.g. one tiny element: its fp16 scale would be subnormal
+        with pytest.raises(ValueError, match="scale"):
+            Q.quantize_symmetric_rows(x, bits, dtype)
+        return
     got = Q.quantize_symmetric_rows(x, bits, dtype)
     qmax = 2 ** (bits - 1) - 1
     assert got.codes.dtype == jnp.int8 and got.codes.shape == shape
     assert got.scale.dtype == dtype and got.scale.shape == shape[:1]
     got = Q.SymmetricQuantized(np.asarray(got.codes), np.asarray(got.scale))
     for m in range(shape[0]):
-        want_codes, want_scale = symmetric_row(x[m], bits, dtype)
+        want_codes, want_scale = oracle[m]
         # the stored scale is bit-identical to the float64 reference's rounding
         assert bits_of(got.scale[m]) == bits_of(want_scale)
         s = float(want_scale)
@@ -198,8 +204,13 @@ GROUP_CASES = [((4, 12), 1, 0), ((4, 12), -1, 4), ((2, 3, 8), 1, 0), ((2, 3, 8),
 def test_grouped_match_oracle(seed, case, bits, dtype):
     shape, axis, g = case
     x = random_tensor(seed, shape, 0.0, 2.0, zero_fraction=0.2)
+    try:
+        want_codes, want_scale = symmetric_groups(x, bits, axis % len(shape), g, dtype)
+    except OracleReject:                         # a small group of tiny values: FTZ-unsafe fp16 scale
+        with pytest.raises(ValueError, match="scale"):
+            Q.quantize_symmetric(x, bits, axis=axis, group_size=g, qparam_dtype=dtype)
+        return
     got = Q.quantize_symmetric(x, bits, axis=axis, group_size=g, qparam_dtype=dtype)
-    want_codes, want_scale = symmetric_groups(x, bits, axis % len(shape), g, dtype)
     assert got.scale.shape == want_scale.shape and got.scale.dtype == dtype
     assert (bits_of(got.scale) == bits_of(want_scale)).all()
     n = shape[axis]
