@@ -92,6 +92,7 @@ def main(argv=None):
     ap.add_argument("--prefill", type=int, default=1)
     ap.add_argument("--only", default=None, help="comma-separated labels to run (default: all)")
     ap.add_argument("--acts-cache", default=None, help="an .npz to reuse / store the calibration activations in")
+    ap.add_argument("--report-only", action="store_true", help="rewrite report.md from results.jsonl + meta.json")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     os.environ.setdefault("KVQ_CACHE_DIR", "/tmp/kvqcache")
@@ -99,6 +100,11 @@ def main(argv=None):
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+        write_report(out, json.loads((out / "meta.json").read_text()), rows)
+        print(out / "report.md")
+        return
     t_start = time.perf_counter()
     m = load_model(args.model)
     cfg, params = m.cfg, m.params

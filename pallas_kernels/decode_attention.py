@@ -23,8 +23,8 @@ Codes stay exact integers in the dot operands (``bf16`` holds 0..255 exactly).  
 can be (a bf16 query against bf16 codes: one pass); otherwise (a float32 query, ``q * s_j`` for KIVI, the
 probabilities) ``precision="bf16x2"`` splits it into bf16 hi + lo parts -- for the probabilities inside ONE dot:
 the query rows are duplicated into the tensor-core padding rows, the duplicates carry lo(p) and the wrapper adds
-the two row blocks -- ``"bf16"`` rounds it once (flash-attention practice, ~1e-3 relative error) and ``"f32"``
-keeps float32 operands.  No dequantized K/V is ever written.
+the two row blocks (~16 significant bits, ~1e-5 relative: not full float32) -- ``"bf16"`` rounds it once
+(flash-attention practice, ~1e-3 relative error) and ``"f32"`` keeps float32 operands (the interpreted default).  No dequantized K/V is ever written.
 
 Unpacking (``unpack``): ``"asm"`` (GPU) drops each code byte into the mantissa of a bf16 with a PTX ``prmt`` and
 re-centres two lanes per packed ``fma``; ``"magic"`` ORs the code into the mantissa of float32 2^23 and subtracts;
@@ -88,7 +88,8 @@ class KernelConfig:
     Attributes:
       block_t: rows per loop step (shrunk to a power of two dividing the region; a multiple of the KIVI key group).
       num_splits: split-K programs per (sequence, KV head); partials are merged by the combine step.
-      precision: "bf16x2" (float32-grade), "bf16" (probabilities rounded once) or "f32" (float32 operands).
+      precision: "bf16x2" (hi + lo bf16 parts: ~16 mantissa bits, ~1e-5 relative), "bf16" (probabilities rounded
+        once, ~1e-3) or "f32" (float32 operands; the default when interpreted).
       num_warps, num_stages: Triton launch parameters (GPU only).
       unpack: "magic", "convert" or "asm" (GPU inline PTX; the interpreter falls back to "magic").
     """
@@ -103,11 +104,18 @@ class KernelConfig:
 
 def default_config(fmt_k: KVFormat, rows: int, batch: int, num_kv_heads: int, *, backend: str,
                    interpret: bool) -> KernelConfig:
-    """Per-backend defaults (GPU values were picked on an H200, see docs/benchmarks_decode.md)."""
+    """Per-backend defaults (GPU values were picked on an H200, see docs/benchmarks_decode.md).
+
+    Interpreted runs (CPU) use ``precision="f32"``: there the kernel is the correctness path that serving compares
+    against the float32 reference, and ``"bf16x2"`` is NOT float32-grade -- hi + lo bf16 parts carry ~16 mantissa
+    bits, ~1e-5 relative error per attention layer on SmolLM2-135M (vs ~5e-7 for f32), which INT4 re-quantization
+    of the next tokens' K/V amplifies into diverging greedy decodes.  Speed is no reason for bf16 operands there.
+    """
     if interpret and backend == "gpu":
-        return KernelConfig(block_t=32, num_splits=2)
+        return KernelConfig(block_t=32, num_splits=2, precision="f32")
     if backend == "tpu":
-        return KernelConfig(block_t=128 if interpret is False else 32, num_splits=1)
+        return KernelConfig(block_t=128 if interpret is False else 32, num_splits=1,
+                            precision="bf16x2" if interpret is False else "f32")
     # H200 sweep at T=32K, B*Hkv=64 (docs/benchmarks_decode.md): 64-row blocks, ~1-2K programs, 4 warps.
     bt = 64
     nb = max(rows // bt, 1)

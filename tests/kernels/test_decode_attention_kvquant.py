@@ -3,7 +3,6 @@ replacement, RoPE of each cached key at its stored position inside the kernel, s
 under one softmax, GQA, ragged lengths, split-K."""
 from __future__ import annotations
 
-import functools
 import types
 
 import jax
