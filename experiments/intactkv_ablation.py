@@ -123,6 +123,25 @@ def write_report(res: dict, out: Path) -> Path:
             r = rows.get((sch, v))
             cells.append("—" if r is None else f"{r['ppl']:.3f} ({r['delta_ppl']:+.3f})")
         lines.append(f"| {SCHEME_NAMES.get(sch, sch)} | " + " | ".join(cells) + " |")
+    lines += ["", "Segments (of the same segments) on which a variant's NLL is below the `none` variant's / below "
+              "IntactKV[B] extracted:", "", "| KV cache | IntactKV[B] extracted | IntactKV[B] calibrated | PrefixQuant |",
+              "| --- | --- | --- | --- |"]
+    for sch in dict.fromkeys(r["scheme"] for r in res["rows"]):
+        if sch == "fp32":
+            continue
+        base, ext = rows[(sch, "none")]["segment_nll"], rows[(sch, "intactkv-extracted")]["segment_nll"]
+        cells = []
+        for v in VARIANTS[1:]:
+            r = rows.get((sch, v))
+            if r is None:
+                cells.append("—")
+                continue
+            w0 = sum(a < b for a, b in zip(r["segment_nll"], base))
+            w1 = sum(a < b for a, b in zip(r["segment_nll"], ext))
+            cells.append(f"{w0}/{len(base)}" + ("" if v == "intactkv-extracted" else f" / {w1}/{len(ext)}"))
+        lines.append(f"| {SCHEME_NAMES.get(sch, sch)} | " + " | ".join(cells) + " |")
+    if res.get("notes"):
+        lines += ["", "## Reading", ""] + [f"* {n}" for n in res["notes"]]
     d = res["prefixquant_discovery"]
     lines += ["", "Per-segment NLLs are in `results.json` (paired comparisons: every variant scores the same "
               "tokens).", "",
@@ -138,7 +157,9 @@ def write_report(res: dict, out: Path) -> Path:
                 + [f"| {e['eta']} | " + " ".join(f"`{t!r}`" for t in e["tokens"]) + f" | "
                    f"{e['mean_outlier_tokens']:.2f} | "
                    + ", ".join(f"`{k!r}` ({v})" for k, v in e["top_counts"].items()) + " |"
-                   for e in res.get("eta_sweep", [])] + [""] if res.get("eta_sweep") else []),
+                   for e in res.get("eta_sweep", [])]
+                + ([f"({res['eta_sweep_note']}.)"] if res.get("eta_sweep_note") else []) + [""]
+                if res.get("eta_sweep") else []),
               "## Token-wise activation outliers before vs after the prefix", "",
               "Per-token max |down_proj input| at each layer; ratio = top token / median token of that layer and "
               "sequence (mean over sequences, and the largest); outlier tokens per sequence at the same η.", "",

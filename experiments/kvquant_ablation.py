@@ -7,9 +7,10 @@ sink, key stage) with :func:`kvquant_jax.calibration.kvquant.fit` -- exactly wha
 Evaluation (:func:`kvquant_jax.eval.quantized_ppl.serving_nll`): each test segment is prefilled with ``--prefill``
 tokens and the rest is decoded one token per forward (teacher-forced) through ``llama.forward`` with the cache, so
 every scored prediction attends to the quantized history plus its own exact K/V -- the deployed decode step.
-Delta ppl is against the same path with an fp32 cache.  KIVI (registry ``kivi2``/``kivi4``: G=32, R=128, fp16
-qparams) is measured on the same segments; bits per element are the measured ``nbytes`` of a cache holding
-``seq_len`` rows (and ``4096`` rows), over ``2 * L * Hkv * D * T`` elements.
+Delta ppl is against the same path with an fp32 cache.  KIVI (registry ``kivi2``/``kivi4``: G=32, fp16 qparams,
+R=128 recent fp16 rows, and R=0) is measured on the same segments; bits per element are the measured ``nbytes`` of a
+cache holding ``seq_len`` rows (and ``4096`` rows), over ``2 * L * Hkv * D * T`` elements.  ``--recon`` adds the
+relative K (post-RoPE) / V reconstruction error of every config on the first test segment (rows after the first).
 
     python experiments/kvquant_ablation.py --out docs/results/kvquant
 """
@@ -71,7 +72,10 @@ VARIANTS = [
     ("nuq3-0%", dict(outlier_fraction=0.0), "outliers"),
     ("nuq3-1% no sink", dict(sink=0), "sink"),
 ]
-BASELINES = [("kivi4", "kivi4"), ("kivi2", "kivi2")]
+# KIVI as registered (G=32, R=128 fp16 recent rows), and without the recent window (R=0: closer in bits/element at
+# short contexts, where the 128-row residual dominates KIVI's footprint)
+BASELINES = [("kivi4", "kivi4"), ("kivi2", "kivi2"), ("kivi4 R=0", "kivi4:residual=0"),
+             ("kivi2 R=0", "kivi2:residual=0")]
 
 
 def bits_per_element(policy, cfg, length: int) -> float:
@@ -93,6 +97,7 @@ def main(argv=None):
     ap.add_argument("--only", default=None, help="comma-separated labels to run (default: all)")
     ap.add_argument("--acts-cache", default=None, help="an .npz to reuse / store the calibration activations in")
     ap.add_argument("--report-only", action="store_true", help="rewrite report.md from results.jsonl + meta.json")
+    ap.add_argument("--recon", action="store_true", help="only compute K/V reconstruction errors (recon.jsonl)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     os.environ.setdefault("KVQ_CACHE_DIR", "/tmp/kvqcache")
@@ -132,6 +137,9 @@ def main(argv=None):
     corpus_rec = {"name": cal_corpus.name, "source": cal_corpus.source, "sha256": cal_corpus.sha256,
                   "split": "validation", "tokens": len(cal_ids)}
 
+    if args.recon:
+        recon(out, params, cfg, segs[:1], acts, corpus_rec, m.tokenizer.hash, args)
+        return
     rows_path = out / "results.jsonl"
     done = {}
     if rows_path.exists():
@@ -204,8 +212,46 @@ def main(argv=None):
     print(out / "report.md")
 
 
+def recon(out: Path, params, cfg, seg, acts, corpus_rec, tok_hash, args) -> None:
+    """Relative L2 reconstruction error of post-RoPE K and of V, per layer, rows 1..T-1 of one test segment."""
+    import jax.numpy as jnp
+
+    from kvquant_jax.cache import ops
+    from kvquant_jax.eval.errors import exact_qkv
+
+    _, k, v = (np.asarray(a)[:, 0] for a in exact_qkv(params, cfg, jnp.asarray(seg)))   # [L, T, H, D]
+    t = k.shape[1]
+
+    def errors(policy):
+        cache = ops.append(policy.init(cfg, 1, t), [(k[i][None], v[i][None]) for i in range(cfg.num_layers)], t)
+        ek, ev = [], []
+        for i in range(cfg.num_layers):
+            kk, vv, _ = (np.asarray(a) for a in ops.decode_reference(cache, i))
+            kk, vv = kk[0].transpose(1, 0, 2)[1:], vv[0].transpose(1, 0, 2)[1:]
+            ek.append(np.linalg.norm(kk - k[i, 1:]) / np.linalg.norm(k[i, 1:]))
+            ev.append(np.linalg.norm(vv - v[i, 1:]) / np.linalg.norm(v[i, 1:]))
+        return {"k_rel_err": float(np.mean(ek)), "v_rel_err": float(np.mean(ev)),
+                "k_rel_err_max_layer": float(np.max(ek)), "v_rel_err_max_layer": float(np.max(ev))}
+
+    rope = dict(rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
+    rows = []
+    for label, spec in BASELINES:
+        rows.append({"label": label, **errors(Policy(schemes=(make_scheme(spec, **rope),)))})
+    for label, over, _ in VARIANTS:
+        conf = KC.CalibrationConfig(num_samples=args.samples, seq_len=args.calib_len, seed=args.seed,
+                                    **{**BASE, **over})
+        cal = KC.build(KC.fit(acts, cfg, conf), cfg, conf, tokenizer_hash=tok_hash, corpus=corpus_rec, acts=acts)
+        rows.append({"label": label, **errors(KVQuantPolicy(schemes=(cal.scheme(),), calibration=cal))})
+        print(f"[kvquant] recon {label}: {rows[-1]}", file=sys.stderr)
+    (out / "recon.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def write_report(out: Path, meta: dict, rows: list) -> None:
     base = next(r for r in rows if r["label"] == "fp32")
+    rec = {}
+    if (out / "recon.jsonl").exists():
+        rec = {r["label"]: r for r in map(json.loads, (out / "recon.jsonl").read_text().splitlines())}
+    rows = [{**r, **{k: v for k, v in rec.get(r["label"], {}).items() if k != "label"}} for r in rows]
     lines = [
         "# KVQuant on SmolLM2-135M-Instruct: serving-path Delta perplexity (WikiText-2 test)", "",
         f"Command: `{meta['command']}`  ",
@@ -222,10 +268,15 @@ def write_report(out: Path, meta: dict, rows: list) -> None:
         f"path with an fp32 cache (ppl {base['ppl']:.4f}).",
         "* bits/elem: measured cache `nbytes` (codes, qparams, codebooks, sparse slots, sink / residual rows; not "
         "lengths/positions) over `2 L Hkv D T` elements, at T = seq_len and T = 4096 (KIVI's fixed 128-row fp16 "
-        "residual dominates at short T).", "",
-        "| group | config | ppl | Delta ppl | bits/elem @T | bits/elem @4096 | K outliers (calib) | K overflow | "
-        "SSE K / uniform | SSE V / uniform |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
+        "residual dominates at short T).",
+        "* K / V err: relative L2 reconstruction error (post-RoPE K, V; mean over layers) on the first test segment, "
+        "rows after the first (`--recon`). K outliers / overflow: fraction of calibration K coordinates outside the "
+        "calibrated per-channel thresholds, and the share of them a row's sparse capacity cannot hold (they clip). "
+        "SSE / uniform: Fisher-weighted (or unweighted) codebook error of the fitted signposts over the uniform "
+        "grid's, on the calibration values.", "",
+        "| group | config | ppl | Delta ppl | bits/elem @T | bits/elem @4096 | K err | V err | K outliers (calib) | "
+        "K overflow | SSE K / uniform | SSE V / uniform |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = {"baseline": 0, "main": 1, "kivi": 2, "nuq vs uniform": 3, "pre vs post RoPE": 4,
              "fisher vs unweighted": 5, "outliers": 6, "sink": 7}
     for r in sorted(rows, key=lambda r: (order.get(r["group"], 9), r["label"])):
@@ -234,6 +285,7 @@ def write_report(out: Path, meta: dict, rows: list) -> None:
             return "" if v is None else fmt.format(v)
         lines.append(f"| {r['group']} | {r['label']} | {r['ppl']:.4f} | {r['ppl'] - base['ppl']:+.4f} | "
                      f"{f('bits_per_element_T', '{:.2f}')} | {f('bits_per_element_4096', '{:.2f}')} | "
+                     f"{f('k_rel_err', '{:.4f}')} | {f('v_rel_err', '{:.4f}')} | "
                      f"{f('k_outlier_rate_calib', '{:.2%}')} | {f('k_overflow_fraction_calib', '{:.2%}')} | "
                      f"{f('sse_k_vs_uniform')} | {f('sse_v_vs_uniform')} |")
     (out / "report.md").write_text("\n".join(lines) + "\n")

@@ -8,13 +8,13 @@ so this module simulates them with the same quantizer (``kvquant_jax.quant.affin
   ``R = 0``) -- KIVI's K frontier;
 * a **per-token** tensor rolls one row at a time: quantized frontier ``max(0, L - R)`` (``L`` when ``R = 0``) --
   KIVI's V frontier;
-* rows at or above a tensor's frontier are full precision, rounded through ``residual_dtype``.
+* rows at or above a tensor's frontier are full precision, rounded through ``residual_dtype``; as in the KIVI
+  cache, the quantizer sees that rounded row.
 
 It is a *simulation*: the state keeps the exact rows (float32) and quantizes the closed region when it is read.
 Because a closed group depends only on its own rows (path independence, see ``cache/kivi.py``), this decodes to
-the same values as quantizing at closure time -- exactly KIVI's values for the KIVI axes when
-``residual_dtype="fp32"`` (tested); with an fp16 residual KIVI quantizes the fp16-rounded residual rows of a chunk
-that closes during decode, which differs by at most fp16 rounding.  Stored bytes are therefore NOT the bytes of a
+the same values as quantizing at closure time -- exactly the KIVI cache's values on KIVI's axes (tested, fp16 and
+fp32 residuals), and KIVI's with K and V exchanged on the swapped axes.  Stored bytes are therefore NOT the bytes of a
 real packed cache: the byte metric uses :meth:`AxisAblationScheme.logical_bits` (the packed layout's codes +
 scale/min qparams + residual rows) and marks the row ``simulated``.
 """
@@ -116,12 +116,12 @@ class AxisAblationScheme(SchemeBase):
             ax, g = 2, self.group_size
         else:
             ax, g = 3, self._token_group(x.shape[-1])
-        q, status = quantize_affine_with_status(x, bits, axis=ax, group_size=g,
+        res = x.astype(DTYPES[self.residual_dtype]).astype(jnp.float32)   # every row is first a residual row
+        q, status = quantize_affine_with_status(res, bits, axis=ax, group_size=g,
                                                 qparam_dtype=DTYPES[self.qparam_dtype], zero="min")
         narrow, _ = _rows.split_status(status)
         deq = dequantize_affine(q.codes, _rows.sentinel_scale(q.scale, narrow), q.zero_or_min, axis=ax,
                                 group_size=g, zero="min")
-        res = x.astype(DTYPES[self.residual_dtype]).astype(jnp.float32)
         out = jnp.where(_rows.rows_below(frontier, x.shape[2]), deq, res)
         return jnp.where(valid[:, None, :, None], out, jnp.float32(0))
 

@@ -26,12 +26,12 @@ def _fill(scheme, k, v, steps):
     return [np.asarray(x) for x in jax.jit(scheme.materialize_layer)(st, lengths)]
 
 
-@pytest.mark.parametrize("residual", [0, 16])
-def test_kivi_axes_match_kivi(rng, residual):
+@pytest.mark.parametrize("residual, residual_dtype", [(0, "fp32"), (16, "fp16")])
+def test_kivi_axes_match_kivi(rng, residual, residual_dtype):
     k = rng.standard_normal((B, 30, H, D)).astype(np.float32) * 3
     v = rng.standard_normal((B, 30, H, D)).astype(np.float32)
     steps = [13] + [1] * 17
-    common = dict(group_size=8, residual=residual, residual_dtype="fp32")
+    common = dict(group_size=8, residual=residual, residual_dtype=residual_dtype)
     ref = _fill(KIVIScheme(k_bits=2, v_bits=4, v_group_size=8, **common), k, v, steps)
     sim = _fill(AxisAblationScheme(k_axis="channel", v_axis="token", k_bits=2, v_bits=4, token_group_size=8,
                                    **common), k, v, steps)
