@@ -14,8 +14,9 @@ length ``t`` (rows ``[0, t)``, quantized as they would be at that length, e.g. K
 
 Errors are normalized by the layer's mean square so layers and schemes are comparable:
 ``nmse = mean((x_hat - x)^2) / mean(x^2)``; the position / head / channel breakdowns use the same denominator, so
-their mean is the layer's nmse.  Keys are compared in the stored stage (``schema.key_stage``) for reconstruction
-and post-RoPE for attention.  Attention metrics: relative RMS logit error, total-variation distance of the
+their mean is the layer's nmse.  Keys are compared post-RoPE, as attention reads them: every scheme is appended the
+model's post-RoPE keys and materializes post-RoPE keys (a ``pre_rope`` scheme such as KVQuant un-rotates and
+re-rotates internally; see docs/architecture.md).  Attention metrics: relative RMS logit error, total-variation distance of the
 attention weights, relative L2 error of the attention output.
 """
 from __future__ import annotations
@@ -26,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvquant_jax.eval.policy import as_policy, needs_fp8_scales
+from kvquant_jax.cache.interface import layer_state
+from kvquant_jax.eval.policy import as_policy
 from kvquant_jax.models.llama import _finish, _qkv, attend
-from kvquant_jax.models.rope import apply_rope
 
 NEG = jnp.float32(-1e30)
 
@@ -61,37 +62,29 @@ def _nmse_parts(x_hat, x, valid):
             jnp.sum(err, axis=(0, 1)) / (n * h) / ms, jnp.max(jnp.where(m, jnp.abs(x_hat - x), jnp.float32(0))))
 
 
-@functools.partial(jax.jit, static_argnames=("scheme", "prefill", "rope_theta", "rope_pairing"))
-def layer_errors(scheme, q, k, v, probes, fp8_scales=None, *, prefill: int, rope_theta: float, rope_pairing: str):
-    """Errors of one layer.  q: [T, Hq, D], k, v: [T, Hkv, D] exact post-RoPE; probes: int32 [n] positions in
-    ``[prefill, T - 1]`` (the last is the largest); fp8_scales: this layer's calibrated FP8 ``(k [Hkv], v [Hkv])``
-    (set into the fresh state, as ``cache.fp8.load_scales`` does for a whole cache)."""
+@functools.partial(jax.jit, static_argnames=("scheme", "prefill"))
+def layer_errors(scheme, state, q, k, v, probes, *, prefill: int):
+    """Errors of one layer.  state: a fresh ``[n, ...]`` layer state of ``scheme`` (calibrated state installed);
+    q: [T, Hq, D], k, v: [T, Hkv, D] exact post-RoPE; probes: int32 [n] positions in ``[prefill, T - 1]`` (the last
+    is the largest)."""
     t, hkv, d = k.shape
     hq = q.shape[1]
     g = hq // hkv
     n = probes.shape[0]
-    pos = jnp.arange(t, dtype=jnp.int32)
-    pre = scheme.schema.key_stage == "pre_rope"
-    k_stored = apply_rope(k[None], pos[None], rope_theta, rope_pairing, inverse=True)[0] if pre else k
-    kb = jnp.broadcast_to(k_stored[None], (n, t, hkv, d))
+    kb = jnp.broadcast_to(k[None], (n, t, hkv, d))
     vb = jnp.broadcast_to(v[None], (n, t, hkv, d))
-    st = scheme.init_layer(n, t, hkv, d)
-    if fp8_scales is not None:
-        st = st.replace(k_scale=fp8_scales[0], v_scale=fp8_scales[1])
-    zeros = jnp.zeros((n,), jnp.int32)
-    st = scheme.append_layer(st, zeros, kb[:, :prefill], vb[:, :prefill], jnp.full((n,), prefill, jnp.int32))
+    st = scheme.append_layer(state, jnp.zeros((n,), jnp.int32), kb[:, :prefill], vb[:, :prefill],
+                             jnp.full((n,), prefill, jnp.int32))
     if t > prefill:
         st = scheme.append_layer(st, jnp.full((n,), prefill, jnp.int32), kb[:, prefill:], vb[:, prefill:],
                                  probes - prefill)
-    kh, vh, valid = scheme.materialize_layer(st, probes)                  # [n, Hkv, t, D] stored stage
-    # reconstruction at the largest probe, stored stage
+    kh, vh, valid = scheme.materialize_layer(st, probes)                  # [n, Hkv, C >= t, D], post-RoPE keys
+    kh, vh, valid = kh[:, :, :t], vh[:, :, :t], valid[:, :t]
+    # reconstruction at the largest probe
     last = n - 1
-    k_rec = _nmse_parts(kh[last], jnp.swapaxes(k_stored, 0, 1), valid[last])
+    k_rec = _nmse_parts(kh[last], jnp.swapaxes(k, 0, 1), valid[last])
     v_rec = _nmse_parts(vh[last], jnp.swapaxes(v, 0, 1), valid[last])
-    # attention at every probe, post-RoPE
-    if pre:
-        kh = apply_rope(jnp.swapaxes(kh, 1, 2), jnp.broadcast_to(pos, (n, t)), rope_theta, rope_pairing)
-        kh = jnp.swapaxes(kh, 1, 2)
+    # attention at every probe
     kx = jnp.broadcast_to(jnp.swapaxes(k, 0, 1)[None], (n, hkv, t, d))
     vx = jnp.broadcast_to(jnp.swapaxes(v, 0, 1)[None], (n, hkv, t, d))
     qt = q[probes]                                                          # [n, Hq, D]
@@ -148,16 +141,13 @@ def kv_errors(params, cfg, tokens, policy, *, prefill: int, probes: int, positio
     t = tokens.shape[1]
     if not 1 <= prefill <= t - 1:
         raise ValueError(f"kv_errors: prefill must be in [1, {t - 1}], got {prefill}")
-    schemes = policy.schemes * cfg.num_layers if len(policy.schemes) == 1 else policy.schemes
     q, k, v = exact_qkv(params, cfg, jnp.asarray(tokens))
     pr = probe_positions(t, prefill, probes)
+    fresh = policy.init(cfg, len(pr), t)        # every layer's fresh state, calibrated state installed
     per_layer = []
-    for layer, scheme in enumerate(schemes):
-        scales = None
-        if policy.fp8 is not None and needs_fp8_scales(scheme):
-            scales = (jnp.asarray(policy.fp8.k[layer]), jnp.asarray(policy.fp8.v[layer]))
-        out = layer_errors(scheme, q[layer, 0], k[layer, 0], v[layer, 0], jnp.asarray(pr), scales, prefill=prefill,
-                           rope_theta=float(cfg.rope_theta), rope_pairing=cfg.rope_pairing)
+    for layer in range(cfg.num_layers):
+        scheme, state = layer_state(fresh, layer)
+        out = layer_errors(scheme, state, q[layer, 0], k[layer, 0], v[layer, 0], jnp.asarray(pr), prefill=prefill)
         per_layer.append({name: np.asarray(a, np.float64) for name, a in out.items()})
     stack = {name: np.stack([p[name] for p in per_layer]) for name in per_layer[0]}
     res: dict = {"probes": pr.tolist(), "seq_len": t, "prefill": prefill}
