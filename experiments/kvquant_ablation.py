@@ -288,6 +288,9 @@ def write_report(out: Path, meta: dict, rows: list) -> None:
                      f"{f('k_rel_err', '{:.4f}')} | {f('v_rel_err', '{:.4f}')} | "
                      f"{f('k_outlier_rate_calib', '{:.2%}')} | {f('k_overflow_fraction_calib', '{:.2%}')} | "
                      f"{f('sse_k_vs_uniform')} | {f('sse_v_vs_uniform')} |")
+    notes = out / "notes.md"                       # hand-written reading of the numbers, kept across rewrites
+    if notes.exists():
+        lines += ["", notes.read_text().rstrip()]
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 

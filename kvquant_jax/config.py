@@ -695,18 +695,29 @@ def _check(cfg: ExperimentConfig, origins: _Origins) -> None:
     check_specs(cfg, origins.error)
 
 
+PATH_KEYS = ("data.corpus", "data.calibration_corpus", "calibration.fp8_scales", "calibration.kvquant",
+             "calibration.intactkv", "calibration.prefixquant")
+NOT_PATHS = (None, "observe", "wikitext2", "builtin")
+
+
 def _resolve_paths(cfg: ExperimentConfig, origins: _Origins) -> ExperimentConfig:
-    """Calibration artifact paths relative to the file that set them (if that file exists there)."""
-    cal = cfg.calibration
-    kw = {}
-    for f in ("fp8_scales", "kvquant", "intactkv", "prefixquant"):
-        p = getattr(cal, f)
-        if p is None or p == "observe" or Path(p).is_absolute():
+    """Relative file paths set in a config file are relative to that file's folder (like ``base:``); paths given
+    with ``--set`` stay relative to the current directory.  Resolved paths are written relative to the current
+    directory when they lie below it (so result keys do not depend on where the checkout is)."""
+    d = cfg.to_dict()
+    changed = False
+    for key in PATH_KEYS:
+        block, name = key.split(".")
+        p = d[block][name]
+        if p in NOT_PATHS or Path(p).is_absolute():
             continue
-        src = Path(origins.of(f"calibration.{f}"))
-        if src.is_file() and (src.parent / p).exists() and not Path(p).exists():
-            kw[f] = str(src.parent / p)
-    return dataclasses.replace(cfg, calibration=dataclasses.replace(cal, **kw)) if kw else cfg
+        src = origins.of(key).split(": sweep point ")[0]
+        if src != "--set" and Path(src).is_file():
+            full = (Path(src).parent / p).resolve()
+            cwd = Path.cwd().resolve()
+            d[block][name] = str(full.relative_to(cwd)) if full.is_relative_to(cwd) else str(full)
+            changed = True
+    return _build(ExperimentConfig, d, "", origins) if changed else cfg
 
 
 def from_dict(raw: dict, *, source: str = "<dict>", origins: _Origins | None = None) -> ExperimentConfig:

@@ -13,7 +13,7 @@ import numpy as np
 
 from kvquant_jax.config import METRICS, CacheConfig, ExperimentConfig, SchemeSpec
 from kvquant_jax.eval.context import EvalModel, TokenizedCorpus, load_eval_model, tokenize_corpus
-from kvquant_jax.eval.policy import Policy, build_policy, needs_fp8_artifact
+from kvquant_jax.eval.policy import Policy, build_policy, needs_fp8_artifact, needs_kvquant_artifact
 
 # metrics whose rows carry a delta against the full-precision baseline (same tokens, same settings)
 DELTA_FIELDS = {"ppl": ("ppl", "nll"), "serving_ppl": ("ppl", "nll"), "passkey": ("mean",)}
@@ -34,6 +34,7 @@ class Session:
         self._corpora: dict[tuple, TokenizedCorpus] = {}
         self._fp8: dict[tuple, object] = {}
         self._refs: dict[tuple, np.ndarray] = {}
+        self._kvquant: dict[tuple, object] = {}
 
     # ----- shared inputs
     def model(self, cfg: ExperimentConfig) -> EvalModel:
@@ -90,7 +91,25 @@ class Session:
 
     def policy(self, cfg: ExperimentConfig) -> Policy:
         m = self.model(cfg)
-        return build_policy(cfg.cache, m.cfg, fp8=self.fp8_calibration(cfg) if needs_fp8_artifact(cfg) else None)
+        return build_policy(cfg.cache, m.cfg, fp8=self.fp8_calibration(cfg) if needs_fp8_artifact(cfg) else None,
+                            kvquant=self.kvquant_calibration(cfg) if needs_kvquant_artifact(cfg) else None)
+
+    def kvquant_calibration(self, cfg: ExperimentConfig):
+        """The KVQuant artifact of ``calibration.kvquant``, checked against the model and tokenizer."""
+        path = cfg.calibration.kvquant
+        m = self.model(cfg)
+        key = (cfg.digest("model"), path)
+        if key not in self._kvquant:
+            from kvquant_jax.calibration.kvquant import load
+
+            try:
+                self._kvquant[key] = load(path, expect_model=m.cfg, expect_tokenizer_hash=m.tokenizer.hash)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"calibration.kvquant: {e}") from None
+            except ValueError as e:
+                raise ValueError(f"calibration.kvquant: {e}") from None
+            self.log(f"kvquant calibration: {self._kvquant[key].calibration_id} ({path})")
+        return self._kvquant[key]
 
     def reference_generation(self, cfg: ExperimentConfig, baseline: SchemeSpec, prompts: np.ndarray, n: int):
         from kvquant_jax.eval.agreement import reference_generation

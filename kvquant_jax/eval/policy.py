@@ -18,6 +18,10 @@ from kvquant_jax.eval.ablation import AxisAblationScheme
 EVAL_SCHEMES: dict[str, tuple[type, dict, dict]] = {
     "kivi_axes": (AxisAblationScheme, {}, {"bits": ("k_bits", "v_bits"), "residual_length": ("residual",)}),
 }
+# schemes built from a calibration artifact: name -> (the config key naming the artifact, runtime options allowed)
+ARTIFACT_SCHEMES: dict[str, tuple[str, frozenset]] = {
+    "kvquant": ("calibration.kvquant", frozenset({"k_sparse_capacity", "kernel_family"})),
+}
 
 
 def make_scheme(spec: dict[str, Any], *, rope_theta: float = 10000.0, rope_pairing: str = "half_split") -> CacheScheme:
@@ -63,6 +67,10 @@ def _specs(cfg) -> list[tuple[str, dict]]:
     return out
 
 
+def needs_kvquant_artifact(cfg) -> bool:
+    return any(spec["name"] == "kvquant" for key, spec in _specs(cfg) if key != "sweep.baseline")
+
+
 def needs_fp8_artifact(cfg) -> bool:
     """Some cache spec of ``cfg`` is FP8 with calibrated scales that come from ``calibration.fp8_scales``."""
     return any(_needs_artifact(spec) for key, spec in _specs(cfg) if key != "sweep.baseline")
@@ -71,6 +79,15 @@ def needs_fp8_artifact(cfg) -> bool:
 def check_specs(cfg, error: Callable[[str, str], Exception]) -> None:
     """Construct every scheme spec of an ``ExperimentConfig``; raise ``error(key, message)`` on the first bad one."""
     for key, spec in _specs(cfg):
+        if spec["name"] in ARTIFACT_SCHEMES:
+            art_key, allowed = ARTIFACT_SCHEMES[spec["name"]]
+            if getattr(cfg.calibration, art_key.split(".")[1]) is None:
+                raise error(key, f"{spec['name']} is built from a calibration artifact: set {art_key}")
+            bad = sorted(set(spec) - {"name"} - allowed)
+            if bad:
+                raise error(key, f"{spec['name']}: {bad} are fixed by the calibration artifact; only "
+                                 f"{sorted(allowed)} may be set here")
+            continue
         if _needs_artifact(spec):
             if cfg.calibration.fp8_scales is None:
                 raise error(key, "fp8 scales='calibrated' needs calibration.fp8_scales (a scale artifact .npz, or "
@@ -101,6 +118,7 @@ class Policy:
 
     schemes: tuple
     fp8: Fp8Scales | None = None
+    kvquant: object = None          # a KVQuantCalibration installed into every fresh cache
 
     def init(self, cfg, batch: int, capacity: int) -> KVCache:
         schemes = self.schemes[0] if len(self.schemes) == 1 else self.schemes
@@ -113,6 +131,8 @@ class Policy:
             if all(s.scale_axis == "tensor" for s in self.schemes if needs_fp8_scales(s)):
                 k, v = k[:, :1], v[:, :1]          # per-tensor layers take one value per layer
             cache = load_scales(cache, k, v)
+        if self.kvquant is not None:
+            cache = self.kvquant.install(cache)
         return cache
 
     def describe(self) -> str:
@@ -130,11 +150,13 @@ def as_policy(x) -> Policy:
     return Policy(schemes=tuple(x))
 
 
-def build_policy(cache_cfg, llama_cfg, *, fp8=None) -> Policy:
+def build_policy(cache_cfg, llama_cfg, *, fp8=None, kvquant=None) -> Policy:
     """The per-layer policy of a config ``cache`` block for a model (raises ``ValueError`` naming the key).
 
     ``fp8``: an :class:`~kvquant_jax.eval.calib.Fp8Calibration` for FP8 layers with ``scales: calibrated`` and no
-    explicit ``k_scales`` (its ``calibration_id`` becomes theirs unless the spec names one)."""
+    explicit ``k_scales`` (its ``calibration_id`` becomes theirs unless the spec names one).
+    ``kvquant``: the :class:`~kvquant_jax.calibration.kvquant.KVQuantCalibration` that ``{name: kvquant}`` layers are
+    built from (``calibration.scheme(**runtime options)``) and that every fresh cache gets installed."""
     from kvquant_jax.cache.mixed import full_precision_like
 
     n = llama_cfg.num_layers
@@ -144,6 +166,10 @@ def build_policy(cache_cfg, llama_cfg, *, fp8=None) -> Policy:
 
     def make(spec: dict, key: str) -> CacheScheme:
         nonlocal uses_artifact
+        if spec["name"] == "kvquant":
+            if kvquant is None:
+                raise ValueError(f"{key}: kvquant needs calibration.kvquant (a calibration artifact)")
+            return kvquant.scheme(**{k: v for k, v in spec.items() if k != "name"})
         if _needs_artifact(spec):
             if fp8 is None:
                 raise ValueError(f"{key}: fp8 scales='calibrated' needs calibration.fp8_scales")
@@ -183,9 +209,10 @@ def build_policy(cache_cfg, llama_cfg, *, fp8=None) -> Policy:
         except ValueError as e:
             raise ValueError(f"cache: {e} (model {llama_cfg.name}: head_dim {llama_cfg.head_dim}, "
                              f"{llama_cfg.num_kv_heads} KV heads)") from None
-    if uses_artifact and any(needs_fp8_scales(s) for s in per):
-        return Policy(schemes=tuple(per), fp8=fp8.scales_for(per, llama_cfg.num_kv_heads))
-    return Policy(schemes=tuple(per))
+    scales = fp8.scales_for(per, llama_cfg.num_kv_heads) if uses_artifact and any(
+        needs_fp8_scales(s) for s in per) else None
+    uses_kvquant = any(s.family == "kvquant" for s in per)
+    return Policy(schemes=tuple(per), fp8=scales, kvquant=kvquant if uses_kvquant else None)
 
 
 def needs_fp8_scales(s: CacheScheme) -> bool:

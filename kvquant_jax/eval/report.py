@@ -68,7 +68,8 @@ def write_report(out_dir: str | Path, *, points: list[Point], sweep_name: str, b
     entries = collect(rows, points, baseline)
     done = sum(1 for e in entries for m in METRICS if e.get(m) is not None)
     planned = sum(1 for e in entries for m in METRICS if m in e)
-    any_row = next((r for e in entries for m in METRICS if (r := e.get(m)) is not None), None)
+    used = [r for e in entries for m in METRICS if (r := e.get(m)) is not None]
+    any_row = used[0] if used else None
     lines = [f"# Sweep `{sweep_name}`", ""]
     if command:
         lines += ["Command:", "", "```", command, "```", ""]
@@ -80,9 +81,14 @@ def write_report(out_dir: str | Path, *, points: list[Point], sweep_name: str, b
                  None)
         if c:
             lines += [f"- corpus: `{c['corpus']}` sha256 `{c['corpus_sha256'][:16]}…` ({c['corpus_source']})"]
-        lines += [f"- git `{pv.get('git_commit', '')[:12]}`{' (dirty tree)' if pv.get('git_dirty') else ''}, "
-                  f"JAX {pv.get('jax_version')}, backend {pv.get('backend')} ({pv.get('device')}, "
-                  f"{pv.get('cpu_count')} CPUs), {pv.get('date')}",
+        commits = sorted({r["provenance"].get("git_commit", "")[:12] + ("+dirty" if r["provenance"].get("git_dirty")
+                                                                          else "") for r in used})
+        dates = sorted(r["provenance"].get("date", "") for r in used)
+        secs = sum(r.get("seconds", 0) for r in used)
+        lines += [f"- git {', '.join(f'`{c}`' for c in commits)}; JAX {pv.get('jax_version')}, backend "
+                  f"{pv.get('backend')} ({pv.get('device')}, {pv.get('cpu_count')} CPUs, {pv.get('platform')})",
+                  f"- rows computed {dates[0]} … {dates[-1]}; {secs / 60:.1f} min of row wall time (baseline rows "
+                  f"not included)",
                   f"- rows: {done} of {planned} planned point rows in `results.jsonl`"
                   + (" (incomplete: rerun the command to resume)" if done < planned else ""),
                   f"- baseline (Δ reference): `{baseline}` cache on the same tokens",
@@ -140,7 +146,7 @@ def _main_table(entries, baseline) -> list[str]:
         p = e["point"]
         pol = next((r["cache_policy"] for m in METRICS if (r := e.get(m))), "")
         sim = _v(e, "bytes", "values", "simulated")
-        cells = [p.label, f"`{pol}`" if len(pol) < 60 else f"`{pol[:57]}…`",
+        cells = [p.label, "–" if not pol else f"`{pol}`" if len(pol) < 60 else f"`{pol[:57]}…`",
                  _fmt(_v(e, "bytes", "values", "bits_per_element"), 2) + (" (sim)" if sim else ""),
                  _fmt(_v(e, "bytes", "values", "bytes_per_token"), 0),
                  _fmt(_v(e, "ppl", "values", "ppl")), _fmt(_v(e, "ppl", "delta", "delta_ppl"), 3, True),
