@@ -23,6 +23,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--report-only", action="store_true", help="only rewrite report.md and plots from results.jsonl")
     p.add_argument("--list", action="store_true", help="print the resolved points and exit")
+    p.add_argument("--prune", action="store_true",
+                   help="first drop rows of DIR/results.jsonl that no current point uses (after a config change)")
     p.set_defaults(func=cmd_sweep)
 
 
@@ -92,13 +94,16 @@ def cmd_sweep(args) -> None:
 
     from kvquant_jax.config import load_config
     from kvquant_jax.eval.report import write_report
-    from kvquant_jax.eval.runner import sweep_baseline, sweep_name
+    from kvquant_jax.eval.runner import prune, sweep_baseline, sweep_name
 
     loaded = load_config(args.config, args.overrides)
     if args.list:
         for p in loaded.points():
             print(f"{p.index:3d}  {p.label}")
         return
+    if args.prune:
+        n = prune(Path(args.out), loaded.points(), sweep_baseline(loaded))
+        print(f"[kvq] pruned {n} rows no current point uses from {args.out}/results.jsonl", file=sys.stderr)
     if loaded.config.sweep is None:
         print(f"[kvq] {args.config} has no sweep block: running its single point", file=sys.stderr)
     if args.report_only:

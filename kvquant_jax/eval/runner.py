@@ -239,6 +239,32 @@ def run_sweep(loaded: LoadedConfig, out_dir: str | Path | None, *, metrics=None,
     return summary
 
 
+def planned_keys(points: list[Point], baseline: SchemeSpec, metrics=None) -> set[str]:
+    """Keys of every row the points need (their own rows and the baseline rows their deltas use)."""
+    keys = set()
+    for p in points:
+        for m in _enabled(p.config, metrics):
+            keys.add(row_key(p.config, m, "point", baseline))
+            if m in M.DELTA_FIELDS:
+                keys.add(row_key(M.baseline_config(p.config, baseline), m, "baseline", baseline))
+    return keys
+
+
+def prune(out_dir: str | Path, points: list[Point], baseline: SchemeSpec) -> int:
+    """Drop rows of ``out_dir/results.jsonl`` that no current point uses (after a config change); returns how many.
+    The file is rewritten atomically."""
+    path = Path(out_dir) / "results.jsonl"
+    if not path.exists():
+        return 0
+    keep = planned_keys(points, baseline)
+    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    kept = [ln for ln in lines if json.loads(ln)["key"] in keep]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
 def sweep_name(loaded: LoadedConfig) -> str:
     sw = loaded.config.sweep
     return (sw.name if sw and sw.name else loaded.config.name) or Path(loaded.path).stem

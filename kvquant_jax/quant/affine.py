@@ -13,7 +13,9 @@ chosen by ``axis`` and ``group_size`` (0 = the whole axis); for ``x: [B, H, T, D
 Two zero conventions (``zero=``):
 
 * ``"min"`` (KIVI): ``scale = (max - min) / Q`` and ``min`` are both stored in the qparam dtype (round to nearest
-  even); ``u = clip(rint((x - min_s) / scale_s), 0, Q)``; ``x_hat = u * scale + min``.
+  even); ``u = clip(rint((x - min_s) / scale_s), 0, Q)``; ``x_hat = u * scale + min``.  A stored min that is
+  zero is always ``+0`` (a group holding both ``-0`` and ``+0``, or a tiny negative min that underflows in the
+  qparam dtype, would otherwise store a platform-dependent sign bit).
 * ``"int"`` (integer zero-point): the range is first widened to contain 0 (``lo = min(min, 0)``,
   ``hi = max(max, 0)``) so that 0.0 is exactly representable and the zero-point lies in the alphabet;
   ``scale = (hi - lo) / Q`` stored; ``z = clip(rint(-lo / scale_s), 0, Q)`` stored ``uint8``;
@@ -78,6 +80,8 @@ def _affine_core(x, qmax, valid_length, mask, *, axis, group_size, qparam_dtype,
     flags |= C.flag_if(~constant & ~jnp.isfinite(width), C.QuantStatus.SCALE_OVERFLOW)
     if zero == "min":
         zero_stored = mn.astype(qparam_dtype)
+        # canonical +0: a group holding both -0 and +0 has no defined min sign (XLA and NumPy pick differently)
+        zero_stored = jnp.where(zero_stored == 0, jnp.zeros_like(zero_stored), zero_stored)
         flags |= C.flag_if(~jnp.isfinite(zero_stored.astype(jnp.float32)), C.QuantStatus.ZERO_NONFINITE)
         u = jnp.rint(C.exact_divide(xv - zero_stored.astype(jnp.float32)[..., None], eff[..., None]))
     else:

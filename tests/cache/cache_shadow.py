@@ -80,6 +80,7 @@ def affine_min_quant(x: np.ndarray, bits: int, qdt):
     eff = scale.astype(F32)
     narrow = ~constant & (eff < tiny(qdt))
     zmin = mn.astype(qdt)
+    zmin = np.where(zmin == 0, np.zeros((), qdt), zmin).astype(qdt)     # documented canonical +0 min
     z = zmin.astype(F32)
     with np.errstate(divide="ignore", invalid="ignore"):
         u = np.rint((x32 - z[..., None]) / eff[..., None])

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from kvquant_jax.config import load_config
-from kvquant_jax.eval.runner import run_sweep, strip_volatile
+from kvquant_jax.config import SchemeSpec, load_config
+from kvquant_jax.eval.runner import prune, run_sweep, strip_volatile
 
 from eval_helpers import tiny_yaml
 
@@ -81,8 +81,12 @@ def test_changed_settings_recompute_only_affected_rows(sweep_cfg, uninterrupted,
 
     ref_dir, _ = uninterrupted
     shutil.copy(ref_dir / "results.jsonl", tmp_path / "results.jsonl")
-    summary = run_sweep(load_config(sweep_cfg, ["tasks.bytes.length=32"]), tmp_path, progress=False)
+    changed = load_config(sweep_cfg, ["tasks.bytes.length=32"])
+    summary = run_sweep(changed, tmp_path, progress=False)
     assert summary.computed == 2 and summary.skipped == 2            # only the two bytes rows
+    assert len(rows(tmp_path / "results.jsonl")) == 7
+    assert prune(tmp_path, changed.points(), SchemeSpec("fp32")) == 2  # the two stale bytes rows
+    assert [r["values"]["length"] for r in rows(tmp_path / "results.jsonl") if r["metric"] == "bytes"] == [32, 32]
 
 
 def test_cli_sweep_and_eval(sweep_cfg, tmp_path, capsys, monkeypatch):

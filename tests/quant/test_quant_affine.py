@@ -144,6 +144,17 @@ def test_clipping_when_stored_min_rounds_up():
     np.testing.assert_array_equal(np.asarray(got.codes[0]), want)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
+def test_zero_min_is_stored_as_positive_zero(dtype):
+    """A zero min has one canonical encoding (+0): mixed -0/+0 groups and a negative min underflowing fp16."""
+    x = np.array([[-0.0, 0.0, 1.0, 0.5], [0.0, -0.0, 1.0, 0.5], [-0.0, -0.0, -0.0, -0.0],
+                  [-2.6e-8, 0.5, 1.0, 0.25]], np.float32)
+    got = Q.quantize_affine(x, 2, qparam_dtype=dtype)
+    mins = np.asarray(got.zero_or_min)[:, 0]
+    n = 3 if dtype == jnp.float32 else 4                          # in fp32 -2.6e-8 is a genuine negative min
+    assert (mins[:n] == 0).all() and not np.signbit(mins[:n]).any(), mins
+
+
 @pytest.mark.parametrize("zero", ["min", "int"])
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
 def test_constant_groups_sentinel_and_exact_reconstruction(zero, dtype):
