@@ -145,3 +145,14 @@ def any_bad_rows(hard: jax.Array, row_keep: jax.Array) -> jax.Array:
     """bool ``[B]``: some kept row (``row_keep [B, W]``) has a hard flag; ``hard [B, H, W, ...]``."""
     h = hard.reshape(hard.shape[:3] + (-1,)).any(axis=(1, 3))            # [B, W]
     return jnp.any(h & row_keep, axis=1)
+
+
+def materialize_packed(state, lengths, bits: int, decode):
+    """Float32 ``(k, v, valid)`` of a layer whose ``k_codes/v_codes: uint8 [B, H, C, D*bits/8]`` carry
+    ``k_scale/v_scale``; ``decode(codes, scale, head_dim) -> float32 [B, H, C, D]``.  Rows past ``lengths`` are 0."""
+    head_dim = state.k_codes.shape[-1] * 8 // bits
+    valid = valid_rows(lengths, state.k_codes.shape[2])
+    m = valid[:, None, :, None]
+    k = jnp.where(m, decode(state.k_codes, state.k_scale, head_dim), jnp.float32(0))
+    v = jnp.where(m, decode(state.v_codes, state.v_scale, head_dim), jnp.float32(0))
+    return k, v, valid

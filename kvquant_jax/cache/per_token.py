@@ -120,12 +120,7 @@ class PerTokenScheme(SchemeBase):
         return dequantize_symmetric(from_offset_binary(u, self.bits), scale, axis=-1, group_size=self._group(head_dim))
 
     def materialize_layer(self, state, lengths):
-        head_dim = state.k_codes.shape[-1] * 8 // self.bits
-        valid = _rows.valid_rows(lengths, state.k_codes.shape[2])
-        m = valid[:, None, :, None]
-        k = jnp.where(m, self._decode(state.k_codes, state.k_scale, head_dim), jnp.float32(0))
-        v = jnp.where(m, self._decode(state.v_codes, state.v_scale, head_dim), jnp.float32(0))
-        return k, v, valid
+        return _rows.materialize_packed(state, lengths, self.bits, self._decode)
 
     def validate_layer(self, state, lengths):
         qmax = 2 ** (self.bits - 1) - 1

@@ -109,12 +109,7 @@ class StaticIntScheme(SchemeBase):
         return self.append_layer(state, lengths, k, v, num_new), rows_finite(k, v, num_new)
 
     def materialize_layer(self, state, lengths):
-        head_dim = state.k_codes.shape[-1] * 8 // self.bits
-        valid = _rows.valid_rows(lengths, state.k_codes.shape[2])
-        m = valid[:, None, :, None]
-        k = jnp.where(m, self._decode(state.k_codes, state.k_scale, head_dim), jnp.float32(0))
-        v = jnp.where(m, self._decode(state.v_codes, state.v_scale, head_dim), jnp.float32(0))
-        return k, v, valid
+        return _rows.materialize_packed(state, lengths, self.bits, self._decode)
 
     def validate_layer(self, state, lengths):
         half = 2 ** (self.bits - 1)

@@ -100,26 +100,38 @@ def generate(params, cfg: LlamaConfig, prompts: list[list[int]], *, max_new_toke
     need = max(lens) + max_new_tokens
     if capacity is None:
         capacity = bucket(need, 64)
-    if need > capacity:
-        raise ValueError(f"prompt of {max(lens)} tokens + {max_new_tokens} new tokens needs {need} cache rows; "
-                         f"capacity is {capacity}")
-    if need > cfg.max_position:
-        raise ValueError(f"prompt of {max(lens)} tokens + {max_new_tokens} new tokens exceeds the model's "
-                         f"context length {cfg.max_position}")
-    eos_id = cfg.eos_id if eos_id is None else eos_id
+    check_fits(cfg, need, capacity, f"prompt of {max(lens)} tokens + {max_new_tokens} new tokens")
     scheme = scheme or FullPrecisionScheme(rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
-    b = len(prompts)
-    cache = init_cache(scheme, num_layers=cfg.num_layers, batch=b, capacity=capacity,
+    cache = init_cache(scheme, num_layers=cfg.num_layers, batch=len(prompts), capacity=capacity,
                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
-    t_pad = bucket(max(lens))
-    toks = np.full((b, t_pad), eos_id, np.int32)
-    for i, p in enumerate(prompts):
-        toks[i, : len(p)] = p
-    num_new = jnp.asarray(lens, jnp.int32)
-    key = jax.random.PRNGKey(seed)
-    key, k0 = jax.random.split(key)
+    return run_batch(params, cfg, prompts, cache, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                     eos_id=eos_id, attention_impl=attention_impl)
+
+
+def check_fits(cfg: LlamaConfig, rows_needed: int, capacity: int, what: str) -> None:
+    """Refuse a request before anything runs: ``rows_needed`` cache rows (``what`` says of what) must fit both the
+    cache capacity and the model's context length."""
+    if rows_needed > capacity:
+        raise ValueError(f"{what} needs {rows_needed} cache rows; capacity is {capacity}")
+    if rows_needed > cfg.max_position:
+        raise ValueError(f"{what} = {rows_needed} positions exceed the model's context length {cfg.max_position}")
+
+
+def run_batch(params, cfg: LlamaConfig, runs: list[list[int]], cache: KVCache, *, max_new_tokens: int,
+              sampling: SamplingParams, seed: int, eos_id: int | None,
+              attention_impl: str = "reference") -> GenerationResult:
+    """Prefill the non-empty token lists ``runs`` (one per sequence of ``cache``, appended after the rows the cache
+    already holds) and decode up to ``max_new_tokens`` per sequence.  The caller has checked capacity."""
+    eos_id = cfg.eos_id if eos_id is None else eos_id
+    b = len(runs)
+    lens = [len(r) for r in runs]
+    toks = np.full((b, bucket(max(lens))), eos_id, np.int32)
+    for i, r in enumerate(runs):
+        toks[i, : len(r)] = r
+    key, k0 = jax.random.split(jax.random.PRNGKey(seed))
     t0 = time.perf_counter()
-    last, cache, ok = prefill_step(params, cfg, jnp.asarray(toks), cache, num_new, attention_impl=attention_impl)
+    last, cache, ok = prefill_step(params, cfg, jnp.asarray(toks), cache, jnp.asarray(lens, jnp.int32),
+                                   attention_impl=attention_impl)
     if not bool(ok):
         raise CacheAppendError("prefill produced non-finite K/V; nothing was appended")
     first = sample(last, k0, sampling)
@@ -133,7 +145,6 @@ def generate(params, cfg: LlamaConfig, prompts: list[list[int]], *, max_new_toke
         raise CacheAppendError(f"decode step {int(steps)} produced non-finite K/V; the cache holds the state "
                                f"before that step")
     n_gen = np.asarray(n_gen)
-    tokens = [out[i, : n_gen[i]].tolist() for i in range(b)]
-    finished = [bool((out[i] == eos_id).any()) for i in range(b)]
-    return GenerationResult(tokens=tokens, finished=finished, prefill_seconds=t1 - t0, decode_seconds=t2 - t1,
-                            decode_steps=int(steps), cache=cache)
+    return GenerationResult(tokens=[out[i, : n_gen[i]].tolist() for i in range(b)],
+                            finished=[bool((out[i] == eos_id).any()) for i in range(b)], prefill_seconds=t1 - t0,
+                            decode_seconds=t2 - t1, decode_steps=int(steps), cache=cache)

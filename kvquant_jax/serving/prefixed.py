@@ -12,18 +12,15 @@ refused before anything runs.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Mapping
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvquant_jax.cache.interface import CacheScheme
 from kvquant_jax.cache.prefix import PrefixArtifact, start_request
 from kvquant_jax.models.config import LlamaConfig
-from kvquant_jax.serving.generate import CacheAppendError, GenerationResult, bucket, decode_loop, prefill_step
-from kvquant_jax.serving.sampling import SamplingParams, sample
+from kvquant_jax.serving.generate import GenerationResult, bucket, check_fits, run_batch
+from kvquant_jax.serving.sampling import SamplingParams
 
 
 @dataclasses.dataclass
@@ -81,36 +78,12 @@ def generate_with_prefix(params, cfg: LlamaConfig, prompts: list[list[int]], art
     lens = [len(r) for r in runs]
     need = p + max(lens) + max_new_tokens
     capacity = capacity or bucket(need, 64)
-    if need > capacity:
-        raise ValueError(f"prefix of {p} rows + prompt of {max(lens)} tokens + {max_new_tokens} new tokens needs {need} "
-                         f"cache rows; capacity is {capacity} (the capacity counts the prefix rows)")
-    if need > cfg.max_position:
-        raise ValueError(f"prefix of {p} rows + prompt of {max(lens)} tokens + {max_new_tokens} new tokens = {need} "
-                         f"positions exceed the model's context length {cfg.max_position}")
-    eos_id = cfg.eos_id if eos_id is None else eos_id
-    b = len(runs)
-    cache = start_request(artifact, body, b, capacity, expect=expect)
-    toks = np.full((b, bucket(max(lens))), eos_id, np.int32)
-    for i, r in enumerate(runs):
-        toks[i, :len(r)] = r
-    key, k0 = jax.random.split(jax.random.PRNGKey(seed))
-    t0 = time.perf_counter()
-    last, cache, ok = prefill_step(params, cfg, jnp.asarray(toks), cache, jnp.asarray(lens, jnp.int32))
-    if not bool(ok):
-        raise CacheAppendError("prefill produced non-finite K/V; nothing was appended")
-    first = sample(last, k0, sampling)
-    first.block_until_ready()
-    t1 = time.perf_counter()
-    out, n_gen, cache, ok, steps = decode_loop(params, cfg, first, cache, key, max_new=max_new_tokens,
-                                               sampling=sampling, eos_id=eos_id)
-    out = np.asarray(out)
-    t2 = time.perf_counter()
-    if not bool(ok):
-        raise CacheAppendError(f"decode step {int(steps)} produced non-finite K/V")
-    n_gen = np.asarray(n_gen)
-    res = GenerationResult(tokens=[out[i, :n_gen[i]].tolist() for i in range(b)],
-                           finished=[bool((out[i] == eos_id).any()) for i in range(b)], prefill_seconds=t1 - t0,
-                           decode_seconds=t2 - t1, decode_steps=int(steps), cache=cache)
+    check_fits(cfg, need, capacity, f"prefix of {p} rows + prompt of {max(lens)} tokens + {max_new_tokens} new "
+               "tokens (the capacity and context length count the prefix rows)")
+    cache = start_request(artifact, body, len(runs), capacity, expect=expect)
+    res = run_batch(params, cfg, runs, cache, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                    eos_id=eos_id)
+    cache = res.cache
     hidden = artifact.visibility == "hidden"
     acct = PrefixAccounting(
         prefix_tokens=p, visibility=artifact.visibility,
