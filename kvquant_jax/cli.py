@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -12,6 +13,31 @@ def _add_model_args(p):
                    help="known model name (default smollm2-135m, fetched on first use), a .gguf file or a HF folder")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute/weight dtype")
     p.add_argument("--rope-pairing", default="half_split", choices=["half_split", "interleaved"])
+    p.add_argument("--w8a8", action="store_true",
+                   help="W8A8 live activations (per-token INT8 x per-channel INT8 weights) in q/k/v/o/gate/up/down; "
+                        "prefill W8A8, decode weight-only W8A16")
+    p.add_argument("--smooth-alpha", type=float, default=None,
+                   help="SmoothQuant migration strength (statistics from 8 x 512 WikiText-2 validation tokens)")
+
+
+def _load(args):
+    """load_model + the activation options (SmoothQuant fold, W8A8 weights and policy on cfg.activation)."""
+    from kvquant_jax.models import load_model
+
+    m = load_model(args.model, dtype=args.dtype, rope_pairing=args.rope_pairing, verbose=True)
+    params, cfg = m.params, m.cfg
+    if args.smooth_alpha is not None:
+        from kvquant_jax.calibration import smoothquant as SQ
+
+        windows, rec = SQ.validation_windows(m.tokenizer, 8, 512)
+        params = SQ.smooth_params(params, cfg, SQ.collect_stats(params, cfg, windows),
+                                  SQ.SmoothQuantConfig(alpha=args.smooth_alpha))
+        print(f"[kvq] SmoothQuant α={args.smooth_alpha} from {rec['name']} validation", file=sys.stderr)
+    if args.w8a8:
+        from kvquant_jax.models.w8a8 import W8A8Policy, apply_policy
+
+        params, cfg = apply_policy(params, cfg, W8A8Policy())
+    return dataclasses.replace(m, params=params, cfg=cfg)
 
 
 def _scheme(spec, cfg):
@@ -29,13 +55,12 @@ def cmd_fetch(args):
 
 
 def cmd_generate(args):
-    from kvquant_jax.models import load_model
     from kvquant_jax.serving.generate import generate
     from kvquant_jax.serving.sampling import SamplingParams
 
     if not args.prompt or not args.prompt.strip():
         raise SystemExit("error: --prompt is empty")
-    m = load_model(args.model, dtype=args.dtype, rope_pairing=args.rope_pairing, verbose=True)
+    m = _load(args)
     tok = m.tokenizer
     use_chat = not args.raw and tok.chat_template is not None
     ids = tok.encode_chat(args.prompt, system=args.system) if use_chat else tok.encode(args.prompt, add_bos=False)
@@ -54,9 +79,8 @@ def cmd_generate(args):
 def cmd_ppl(args):
     from kvquant_jax.data import load_corpus
     from kvquant_jax.eval.ppl import perplexity
-    from kvquant_jax.models import load_model
 
-    m = load_model(args.model, dtype=args.dtype, rope_pairing=args.rope_pairing, verbose=True)
+    m = _load(args)
     corpus = load_corpus(args.corpus, split="test")
     print(f"[kvq] corpus: {corpus.name} ({corpus.source})", file=sys.stderr)
     t0 = time.perf_counter()
@@ -72,6 +96,7 @@ def cmd_ppl(args):
     out = {"ppl": res.ppl, "nll": res.nll, "tokens": res.tokens, "segments": res.segments, "seq_len": res.seq_len,
            "bos": res.bos, "model": m.path, "model_sha256": m.cfg.sha256, "corpus": corpus.name,
            "corpus_sha256": corpus.sha256, "cache": args.cache or "none", "dtype": args.dtype,
+           "w8a8": bool(args.w8a8), "smooth_alpha": args.smooth_alpha,
            "load_s": round(m.load_seconds, 3), "tokenize_s": round(tok_s, 3), "eval_s": round(res.seconds, 3)}
     print(json.dumps(out))
 

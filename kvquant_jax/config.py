@@ -7,7 +7,7 @@ A config file is a mapping with the blocks below (every key optional; defaults a
     model:       {name: smollm2-135m, dtype: fp32, rope_pairing: half_split, random: null}
     data:        {corpus: null, split: test, fallback: true, offset: 0, calibration_corpus: null, ...}
     cache:       {scheme: kivi2, full_precision_first: 0, full_precision_last: 0, layers: [...], ...}
-    activation:  {enabled: false, scheme: w8a8, ...}          # placeholder W8A8 block (validated)
+    activation:  {enabled: false, prefill: w8a8, smooth_alpha: null, ...}  # W8A8 + smoothing
     calibration: {fp8_scales: null, kvquant: null, ...}        # artifact paths ("observe" for FP8 scales)
     tasks:       {ppl: {...}, serving_ppl: {...}, passkey: {...}, kv_error: {...}, agreement: {...}, bytes: {...}}
     sweep:       {name: ..., grid: {dotted.key: [values]}, zip: {dotted.key: [values], label: [...]}, points: [...]}
@@ -132,8 +132,18 @@ class CacheConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ActivationConfig:
-    """W8A8 activation quantization (placeholder: validated and recorded; the model forward does not apply it
-    yet, so ``enabled: true`` is refused when a run starts)."""
+    """Projection precision and offline smoothing (``kvquant_jax.models.w8a8``, ``kvquant_jax.calibration``).
+
+    ``enabled``: W8A8 live activations -- per-token symmetric INT8 activations x per-output-channel INT8 weights,
+    int32 accumulation, float epilogue -- for the ``linears`` named (embeddings never; ``lm_head`` only if named).
+    ``prefill`` / ``decode``: the path of T > 1 / T == 1 forwards ("w8a8", "w8a16" weight-only, "float").
+    ``float_layers``: decoder layers kept in float.  ``impl``: "xla" int8 dot or the "pallas" kernel.
+    ``smooth_alpha``: SmoothQuant migration strength (None = off), folded into the RMSNorm / linear weights from
+    ``smooth_windows`` x ``smooth_len`` tokens of the calibration split.  ``smooth_attention_alpha``: QServe's
+    SmoothAttention (equal scales on each RoPE pair, folded into W_q / W_k; None = off) -- a float-exact
+    transform that helps low-bit K caches, applied whether or not ``enabled`` is set.
+    ``act_granularity`` / ``weight_granularity`` / ``act_symmetric`` / ``bits`` record the (only) supported
+    format and are validated."""
 
     enabled: bool = False
     scheme: str = "w8a8"
@@ -141,7 +151,30 @@ class ActivationConfig:
     weight_granularity: str = "per_channel"
     act_symmetric: bool = True
     bits: int = 8
+    linears: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    prefill: str = "w8a8"
+    decode: str = "w8a16"
+    float_layers: tuple[int, ...] = ()
+    impl: str = "xla"
+    act_qparam_dtype: str = "fp32"
     smooth_alpha: float | None = None
+    smooth_sites: tuple[str, ...] = ("qkv", "gate_up")
+    smooth_attention_alpha: float | None = None
+    smooth_windows: int = 8
+    smooth_len: int = 512
+
+    def policy(self):
+        """The :class:`~kvquant_jax.models.w8a8.W8A8Policy` of this block (None when not enabled)."""
+        if not self.enabled:
+            return None
+        from kvquant_jax.models.w8a8 import W8A8Policy
+
+        return W8A8Policy(linears=self.linears, prefill=self.prefill, decode=self.decode, impl=self.impl,
+                          act_qparam_dtype=self.act_qparam_dtype, float_layers=self.float_layers)
+
+    @property
+    def transforms_model(self) -> bool:
+        return self.enabled or self.smooth_alpha is not None or self.smooth_attention_alpha is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,9 +315,13 @@ CHOICES: dict[str, tuple] = {
     "data.calibration_split": ("test", "validation"),
     "cache.full_precision_dtype": ("fp32", "bf16", "fp16"),
     "activation.scheme": ("w8a8",),
-    "activation.act_granularity": ("per_token", "per_tensor"),
-    "activation.weight_granularity": ("per_channel", "per_tensor"),
+    "activation.act_granularity": ("per_token",),
+    "activation.weight_granularity": ("per_channel",),
     "activation.bits": (8,),
+    "activation.prefill": ("w8a8", "w8a16", "float"),
+    "activation.decode": ("w8a8", "w8a16", "float"),
+    "activation.impl": ("xla", "pallas"),
+    "activation.act_qparam_dtype": ("fp32", "fp16"),
     "tasks.serving_ppl.attention": ("reference", "kernel", "auto"),
 }
 POSITIVE = {"model.random.num_layers", "model.random.hidden_size", "model.random.intermediate_size",
@@ -295,7 +332,7 @@ POSITIVE = {"model.random.num_layers", "model.random.hidden_size", "model.random
             "tasks.passkey.digits", "tasks.passkey.max_new_tokens", "tasks.passkey.batch_size",
             "tasks.kv_error.prefill", "tasks.kv_error.probes", "tasks.kv_error.position_bins",
             "tasks.agreement.prompt_tokens", "tasks.agreement.new_tokens", "tasks.agreement.segments",
-            "tasks.bytes.length"}
+            "tasks.bytes.length", "activation.smooth_windows", "activation.smooth_len"}
 NON_NEGATIVE = {"data.offset", "cache.full_precision_first", "cache.full_precision_last"}
 METRICS = ("ppl", "serving_ppl", "passkey", "kv_error", "agreement", "bytes")
 
@@ -492,7 +529,7 @@ def _convert(tp, v: Any, key: str, origins: _Origins) -> Any:
         if v is None:
             if type(None) in args:
                 return None
-            raise origins.error(key, f"must not be null")
+            raise origins.error(key, "must not be null")
         options = [a for a in args if a is not type(None)]
         if len(options) == 1:
             return _convert(options[0], v, key, origins)
@@ -683,9 +720,23 @@ def _check(cfg: ExperimentConfig, origins: _Origins) -> None:
     a = cfg.activation
     if a.smooth_alpha is not None and not 0.0 <= a.smooth_alpha <= 1.0:
         raise origins.error("activation.smooth_alpha", f"must be in [0, 1], got {a.smooth_alpha}")
-    if a.enabled:
-        raise origins.error("activation.enabled", "W8A8 activation quantization is a placeholder block: the "
-                                                  "model forward does not apply it yet (set enabled: false)")
+    if a.smooth_attention_alpha is not None and not 0.0 <= a.smooth_attention_alpha <= 1.0:
+        raise origins.error("activation.smooth_attention_alpha", f"must be in [0, 1], got {a.smooth_attention_alpha}")
+    if not a.act_symmetric:
+        raise origins.error("activation.act_symmetric", "only symmetric per-token INT8 activations are implemented")
+    from kvquant_jax.calibration.smoothquant import SITES
+    from kvquant_jax.models.w8a8 import LINEARS
+
+    for i, n in enumerate(a.linears):
+        if n not in LINEARS + ("lm_head",):
+            raise origins.error(f"activation.linears[{i}]", f"unknown linear {n!r}; allowed {list(LINEARS)} + "
+                                                           "['lm_head'] (embeddings are never quantized)")
+    for i, n in enumerate(a.smooth_sites):
+        if n not in SITES:
+            raise origins.error(f"activation.smooth_sites[{i}]", f"unknown site {n!r}; allowed {list(SITES)}")
+    for i, n in enumerate(a.float_layers):
+        if n < 0:
+            raise origins.error(f"activation.float_layers[{i}]", f"layer index must be >= 0, got {n}")
     if cfg.calibration.fp8_scales not in (None, "observe") and not cfg.calibration.fp8_scales.endswith(".npz"):
         raise origins.error("calibration.fp8_scales", f"expected 'observe' or a .npz path, got "
                                                       f"{cfg.calibration.fp8_scales!r}")

@@ -37,13 +37,51 @@ class Session:
         self._kvquant: dict[tuple, object] = {}
 
     # ----- shared inputs
-    def model(self, cfg: ExperimentConfig) -> EvalModel:
+    def model(self, cfg: ExperimentConfig, raw: bool = False) -> EvalModel:
+        """The config's model; with an ``activation`` block that transforms it (SmoothQuant / SmoothAttention
+        folds, W8A8 weights + policy on ``cfg.activation``) the transformed one unless ``raw``."""
         key = cfg.digest("model")
         if key not in self._models:
             t0 = time.perf_counter()
             self._models[key] = load_eval_model(cfg.model)
             self.log(f"model {cfg.model.name}: loaded in {time.perf_counter() - t0:.1f} s")
-        return self._models[key]
+        if raw or not cfg.activation.transforms_model:
+            return self._models[key]
+        tkey = cfg.digest("model", "activation", "data")
+        if tkey not in self._models:
+            self._models[tkey] = self._transformed(cfg, self._models[key])
+        return self._models[tkey]
+
+    def _transformed(self, cfg: ExperimentConfig, m: EvalModel) -> EvalModel:
+        from kvquant_jax.calibration import smoothattention as SA
+        from kvquant_jax.calibration import smoothquant as SQ
+        from kvquant_jax.models.w8a8 import apply_policy
+
+        a = cfg.activation
+        params, mcfg, notes = m.params, m.cfg, []
+        if a.smooth_alpha is not None or a.smooth_attention_alpha is not None:
+            c = self.corpus(cfg, calibration=True)
+            if c.sha256 == self.corpus(cfg).sha256:
+                raise ValueError(f"activation: smoothing statistics would come from the evaluation text ({c.source});"
+                                 " set data.calibration_corpus to other text")
+            windows = c.take(a.smooth_len, a.smooth_windows, "activation smoothing statistics")
+            t0 = time.perf_counter()
+            stats = SQ.collect_stats(params, mcfg, windows)
+            if a.smooth_attention_alpha is not None:
+                params = SA.smooth_attention(params, mcfg, stats, alpha=a.smooth_attention_alpha)
+                notes.append(f"SmoothAttention α={a.smooth_attention_alpha}")
+            if a.smooth_alpha is not None:
+                params = SQ.smooth_params(params, mcfg, stats, SQ.SmoothQuantConfig(alpha=a.smooth_alpha,
+                                                                                    sites=a.smooth_sites))
+                notes.append(f"SmoothQuant α={a.smooth_alpha} {list(a.smooth_sites)}")
+            self.log(f"smoothing statistics: {a.smooth_windows}x{a.smooth_len} tokens of {c.name} "
+                     f"({time.perf_counter() - t0:.1f} s)")
+        policy = a.policy()
+        if policy is not None:
+            params, mcfg = apply_policy(params, mcfg, policy)
+            notes.append(f"W8A8 {list(policy.linears)} prefill={policy.prefill} decode={policy.decode}")
+        self.log("model transforms: " + "; ".join(notes))
+        return dataclasses.replace(m, params=params, cfg=mcfg)
 
     def corpus(self, cfg: ExperimentConfig, calibration: bool = False) -> TokenizedCorpus:
         d = cfg.data
@@ -52,7 +90,7 @@ class Session:
         if key not in self._corpora:
             t0 = time.perf_counter()
             try:
-                c = tokenize_corpus(self.model(cfg).tokenizer, spec, split, d.fallback, key[-1])
+                c = tokenize_corpus(self.model(cfg, raw=True).tokenizer, spec, split, d.fallback, key[-1])
             except FileNotFoundError as e:
                 what = "data.calibration_corpus" if calibration else "data.corpus"
                 raise FileNotFoundError(f"{what}: {e}") from None

@@ -38,10 +38,22 @@ VOLATILE = ("seconds", "provenance.date")
 USES_DATA = {"ppl", "serving_ppl", "kv_error", "agreement", "passkey"}
 
 
+# Keys added to a config block after results were first keyed: left out of a row's key while they hold their
+# default value, so adding an option never invalidates finished rows (setting it does change the key).
+KEY_STABLE_ADDITIONS = {"activation": ("linears", "prefill", "decode", "float_layers", "impl", "act_qparam_dtype",
+                                       "smooth_sites", "smooth_attention_alpha", "smooth_windows", "smooth_len")}
+
+
+def _stable_block(cfg: ExperimentConfig, name: str, block: dict) -> dict:
+    default = getattr(type(cfg)(), name)
+    added = KEY_STABLE_ADDITIONS.get(name, ())
+    return {k: v for k, v in block.items() if k not in added or getattr(getattr(cfg, name), k) != getattr(default, k)}
+
+
 def row_key(cfg: ExperimentConfig, metric: str, role: str, baseline: SchemeSpec) -> str:
     d = cfg.to_dict()
-    blocks = {"model": d["model"], "cache": d["cache"], "calibration": d["calibration"], "activation": d["activation"],
-              "task": d["tasks"][metric]}
+    blocks = {"model": d["model"], "cache": d["cache"], "calibration": d["calibration"],
+              "activation": _stable_block(cfg, "activation", d["activation"]), "task": d["tasks"][metric]}
     if metric in USES_DATA:
         blocks["data"] = d["data"]
     if metric == "agreement" or metric in M.DELTA_FIELDS:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,6 +17,9 @@ class LlamaConfig:
         "interleaved" (2i pairs with 2i+1, the order llama.cpp's converter writes Q/K rows in).
       rms_eps: RMSNorm epsilon. max_position: trained context length. tie_embeddings: lm_head = embedding^T.
       bos_id, eos_id: special token ids. name: model identity string. sha256: weights file hash ("" if unknown).
+      activation: the projection precision policy every forward uses by default (None = float matmuls), a
+        hashable ``linear(x, w, name)`` hook such as ``kvquant_jax.models.w8a8.W8A8Policy``; set it together with
+        params from that policy's ``quantize_params`` (``kvquant_jax.models.w8a8.apply_policy`` does both).
     """
 
     vocab_size: int
@@ -34,6 +38,7 @@ class LlamaConfig:
     eos_id: int = 2
     name: str = "llama"
     sha256: str = ""
+    activation: Any = None
 
     def __post_init__(self):
         if self.rope_pairing not in ("half_split", "interleaved"):
@@ -48,4 +53,4 @@ class LlamaConfig:
         return self.num_heads // self.num_kv_heads
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)

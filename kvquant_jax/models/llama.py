@@ -47,6 +47,13 @@ def _dot(x, w):
     return jnp.matmul(x, w.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
 
 
+def dense(x, w, name: str):
+    """The default ``linear(x, w, name)`` hook: ``x [..., K] @ w [K, N]`` in x's dtype (``name`` is one of q, k, v,
+    o, gate, up, down, lm_head; unused here). An activation policy (``kvquant_jax.models.w8a8``) replaces it."""
+    del name
+    return _dot(x, w)
+
+
 def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
            hist: tuple[jax.Array, jax.Array, jax.Array] | None) -> jax.Array:
     """One softmax over [history, current chunk].
@@ -83,33 +90,42 @@ def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
     return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
-def _qkv(cfg: LlamaConfig, x, lp, positions):
-    """Projections of one layer: q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` (q, k post-RoPE)."""
+def _qkv(cfg: LlamaConfig, x, lp, positions, linear: Callable | None = None):
+    """Projections of one layer: q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` (q, k post-RoPE).
+    ``linear(x, w, name)`` computes each projection (default ``cfg.activation`` or :func:`dense`)."""
+    linear = linear or cfg.activation or dense
     b, t, _ = x.shape
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-    q = _dot(h, lp["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = _dot(h, lp["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = _dot(h, lp["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q = linear(h, lp["wq"], "q").reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = linear(h, lp["wk"], "k").reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(h, lp["wv"], "v").reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     return (apply_rope(q, positions, cfg.rope_theta, cfg.rope_pairing),
             apply_rope(k, positions, cfg.rope_theta, cfg.rope_pairing), v)
 
 
-def _finish(cfg: LlamaConfig, x, lp, a):
+def _finish(cfg: LlamaConfig, x, lp, a, linear: Callable | None = None):
     """Output projection + residual, then the SwiGLU MLP block. a: attention output ``[B, T, Hq, D]``."""
+    linear = linear or cfg.activation or dense
     b, t, _ = x.shape
-    x = x + _dot(a.reshape(b, t, cfg.num_heads * cfg.head_dim), lp["wo"])
+    x = x + linear(a.reshape(b, t, cfg.num_heads * cfg.head_dim), lp["wo"], "o")
     h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
-    return x + _dot(jax.nn.silu(_dot(h, lp["w_gate"])) * _dot(h, lp["w_up"]), lp["w_down"])
+    return x + linear(jax.nn.silu(linear(h, lp["w_gate"], "gate")) * linear(h, lp["w_up"], "up"), lp["w_down"],
+                      "down")
 
 
-def _layer(cfg: LlamaConfig, x, lp, positions, attn_fn: Callable):
+def _layer(cfg: LlamaConfig, x, lp, positions, attn_fn: Callable, linear: Callable | None = None):
     """One decoder layer. ``attn_fn(q, k, v) -> [B, T, Hq, D]``. Returns (x', k, v) (this forward's exact K/V)."""
-    q, k, v = _qkv(cfg, x, lp, positions)
-    return _finish(cfg, x, lp, attn_fn(q, k, v)), k, v
+    q, k, v = _qkv(cfg, x, lp, positions, linear)
+    return _finish(cfg, x, lp, attn_fn(q, k, v), linear), k, v
 
 
-def logits_from_hidden(params, cfg: LlamaConfig, x):
+def logits_from_hidden(params, cfg: LlamaConfig, x, linear: Callable | None = None):
+    """Final norm + output head -> float32 logits. A quantized head (``params["lm_head_q"]``, made only when an
+    activation policy names ``lm_head``) goes through ``linear``; otherwise the float head as before."""
+    linear = linear or cfg.activation or dense
     x = rms_norm(x, params["final_norm"], cfg.rms_eps)
+    if "lm_head_q" in params:
+        return linear(x, params["lm_head_q"], "lm_head").astype(jnp.float32)
     if cfg.tie_embeddings:
         return jnp.einsum("bth,vh->btv", x, params["embed"].astype(x.dtype),
                           precision=jax.lax.Precision.HIGHEST).astype(jnp.float32)
@@ -117,8 +133,12 @@ def logits_from_hidden(params, cfg: LlamaConfig, x):
 
 
 def forward_nocache(params, cfg: LlamaConfig, tokens: jax.Array, positions: jax.Array | None = None,
-                    num_new: jax.Array | None = None) -> jax.Array:
-    """Plain causal forward without a cache: tokens int32 [B, T] -> logits float32 [B, T, V]."""
+                    num_new: jax.Array | None = None, linear: Callable | None = None) -> jax.Array:
+    """Plain causal forward without a cache: tokens int32 [B, T] -> logits float32 [B, T, V].
+
+    ``linear``: optional ``linear(x, w, name)`` hook for every projection (None = float :func:`dense`), e.g. a
+    ``kvquant_jax.models.w8a8.W8A8Policy`` with the params from its ``quantize_params``."""
+    linear = linear or cfg.activation or dense
     b, t = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -127,26 +147,31 @@ def forward_nocache(params, cfg: LlamaConfig, tokens: jax.Array, positions: jax.
     x = params["embed"][tokens]
 
     def body(x, lp):
-        x, _, _ = _layer(cfg, x, lp, positions, lambda q, k, v: attend(q, k, v, num_new, None))
+        x, _, _ = _layer(cfg, x, lp, positions, lambda q, k, v: attend(q, k, v, num_new, None), linear)
         return x, None
 
     x, _ = jax.lax.scan(body, x, params["layers"])
-    return logits_from_hidden(params, cfg, x)
+    return logits_from_hidden(params, cfg, x, linear)
 
 
 def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new: jax.Array | None = None,
-            *, attention_impl: str = "reference") -> tuple[jax.Array, KVCache, jax.Array]:
+            *, attention_impl: str = "reference", linear: Callable | None = None
+            ) -> tuple[jax.Array, KVCache, jax.Array]:
     """Forward ``tokens`` (int32 [B, T]) at positions ``cache.lengths + t`` and append them to the cache.
 
     Args:
       num_new: int32 [B]: valid tokens per sequence (right padding beyond); default all T.
       attention_impl: "reference" (decode the stored history, one softmax in JAX) or "kernel"/"auto" (decode
         steps, T == 1, go through ``kvquant_jax.attention.dispatch.decode_attention`` which reads packed codes).
+      linear: optional ``linear(x, w, name)`` projection hook (None = float); a hashable policy object (e.g.
+        ``kvquant_jax.models.w8a8.W8A8Policy``) so it can be a static jit argument. The hook sees ``x [B, T, K]``,
+        so it can specialise on the phase (prefill T > 1, decode T == 1).
     Returns:
       logits float32 [B, T, V]; the successor cache; ok: bool scalar. ``ok`` is False when any K/V row of any
       layer is non-finite: then ``lengths`` are NOT advanced (nothing is published) and the caller must raise.
     """
     b, t = tokens.shape
+    linear = linear or cfg.activation or dense
     if num_new is None:
         num_new = jnp.full((b,), t, jnp.int32)
     lengths = cache.lengths
@@ -164,7 +189,7 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
             # the donated cache in place (no per-step copy of the cache).
             x, ok, gst = carry
             lp, i = inp
-            q, k, v = _qkv(cfg, x, lp, positions)
+            q, k, v = _qkv(cfg, x, lp, positions, linear)
             st = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), gst)
             st2, fin = scheme.append_layer_with_status(st, lengths, k, v, num_new)
             gst = jax.tree.map(lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, 0), gst, st2)
@@ -179,12 +204,12 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
                                      impl=attention_impl)[:, None].astype(q.dtype)
             else:
                 a = attend(q, k, v, num_new, scheme.materialize_layer(view, lengths))
-            x = _finish(cfg, x, lp, a)
+            x = _finish(cfg, x, lp, a, linear)
             return (x, ok & jnp.all(fin), gst), None
 
         (x, ok, g2), _ = jax.lax.scan(body, (x, ok, gstate), (lp_all, jnp.arange(n, dtype=jnp.int32)))
         new_groups.append(g2)
-    logits = logits_from_hidden(params, cfg, x)
+    logits = logits_from_hidden(params, cfg, x, linear)
     # Publish: lengths advance iff every valid row of every layer was finite and encodable; a rejected multi-row
     # append restores residual rings it may have wrapped (see kvquant_jax.cache.ops.publish).
     from kvquant_jax.cache.ops import publish
@@ -192,7 +217,7 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
     return logits, publish(cache, tuple(new_groups), num_new, ok, multi_row=t > 1), ok
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attention_impl"), donate_argnames=("cache",))
-def forward_jit(params, cfg, tokens, cache, num_new, attention_impl="reference"):
-    """``forward`` under jit with the cache donated (updated in place)."""
-    return forward(params, cfg, tokens, cache, num_new, attention_impl=attention_impl)
+@functools.partial(jax.jit, static_argnames=("cfg", "attention_impl", "linear"), donate_argnames=("cache",))
+def forward_jit(params, cfg, tokens, cache, num_new, attention_impl="reference", linear=None):
+    """``forward`` under jit with the cache donated (updated in place); ``linear`` must be hashable (static)."""
+    return forward(params, cfg, tokens, cache, num_new, attention_impl=attention_impl, linear=linear)
