@@ -17,6 +17,9 @@ Phases:
   ``--budget-s`` skips whatever remains once that many seconds have passed (results are written incrementally).
   4. ``tune`` (not in the default list): copy ceilings (XLA bf16/fp32, Pallas), the persistent RMSNorm variants,
      W4A8 decode modes and extra large-M tiles, with on-device checks of the new variants first.
+  5. ``rms_variants`` (not in the default list): RMSNorm formulations side by side in one run (two-pass vs one-pass
+     amax, reload of x/w for the encode step, warps/rows), after on-device oracle checks of each, with the copy
+     ceilings; M in ``--rms-variant-ms``, K in {4096, 8192}. ``--phases check,rms_variants`` for the RMSNorm work.
 
 Timing: each measured function is jitted over R distinct input sets (R rotating buffers, so weights/activations do
 not sit in the 60 MB L2 between launches), one call launches R kernels back to back; time = median over
@@ -478,6 +481,92 @@ def tune(results, args):
         write(results, args.out)
 
 
+RMS_VARIANTS = [  # (name, kwargs); the first is the old default (two-pass, 1 row / 4 warps)
+    ("twopass_r1w4", dict(one_pass=False, block_rows=1, num_warps=4)),
+    ("onepass_r1w4", dict(one_pass=True, block_rows=1, num_warps=4)),
+    ("onepass_reload_r1w4", dict(one_pass=True, reload=True, block_rows=1, num_warps=4)),
+    ("twopass_reload_r1w4", dict(one_pass=False, reload=True, block_rows=1, num_warps=4)),
+    ("onepass_r1w8", dict(one_pass=True, block_rows=1, num_warps=8)),
+    ("twopass_r1w8", dict(one_pass=False, block_rows=1, num_warps=8)),
+    ("onepass_reload_r1w8", dict(one_pass=True, reload=True, block_rows=1, num_warps=8)),
+    ("onepass_r2w8", dict(one_pass=True, block_rows=2, num_warps=8)),
+    ("onepass_r1w2", dict(one_pass=True, block_rows=1, num_warps=2)),
+]
+
+
+def rms_variants(results, args):
+    out = results.setdefault("rms_variants", {})
+    rng = np.random.default_rng(7)
+    chk = []
+    variants = [(n, kw) for n, kw in RMS_VARIANTS if not args.rms_variants or n in args.rms_variants.split(",")]
+    for (m, k) in [(37, 5120), (300, 4096), (5, 96), (64, 8192)] if not args.rms_variant_nocheck else []:
+        x = (rng.normal(size=(m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
+        x[1] = 0
+        xb = jnp.asarray(x, jnp.bfloat16)
+        w = rng.uniform(0.5, 1.5, k).astype(np.float32)
+        codes, scale = oracle_rmsnorm(np.asarray(xb.astype(jnp.float32)), w, 1e-6, np.float16)
+        for name, kw in variants:
+            try:
+                c, s_, st = rq.rmsnorm_quantize(xb, jnp.asarray(w), qparam_dtype=np.float16, check=False, **kw)
+                ref = rq.rmsnorm_quantize_reference(xb, jnp.asarray(w), qparam_dtype=np.float16, check=False,
+                                                     one_pass=kw["one_pass"])
+                cd = int(np.abs(np.asarray(c, np.int32) - codes).max())
+                sulp = int(np.abs(np.asarray(s_).view(np.int16).astype(int) - scale.view(np.int16).astype(int)).max())
+                ref_cd = int(np.abs(np.asarray(c, np.int32) - np.asarray(ref[0], np.int32)).max())
+                ok = (cd <= 1 and sulp <= 1 and int(np.asarray(st).max()) == 0 and ref_cd <= 1
+                      and float(np.mean(np.asarray(c, np.int32) != codes)) < 1e-3)
+                chk.append(dict(kernel="rmsnorm_" + name, m=m, k=k, max_code_diff=cd, scale_ulps=sulp,
+                                vs_reference_code_diff=ref_cd, ok=bool(ok)))
+            except Exception as e:  # noqa: BLE001
+                chk.append(dict(kernel="rmsnorm_" + name, m=m, k=k, error=repr(e)[:300], ok=False))
+            log("variant check", chk[-1])
+    out["checks"] = chk
+    ceil = {}
+    xs = [jax.random.normal(jax.random.PRNGKey(i), (args.copy_elems,), jnp.bfloat16) for i in range(2)]
+    for name, fn in [("xla_bf16_add", lambda a: a + jnp.bfloat16(1)), ("pallas_bf16_add", _pallas_copy)]:
+        try:
+            t, _ = time_multi(fn, [(a,) for a in xs], args.iters)
+            ceil[name] = 2 * xs[0].nbytes / t / 1e9
+        except Exception as e:  # noqa: BLE001
+            ceil[name] = repr(e)[:300]
+        log("ceiling", name, ceil[name])
+    del xs
+    out["copy_GBps"] = ceil
+    rows = []
+    for k in (8192, 4096):  # largest shapes first: they are the ones the bandwidth target is about
+        for m in sorted((int(v) for v in args.rms_variant_ms.split(",")), reverse=True):
+            nbytes = m * k * 2 + k * 2 + m * k + m * 4 + m * 4
+            r = n_sets(nbytes / 3.5e12, m * k * 3)
+            sets = [(jax.random.normal(jax.random.PRNGKey(300 + i), (m, k), jnp.bfloat16),
+                     jax.random.uniform(jax.random.PRNGKey(400 + i), (k,), jnp.float32, 0.5, 1.5).astype(jnp.bfloat16))
+                    for i in range(r)]
+            row = dict(m=m, k=k, bytes=nbytes, sets=r)
+            # --rounds > 1: the variants are timed in interleaved rounds (A B C A B C ...) and the median round is
+            # reported, so slow drifts of the clock/thermal state hit every variant alike
+            per = {name: [] for name, _ in variants}
+            for rnd in range(args.rounds):
+                for name, kw in variants:
+                    if time.time() - T0 > args.budget_s:
+                        continue
+                    try:
+                        t, spread = time_multi(lambda x, w, kw=kw: rq.rmsnorm_quantize(
+                            x, w, qparam_dtype=jnp.float16, check=False, **kw), sets, args.iters)
+                        per[name].append(t)
+                        log(f"rms variant M={m} K={k} {name} round {rnd}: {t * 1e6:.1f} us "
+                            f"{nbytes / t / 1e9:.0f} GB/s spread {spread:.2f}")
+                    except Exception as e:  # noqa: BLE001
+                        row[name] = dict(error=repr(e)[:300])
+                        log(f"rms variant M={m} K={k} {name}: {row[name]}"[:500])
+            for name, ts in per.items():
+                if ts:
+                    t = statistics.median(ts)
+                    row[name] = dict(us=t * 1e6, GBps=nbytes / t / 1e9, rounds_us=[v * 1e6 for v in ts])
+            rows.append(row)
+            out["rmsnorm"] = rows
+            write(results, args.out)
+            del sets
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # output
 # ----------------------------------------------------------------------------------------------------------------
@@ -533,6 +622,17 @@ def markdown(results):
                 f"({fmt(r.get('pallas_fused_r1w4'), 'GBps', '{:.0f}')}) | {fmt(r.get('pallas_fused_r4w16'))} "
                 f"({fmt(r.get('pallas_fused_r4w16'), 'GBps', '{:.0f}')}) | {fmt(r.get('xla_unfused_ref'))} "
                 f"({fmt(r.get('xla_unfused_ref'), 'GBps', '{:.0f}')}) |")
+    rv = results.get("rms_variants", {})
+    if rv.get("rmsnorm"):
+        names = [n for n, _ in RMS_VARIANTS if any(n in r for r in rv["rmsnorm"])]
+        bad = [c for c in rv.get("checks", []) if not c["ok"]]
+        lines += ["", f"RMSNorm variant checks: {len(rv.get('checks', [])) - len(bad)}/{len(rv.get('checks', []))} "
+                  f"passed; copy ceilings (GB/s): {rv.get('copy_GBps')}"]
+        lines += [f"- FAILED: {c}" for c in bad]
+        lines += ["", "| M | K | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        for r in rv["rmsnorm"]:
+            lines.append(f"| {r['m']} | {r['k']} | " + " | ".join(
+                f"{fmt(r.get(n))} ({fmt(r.get(n), 'GBps', '{:.0f}')})" for n in names) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -555,6 +655,10 @@ def main():
     p.add_argument("--sweep-ms", default="16,256,4096,16384", help="M values that get the tile sweep")
     p.add_argument("--affine-ms", default="4096", help="M values that get the affine-zero-point variant")
     p.add_argument("--rms-ms", default="16,256,4096,16384")
+    p.add_argument("--rms-variant-ms", default="4096,16384", help="M values of the rms_variants phase")
+    p.add_argument("--rms-variants", default="", help="comma list of RMS_VARIANTS names to run (default: all)")
+    p.add_argument("--rms-variant-nocheck", action="store_true", help="skip the variants' on-device oracle checks")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds per variant (rms_variants)")
     p.add_argument("--copy-elems", type=int, default=1 << 30, help="bf16 elements of the copy-bandwidth probe")
     p.add_argument("--kns", default="4096x4096,4096x14336,8192x8192")
     p.add_argument("--iters", type=int, default=15)
@@ -586,6 +690,8 @@ def main():
                 gemm_bench(results, args, [int(v) for v in args.small_ms.split(",")])
             elif ph == "rmsnorm":
                 rms_bench(results, args)
+            elif ph == "rms_variants":
+                rms_variants(results, args)
             write(results, args.out)
     except Exception:  # noqa: BLE001
         results["fatal"] = traceback.format_exc()

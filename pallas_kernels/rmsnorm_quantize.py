@@ -2,21 +2,29 @@
 
 Semantics per row ``x[m, :]`` (arithmetic in float32 inside the kernel)::
 
-    y      = x * rsqrt(mean(x^2) + eps) * w
-    amax   = max_k |y|
+    r      = rsqrt(mean(x^2) + eps)                (> 0, one scalar per row)
+    y      = x * r * w
+    amax   = max_k |y|                            (one_pass=False, the default: two dependent reductions)
+           = r * max_k |x * w|                    (one_pass=True, opt-in: Σx² and max|x·w| are independent
+                                                   reductions issued together; equal in real arithmetic since r > 0)
     scale  = 1                                    if amax == 0 (all-zero row; codes 0)
            = qparam_dtype(amax / 127)             otherwise (rounded to the declared qparam dtype, RNE)
     s_eff  = float32(scale)                       (the stored scale is re-read before encoding)
     codes  = clip(rint(y / s_eff), -127, 127)     (rint = round half to even) -> int8
 
-(Implementation: ``rint(clip(y * (1 / s_eff)))`` with one reciprocal per row; it can differ from the division only
-when ``y / s_eff`` lies within one float32 ulp of a .5 tie, the same order as the float32 rounding of ``y`` itself.)
+(Implementation: ``rint(clip(y * (1 / s_eff)))`` with one reciprocal per row, and with ``one_pass=True``
+``rint(clip((x * w) * (r * (1 / s_eff))))``; either can differ from the real-arithmetic ``y / s_eff`` only when that
+lies within a few float32 ulps of a .5 tie, the same order as the float32 rounding of ``y`` itself. The float32
+``amax`` of the two formulations differs by a few ulps at most, so ``scale`` can differ by one qparam ulp between
+them; ``rmsnorm_quantize_reference`` takes the same ``one_pass`` flag and reproduces the kernel's choice.)
 
 Per-row status (int32 [M]):
 
 - ``STATUS_OK = 0``
 - ``STATUS_NONFINITE = 1``: the row (or ``w``) holds NaN/Inf, or a float32 intermediate overflowed
-  (``sum(x^2)`` or ``y``); the kernel's domain is |x| small enough that sum(x^2) is finite in float32.
+  (``sum(x^2)``; ``y`` with ``one_pass=False``; ``x * w`` or ``amax`` with ``one_pass=True``); the kernel's domain
+  is |x| small enough that sum(x^2) is finite in float32 (one-pass also needs |x·w| finite, which for such x can
+  fail only for |w| > ~1e19).
 - ``STATUS_FTZ_UNSAFE = 2``: a nonzero row whose stored scale overflowed to Inf, or is zero / subnormal in the
   qparam dtype (it would not survive flush-to-zero consumers; design §0x02A).
 
@@ -30,7 +38,9 @@ outputs ``codes: int8 [..., K]``, ``scale: qparam_dtype [...]``, ``status: int32
 Backends: ``"gpu"`` (Pallas Triton; one program handles ``block_rows`` whole rows (default 1 row, 4 warps up to
 K = 8192); K is loaded as one power-of-two-wide masked tile, so any K works; M tails are masked; with
 ``num_programs=P`` a persistent variant runs P programs that loop over row blocks and prefetch the next block,
-measured no faster on an H200), also used on CPU with ``interpret=True``;
+measured no faster on an H200; ``one_pass=True`` measured 5-8 % faster at M = 16384, K = 4096 but 3-10 % slower at
+K = 8192, and ``reload=True`` (re-read x, w for the encode step) 0-28 % slower, hence neither is the default), also
+used on CPU with ``interpret=True``;
 ``"tpu"`` (Mosaic BlockSpecs ``(block_rows, K)``, scale/status as ``[M, 1]``, partial edge blocks), validated only
 with ``pltpu.InterpretParams()``.
 """
@@ -56,6 +66,7 @@ __all__ = [
     "STATUS_FTZ_UNSAFE",
     "STATUS_NONFINITE",
     "STATUS_OK",
+    "ONE_PASS_DEFAULT",
     "rmsnorm_quantize",
     "rmsnorm_quantize_reference",
 ]
@@ -63,6 +74,8 @@ __all__ = [
 STATUS_OK = 0
 STATUS_NONFINITE = 1
 STATUS_FTZ_UNSAFE = 2
+# amax formulation used when ``one_pass`` is None (kernel and reference alike); see the module docstring
+ONE_PASS_DEFAULT = False  # one-pass measured slower at K = 8192 on an H200 (docs/benchmarks_w8a8.md, 2026-11-30)
 QMAX = 127
 _F32_MAX = float(np.finfo(np.float32).max)
 _X_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -83,15 +96,27 @@ def _rint_to_int32(v):
     return lax.bitcast_convert_type(v + _RINT_MAGIC, jnp.int32) - _RINT_MAGIC_BITS
 
 
-def _row_math(x, w, *, k, eps, qdtype):
-    """x: float32 [bm, kp] (padding columns are 0), w: float32 [1, kp]. Returns codes int8, scale [bm,1], status."""
+def _row_math(x, w, *, k, eps, qdtype, one_pass, reload=None):
+    """x: float32 [bm, kp] (padding columns are 0), w: float32 [1, kp]. Returns codes int8, scale [bm,1], status.
+
+    ``one_pass=False``: Σx², then y = x·r·w and max|y| (two dependent reductions, y live in between).
+    ``one_pass=True``: Σx² and max|x·w| are independent reductions issued together; amax = r·max|x·w| and the codes
+    are (x·w)·(r/s_eff). ``reload``: optional callable returning (x, w) float32 again for the encode step (the GPU
+    kernel re-reads them from L1/L2 instead of keeping them live in registers across the reductions)."""
     ss = jnp.sum(x * x, axis=1, keepdims=True)
-    inv = lax.rsqrt(ss / float(k) + eps)
-    y = x * inv * w
-    ay = jnp.abs(y)
-    # NaN/Inf in y become +inf before the max (a float max may drop NaN), so one reduction gives both the absmax
-    # and the finiteness of the row.
-    amax = jnp.max(jnp.where(ay <= _F32_MAX, ay, jnp.inf), axis=1, keepdims=True)
+    if one_pass:
+        xw = x * w
+        axw = jnp.abs(xw)
+        # NaN/Inf become +inf before the max (a float max may drop NaN), so one reduction gives both the absmax
+        # and the finiteness of the row.
+        amax_xw = jnp.max(jnp.where(axw <= _F32_MAX, axw, jnp.inf), axis=1, keepdims=True)
+        inv = lax.rsqrt(ss / float(k) + eps)
+        amax = inv * amax_xw
+    else:
+        inv = lax.rsqrt(ss / float(k) + eps)
+        y = x * inv * w
+        ay = jnp.abs(y)
+        amax = jnp.max(jnp.where(ay <= _F32_MAX, ay, jnp.inf), axis=1, keepdims=True)
     nonfinite = ~(ss <= _F32_MAX) | ~(amax <= _F32_MAX)
     zero = amax == 0.0
     ideal = jnp.where(zero, 1.0, amax / float(QMAX))
@@ -101,10 +126,16 @@ def _row_math(x, w, *, k, eps, qdtype):
     ftz = ~zero & ~((eff >= float(finfo.tiny)) & (eff <= float(finfo.max)))
     status = jnp.where(nonfinite, STATUS_NONFINITE, jnp.where(ftz, STATUS_FTZ_UNSAFE, STATUS_OK)).astype(jnp.int32)
     bad = status != STATUS_OK
-    # one reciprocal per row, then a multiply per element (differs from y / s_eff only within one float32 ulp of a
-    # rounding tie); clip first (the bounds are integers, so clip and rint commute), then round half to even.
+    # one reciprocal per row, then a multiply per element (differs from y / s_eff only within a few float32 ulps of
+    # a rounding tie); clip first (the bounds are integers, so clip and rint commute), then round half to even.
     rinv = 1.0 / eff
-    q = _rint_to_int32(jnp.clip(y * rinv, -float(QMAX), float(QMAX)))
+    if reload is not None:
+        x, w = reload()
+    if one_pass:
+        v = (x * w if reload is not None else xw) * (inv * rinv)
+    else:
+        v = (x * inv * w if reload is not None else y) * rinv
+    q = _rint_to_int32(jnp.clip(v, -float(QMAX), float(QMAX)))
     codes = jnp.where(bad, 0, q).astype(jnp.int8)
     scale = jnp.where(bad, jnp.nan, scale).astype(qdtype)
     return codes, scale, status
@@ -113,24 +144,34 @@ def _row_math(x, w, *, k, eps, qdtype):
 # --------------------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------------------
-def _gpu_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, m, k, kp, bm, eps, qdtype):
+def _gpu_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, m, k, kp, bm, eps, qdtype, one_pass, reload):
     from jax.experimental.pallas import triton as plt
 
     mask_m = m % bm != 0
     mask_k = kp != k
     rows_ok = (pl.program_id(0) * bm + lax.broadcasted_iota(jnp.int32, (bm,), 0)) < m
     cols_ok = lax.broadcasted_iota(jnp.int32, (kp,), 0) < k
-    if mask_k:
-        w = plt.load(w_ref.at[pl.ds(0, kp)], mask=cols_ok, other=0)
-    else:
-        w = w_ref[...]
-    if mask_m or mask_k:
-        tile_ok = rows_ok[:, None] & cols_ok[None, :]
-        x = plt.load(x_ref.at[:, pl.ds(0, kp)], mask=tile_ok, other=0)
-    else:
-        x = x_ref[...]
-    codes, scale, status = _row_math(
-        x.astype(jnp.float32), w.astype(jnp.float32)[None, :], k=k, eps=eps, qdtype=qdtype)
+    tile_ok = rows_ok[:, None] & cols_ok[None, :]
+
+    def load(policy):
+        # distinct eviction policies keep the re-read (reload=True) from being CSE'd into the first load
+        if mask_k:
+            w = plt.load(w_ref.at[pl.ds(0, kp)], mask=cols_ok, other=0, eviction_policy=policy)
+        elif policy is None:
+            w = w_ref[...]
+        else:
+            w = plt.load(w_ref.at[pl.ds(0, kp)], eviction_policy=policy)
+        if mask_m or mask_k:
+            x = plt.load(x_ref.at[:, pl.ds(0, kp)], mask=tile_ok, other=0, eviction_policy=policy)
+        elif policy is None:
+            x = x_ref[...]
+        else:
+            x = plt.load(x_ref.at[:, pl.ds(0, kp)], eviction_policy=policy)
+        return x.astype(jnp.float32), w.astype(jnp.float32)[None, :]
+
+    x, w = load("evict_last" if reload else None)
+    codes, scale, status = _row_math(x, w, k=k, eps=eps, qdtype=qdtype, one_pass=one_pass,
+                                     reload=(lambda: load("evict_first")) if reload else None)
     if mask_m or mask_k:
         plt.store(codes_ref.at[:, pl.ds(0, kp)], codes, mask=tile_ok)
     else:
@@ -144,7 +185,7 @@ def _gpu_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, m, k, kp, bm,
 
 
 def _gpu_persistent_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, m, k, kp, bm, nprog, iters, eps,
-                           qdtype):
+                           qdtype, one_pass):
     """Persistent variant: program p handles row blocks p, p + nprog, ...; the next block's load is issued before the
     current block is reduced/encoded/stored (register double buffering), so every CTA keeps a row in flight."""
     from jax.experimental.pallas import triton as plt
@@ -170,7 +211,8 @@ def _gpu_persistent_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, m,
     def body(it, x_cur):
         x_next = load(it + 1)  # masked off past the end
         r0, ok, tile_ok = rows(it)
-        codes, scale, status = _row_math(x_cur.astype(jnp.float32), w, k=k, eps=eps, qdtype=qdtype)
+        codes, scale, status = _row_math(x_cur.astype(jnp.float32), w, k=k, eps=eps, qdtype=qdtype,
+                                         one_pass=one_pass)
         plt.store(codes_ref.at[pl.ds(r0, bm), pl.ds(0, kp)], codes, mask=tile_ok)
         plt.store(scale_ref.at[pl.ds(r0, bm)], scale[:, 0], mask=ok)
         plt.store(status_ref.at[pl.ds(r0, bm)], status[:, 0], mask=ok)
@@ -179,9 +221,10 @@ def _gpu_persistent_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, m,
     lax.fori_loop(0, iters, body, load(0))
 
 
-def _tpu_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, k, eps, qdtype):
+def _tpu_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, k, eps, qdtype, one_pass):
     codes, scale, status = _row_math(
-        x_ref[...].astype(jnp.float32), w_ref[...].astype(jnp.float32), k=k, eps=eps, qdtype=qdtype)
+        x_ref[...].astype(jnp.float32), w_ref[...].astype(jnp.float32), k=k, eps=eps, qdtype=qdtype,
+        one_pass=one_pass)
     codes_ref[...] = codes
     scale_ref[...] = scale
     status_ref[...] = status
@@ -198,8 +241,8 @@ def _gpu_defaults(k: int) -> tuple[int, int]:
     return 1, max(4, min(16, kp // 2048))
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7))
-def _gpu_call(x2, w, eps, qdtype, block_rows, num_warps, num_programs, interpret):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
+def _gpu_call(x2, w, eps, qdtype, block_rows, num_warps, num_programs, interpret, one_pass, reload):
     m, k = x2.shape
     kp = _next_pow2(k)
     bm_d, nw_d = _gpu_defaults(k)
@@ -220,10 +263,11 @@ def _gpu_call(x2, w, eps, qdtype, block_rows, num_warps, num_programs, interpret
     if num_programs:
         nprog = min(num_programs, nblocks)
         kernel = functools.partial(_gpu_persistent_kernel, m=m, k=k, kp=kp, bm=bm, nprog=nprog,
-                                   iters=pl.cdiv(nblocks, nprog), eps=eps, qdtype=qdtype)
+                                   iters=pl.cdiv(nblocks, nprog), eps=eps, qdtype=qdtype, one_pass=one_pass)
         return pl.pallas_call(kernel, grid=(nprog,), out_shape=out_shape, compiler_params=compiler_params,
                               interpret=interpret, name="rmsnorm_quantize_persistent")(x2, w)
-    kernel = functools.partial(_gpu_kernel, m=m, k=k, kp=kp, bm=bm, eps=eps, qdtype=qdtype)
+    kernel = functools.partial(_gpu_kernel, m=m, k=k, kp=kp, bm=bm, eps=eps, qdtype=qdtype, one_pass=one_pass,
+                               reload=reload)
     return pl.pallas_call(
         kernel,
         grid=(nblocks,),
@@ -240,8 +284,8 @@ def _gpu_call(x2, w, eps, qdtype, block_rows, num_warps, num_programs, interpret
     )(x2, w)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
-def _tpu_call(x2, w, eps, qdtype, block_rows, interpret):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
+def _tpu_call(x2, w, eps, qdtype, block_rows, interpret, one_pass):
     from jax.experimental.pallas import tpu as pltpu
 
     m, k = x2.shape
@@ -249,7 +293,7 @@ def _tpu_call(x2, w, eps, qdtype, block_rows, interpret):
     bm = m if m <= bm else bm
     if interpret is True:
         interpret = pltpu.InterpretParams()
-    kernel = functools.partial(_tpu_kernel, k=k, eps=eps, qdtype=qdtype)
+    kernel = functools.partial(_tpu_kernel, k=k, eps=eps, qdtype=qdtype, one_pass=one_pass)
     codes, scale, status = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(m, bm),),
@@ -332,13 +376,20 @@ def rmsnorm_quantize(
     backend: str | None = None,
     interpret: Any = None,
     check: bool = True,
+    one_pass: bool | None = None,
+    reload: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Fused RMSNorm + per-token INT8 quantization. Returns ``(codes int8 [...,K], scale [...], status int32 [...])``.
 
     ``backend``: None (auto), ``"gpu"`` (Pallas Triton / generic interpreter) or ``"tpu"`` (Mosaic).
     ``interpret``: None -> ``default_interpret()``; True -> interpreter (TPU interpreter for ``backend="tpu"``).
+    ``one_pass``: None -> ``ONE_PASS_DEFAULT``; selects the amax formulation (module docstring); the reference takes
+    the same flag. ``reload``: GPU grid kernel only (not with ``num_programs``, not on TPU): re-read x and w for
+    the encode step instead of keeping them in registers across the reductions (same results).
     """
     x, weight, eps, qdtype = _validate(x, weight, eps, qparam_dtype)
+    one_pass = ONE_PASS_DEFAULT if one_pass is None else bool(one_pass)
+    reload = bool(reload)
     if backend is None:
         backend = "tpu" if platform() == "tpu" else "gpu"
     if backend not in ("gpu", "tpu"):
@@ -347,17 +398,21 @@ def rmsnorm_quantize(
         interpret = default_interpret()
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
+    if reload and (backend == "tpu" or num_programs):
+        raise ValueError("rmsnorm_quantize: reload=True is only supported by the GPU grid kernel (no num_programs)")
     if backend == "tpu":
-        codes, scale, status = _tpu_call(x2, weight, eps, qdtype, block_rows, interpret)
+        codes, scale, status = _tpu_call(x2, weight, eps, qdtype, block_rows, interpret, one_pass)
     else:
-        codes, scale, status = _gpu_call(x2, weight, eps, qdtype, block_rows, num_warps, num_programs, interpret)
+        codes, scale, status = _gpu_call(x2, weight, eps, qdtype, block_rows, num_warps, num_programs, interpret,
+                                         one_pass, reload)
     out = codes.reshape(*lead, k), scale.reshape(lead), status.reshape(lead)
     return _check_status(*out, check, (x, weight))
 
 
-@functools.partial(jax.jit, static_argnames=("k", "eps", "qdtype"))
-def _reference_math(x2, weight, *, k, eps, qdtype):
-    return _row_math(x2.astype(jnp.float32), weight.astype(jnp.float32)[None, :], k=k, eps=eps, qdtype=qdtype)
+@functools.partial(jax.jit, static_argnames=("k", "eps", "qdtype", "one_pass"))
+def _reference_math(x2, weight, *, k, eps, qdtype, one_pass):
+    return _row_math(x2.astype(jnp.float32), weight.astype(jnp.float32)[None, :], k=k, eps=eps, qdtype=qdtype,
+                     one_pass=one_pass)
 
 
 def rmsnorm_quantize_reference(
@@ -372,11 +427,15 @@ def rmsnorm_quantize_reference(
     backend: str | None = None,
     interpret: Any = None,
     check: bool = True,
+    one_pass: bool | None = None,
+    reload: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Plain-JAX (unfused, float32) reference with the kernel's semantics; tuning arguments are ignored."""
-    del block_rows, num_warps, num_programs, backend, interpret
+    """Plain-JAX (unfused, float32) reference with the kernel's semantics (``one_pass`` as for the kernel); tuning
+    arguments (``reload`` included) are ignored."""
+    del block_rows, num_warps, num_programs, backend, interpret, reload
     x, weight, eps, qdtype = _validate(x, weight, eps, qparam_dtype)
+    one_pass = ONE_PASS_DEFAULT if one_pass is None else bool(one_pass)
     lead, k = x.shape[:-1], x.shape[-1]
-    codes, scale, status = _reference_math(x.reshape(-1, k), weight, k=k, eps=eps, qdtype=qdtype)
+    codes, scale, status = _reference_math(x.reshape(-1, k), weight, k=k, eps=eps, qdtype=qdtype, one_pass=one_pass)
     out = codes.reshape(*lead, k), scale.reshape(lead), status.reshape(lead)
     return _check_status(*out, check, (x, weight))
