@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from kvquant_jax.artifact import read_artifact, write_artifact
 from kvquant_jax.cache.kvquant import (KVQuantScheme, default_outlier_counts, load_calibration, normalize_keys,
                                        normalize_values)
 from kvquant_jax.cache.schema import CacheSchema, require_compatible
@@ -333,17 +334,7 @@ def calibrate(config: CalibrationConfig, *, progress: bool = False) -> KVQuantCa
 def save(calibration: KVQuantCalibration, path) -> Path:
     """Write ``path/arrays`` (Orbax) and ``path/manifest.json``; ``path`` must not exist (artifacts are
     immutable)."""
-    import orbax.checkpoint as ocp
-
-    path = Path(path).absolute()
-    if path.exists():
-        raise FileExistsError(f"kvquant calibration: {path} exists (artifacts are immutable; pick a new path)")
-    path.mkdir(parents=True)
-    ck = ocp.StandardCheckpointer()
-    ck.save(path / "arrays", {n: np.asarray(a) for n, a in calibration.arrays.items()})
-    ck.wait_until_finished()
-    (path / "manifest.json").write_text(json.dumps(calibration.manifest, indent=1, sort_keys=True))
-    return path
+    return write_artifact(path, calibration.arrays, calibration.manifest, "kvquant calibration")
 
 
 def load(path, *, expect_model: LlamaConfig | None = None, expect_scheme: KVQuantScheme | None = None,
@@ -355,19 +346,9 @@ def load(path, *, expect_model: LlamaConfig | None = None, expect_scheme: KVQuan
     (``expect_model``: name, sha256, layers, KV heads, head_dim, RoPE theta/pairing), the tokenizer or the scheme's
     calibration schema (bits, sink, key stage, outliers, dtypes, calibration id, model, ...) does not match.
     """
-    import orbax.checkpoint as ocp
-
     path = Path(path).absolute()
-    mf = path / "manifest.json"
-    if not mf.is_file():
-        raise ValueError(f"kvquant calibration: {path} has no manifest.json (not a calibration artifact)")
-    man = json.loads(mf.read_text())
-    if man.get("format") != FORMAT:
-        raise ValueError(f"kvquant calibration: {path} has format {man.get('format')!r}, expected {FORMAT!r}")
+    man, arrays = read_artifact(path, FORMAT, "kvquant calibration")
     specs = man["arrays"]
-    target = {n: jax.ShapeDtypeStruct(tuple(s["shape"]), np.dtype(s["dtype"])) for n, s in specs.items()}
-    got = ocp.StandardCheckpointer().restore(path / "arrays", target)
-    arrays = {n: np.asarray(got[n]) for n in specs}
     sha = _digest_arrays(arrays)
     bad = [n for n in specs if sha[n] != specs[n]["sha256"]]
     if bad:

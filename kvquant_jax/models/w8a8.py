@@ -27,7 +27,6 @@ the platform default).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import NamedTuple
 
@@ -35,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvquant_jax.artifact import array_specs, read_artifact, write_artifact
 from kvquant_jax.quant import _common as C
 from kvquant_jax.quant.symmetric import quantize_symmetric, quantize_symmetric_rows_with_status
 
@@ -240,36 +240,17 @@ def _flatten(qparams: dict) -> dict[str, np.ndarray]:
 def save(qparams: dict, policy: W8A8Policy, path, *, model_sha256: str = "") -> Path:
     """Write ``path/arrays`` (Orbax) + ``path/manifest.json`` (format, policy, model sha256, array shapes/dtypes).
     ``path`` must not exist."""
-    import orbax.checkpoint as ocp
-
-    path = Path(path).absolute()
-    if path.exists():
-        raise FileExistsError(f"w8a8 save: {path} exists (pick a new path)")
-    path.mkdir(parents=True)
     flat = _flatten(qparams)
-    ck = ocp.StandardCheckpointer()
-    ck.save(path / "arrays", flat)
-    ck.wait_until_finished()
     quant = sorted(k.rsplit(".", 1)[0] for k in flat if k.endswith(".codes"))
     man = {"format": FORMAT, "policy": policy.to_dict(), "model_sha256": model_sha256, "quantized": quant,
-           "arrays": {k: {"shape": list(a.shape), "dtype": a.dtype.name} for k, a in flat.items()}}
-    (path / "manifest.json").write_text(json.dumps(man, indent=1, sort_keys=True))
-    return path
+           "arrays": array_specs(flat)}
+    return write_artifact(path, flat, man, "w8a8 weights")
 
 
 def restore(path) -> tuple[dict, W8A8Policy]:
     """Inverse of :func:`save`: ``(qparams, policy)`` with the same pytree structure (QuantLinear leaves)."""
-    import orbax.checkpoint as ocp
-
-    path = Path(path).absolute()
-    mf = path / "manifest.json"
-    if not mf.is_file():
-        raise ValueError(f"w8a8 restore: {path} has no manifest.json")
-    man = json.loads(mf.read_text())
-    if man.get("format") != FORMAT:
-        raise ValueError(f"w8a8 restore: {path} has format {man.get('format')!r}, expected {FORMAT!r}")
-    target = {k: jax.ShapeDtypeStruct(tuple(s["shape"]), np.dtype(s["dtype"])) for k, s in man["arrays"].items()}
-    flat = {k: jnp.asarray(v) for k, v in ocp.StandardCheckpointer().restore(path / "arrays", target).items()}
+    man, flat = read_artifact(path, FORMAT, "w8a8 weights")
+    flat = {k: jnp.asarray(v) for k, v in flat.items()}
     quant = set(man["quantized"])
     out: dict = {}
     for q in quant:
