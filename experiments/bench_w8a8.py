@@ -355,6 +355,27 @@ TUNE_CHECKS = [(37, 5120, 1, 8), (300, 4096, 2, 16), (1000, 8192, 1, 528)]
 TUNE_GEMM = [(16, 4096, 14336), (16, 8192, 8192), (4096, 4096, 14336), (16384, 8192, 8192)]
 
 
+def copy_ceilings(args, log, with_f32: bool = False) -> dict:
+    """In-framework copy ceilings (GB/s, read + write) on ``args.copy_elems``-element arrays: XLA and Pallas bf16
+    ``x + 1`` (and XLA fp32 with ``with_f32``); a failing entry records its exception text."""
+    ceil = {}
+    xs = [jax.random.normal(jax.random.PRNGKey(i), (args.copy_elems,), jnp.bfloat16) for i in range(2)]
+    entries = [("xla_bf16_add", lambda a: a + jnp.bfloat16(1), [(a,) for a in xs], 2 * xs[0].nbytes),
+               ("pallas_bf16_add", _pallas_copy, [(a,) for a in xs], 2 * xs[0].nbytes)]
+    if with_f32:
+        half = args.copy_elems // 2
+        entries.append(("xla_f32_add", lambda a: a + jnp.float32(1), [(a.astype(jnp.float32)[:half],) for a in xs],
+                        2 * 4 * half))
+    for name, fn, sets, nbytes in entries:
+        try:
+            t, _ = time_multi(fn, sets, args.iters)
+            ceil[name] = nbytes / t / 1e9
+        except Exception as e:  # noqa: BLE001
+            ceil[name] = repr(e)[:300]
+        log("ceiling", name, ceil[name])
+    return ceil
+
+
 def tune(results, args):
     out = results.setdefault("tune", {})
     rng = np.random.default_rng(5)
@@ -386,23 +407,7 @@ def tune(results, args):
         chk.append(dict(kernel="w4a8_planes_affine", m=m, n=n, k=k, max_rel_err=err, ok=err <= 1e-5))
         log("tune check", chk[-1])
     out["checks"] = chk
-    # copy ceilings
-    ceil = {}
-    xs = [jax.random.normal(jax.random.PRNGKey(i), (args.copy_elems,), jnp.bfloat16) for i in range(2)]
-    for name, fn, sets, nbytes in [
-        ("xla_bf16_add", lambda a: a + jnp.bfloat16(1), [(a,) for a in xs], 2 * xs[0].nbytes),
-        ("pallas_bf16_add", _pallas_copy, [(a,) for a in xs], 2 * xs[0].nbytes),
-        ("xla_f32_add", lambda a: a + jnp.float32(1), [(a.astype(jnp.float32)[: args.copy_elems // 2],) for a in xs],
-         2 * 4 * (args.copy_elems // 2)),
-    ]:
-        try:
-            t, _ = time_multi(fn, sets, args.iters)
-            ceil[name] = nbytes / t / 1e9
-        except Exception as e:  # noqa: BLE001
-            ceil[name] = repr(e)[:300]
-        log("ceiling", name, ceil[name])
-    del xs
-    out["copy_GBps"] = ceil
+    out["copy_GBps"] = copy_ceilings(args, log, with_f32=True)
     # RMSNorm variants
     rms = []
     variants = [("grid_default", {}), ("grid_r1w4", dict(block_rows=1, num_warps=4)),
@@ -521,17 +526,7 @@ def rms_variants(results, args):
                 chk.append(dict(kernel="rmsnorm_" + name, m=m, k=k, error=repr(e)[:300], ok=False))
             log("variant check", chk[-1])
     out["checks"] = chk
-    ceil = {}
-    xs = [jax.random.normal(jax.random.PRNGKey(i), (args.copy_elems,), jnp.bfloat16) for i in range(2)]
-    for name, fn in [("xla_bf16_add", lambda a: a + jnp.bfloat16(1)), ("pallas_bf16_add", _pallas_copy)]:
-        try:
-            t, _ = time_multi(fn, [(a,) for a in xs], args.iters)
-            ceil[name] = 2 * xs[0].nbytes / t / 1e9
-        except Exception as e:  # noqa: BLE001
-            ceil[name] = repr(e)[:300]
-        log("ceiling", name, ceil[name])
-    del xs
-    out["copy_GBps"] = ceil
+    out["copy_GBps"] = copy_ceilings(args, log)
     rows = []
     for k in (8192, 4096):  # largest shapes first: they are the ones the bandwidth target is about
         for m in sorted((int(v) for v in args.rms_variant_ms.split(",")), reverse=True):

@@ -60,10 +60,7 @@ class Session:
         a = cfg.activation
         params, mcfg, notes = m.params, m.cfg, []
         if a.smooth_alpha is not None or a.smooth_attention_alpha is not None:
-            c = self.corpus(cfg, calibration=True)
-            if c.sha256 == self.corpus(cfg).sha256:
-                raise ValueError(f"activation: smoothing statistics would come from the evaluation text ({c.source});"
-                                 " set data.calibration_corpus to other text")
+            c = self.calibration_corpus(cfg, "activation: smoothing statistics")
             windows = c.take(a.smooth_len, a.smooth_windows, "activation smoothing statistics")
             t0 = time.perf_counter()
             stats = SQ.collect_stats(params, mcfg, windows)
@@ -98,6 +95,14 @@ class Session:
             self.log(f"corpus {c.name} ({c.source}): {len(c.ids)} tokens in {time.perf_counter() - t0:.1f} s")
         return self._corpora[key]
 
+    def calibration_corpus(self, cfg: ExperimentConfig, what: str) -> TokenizedCorpus:
+        """The calibration corpus, refused (``ValueError`` naming ``what``) when it is the evaluation text."""
+        c = self.corpus(cfg, calibration=True)
+        if c.sha256 == self.corpus(cfg).sha256:
+            raise ValueError(f"{what}: the calibration text ({c.source}) is the evaluation text; set "
+                             "data.calibration_corpus to other text")
+        return c
+
     def fp8_calibration(self, cfg: ExperimentConfig):
         src = cfg.calibration.fp8_scales
         if src is None:
@@ -109,10 +114,7 @@ class Session:
             from kvquant_jax.eval import calib
 
             if src == "observe":
-                c = self.corpus(cfg, calibration=True)
-                if c.sha256 == self.corpus(cfg).sha256:
-                    raise ValueError(f"calibration.fp8_scales: observe: the calibration text ({c.source}) is the "
-                                     f"evaluation text; set data.calibration_corpus to other text")
+                c = self.calibration_corpus(cfg, "calibration.fp8_scales: observe")
                 cal = calib.observe_fp8(m.params, m.cfg, c.ids, cfg.calibration.observe_tokens, c.sha256)
                 if self.artifact_dir is not None:
                     path = self.artifact_dir / f"fp8_scales_{cal.calibration_id.split(':')[-1]}.npz"

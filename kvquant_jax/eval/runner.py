@@ -45,7 +45,7 @@ KEY_STABLE_ADDITIONS = {"activation": ("linears", "prefill", "decode", "float_la
 
 
 def _stable_block(cfg: ExperimentConfig, name: str, block: dict) -> dict:
-    default = getattr(type(cfg)(), name)
+    default = type(getattr(cfg, name))()
     added = KEY_STABLE_ADDITIONS.get(name, ())
     return {k: v for k, v in block.items() if k not in added or getattr(getattr(cfg, name), k) != getattr(default, k)}
 

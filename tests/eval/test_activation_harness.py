@@ -44,7 +44,7 @@ def test_w8a8_changes_ppl_slightly_and_all_float_layers_reproduce_float(session)
 
 
 def test_smoothing_needs_calibration_text_and_keeps_float_model(session, tmp_path):
-    with pytest.raises(ValueError, match="smoothing statistics would come from the evaluation text"):
+    with pytest.raises(ValueError, match=r"activation: smoothing statistics: the calibration text .* is the evaluation text"):
         session.model(from_dict({"model": {"name": "random", "random": TINY},
                                  "data": {"corpus": "builtin", "calibration_corpus": "builtin"},
                                  "activation": {"smooth_alpha": 0.5}}))
