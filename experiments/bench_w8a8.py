@@ -74,6 +74,47 @@ def time_multi(fn, sets, iters, warmup=2):
     return statistics.median(ts) / len(sets), (max(ts) - min(ts)) / statistics.median(ts)
 
 
+def device_time(fn, sets, iters):
+    """Device-side timing from a profiler trace: run the same jitted multi-call as ``time_multi`` ``iters`` times
+    under ``jax.profiler.trace`` and read the GPU kernel records (CUPTI) from the Perfetto export.
+
+    Returns ``(kernel_s, info)``: summed kernel time per single invocation of fn (the busy time of the R launches,
+    without the gaps between them), and the kernel names / per-trace-line totals seen (for the log).
+    """
+    import glob
+    import gzip
+    import tempfile
+
+    multi = jax.jit(lambda s: [fn(*a) for a in s])
+    jax.block_until_ready(multi(sets))
+    jax.block_until_ready(multi(sets))
+    d = tempfile.mkdtemp(prefix="kvq_trace_")
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+        for _ in range(iters):
+            jax.block_until_ready(multi(sets))
+    path = sorted(glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
+    with gzip.open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "GPU" in str(e.get("args", {}).get("name", "")) and "host" not in
+                str(e.get("args", {}).get("name", "")).lower()}
+    kern = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and float(e.get("dur", 0)) > 0]
+    if not kern:
+        raise RuntimeError(f"no GPU kernel events in the trace (pids {sorted(gpu_pids)})")
+    # a GPU process can show both stream and per-op (XLA-op) lines for the same kernel: keep one line per name,
+    # the thread with the most time in total
+    by_tid = {}
+    for e in kern:
+        by_tid.setdefault(e["tid"], []).append(e)
+    tid = max(by_tid, key=lambda t: sum(float(e["dur"]) for e in by_tid[t]))
+    total_us = sum(float(e["dur"]) for e in by_tid[tid])
+    names = sorted({e["name"] for e in by_tid[tid]})[:6]
+    lines = {f"{pid_tid}": (len(v), round(sum(float(e["dur"]) for e in v)), sorted({e["name"] for e in v})[:3])
+             for pid_tid, v in by_tid.items()}
+    return total_us * 1e-6 / (iters * len(sets)), dict(names=names, per_line=lines)
+
+
 def n_sets(est_s, per_set_bytes, target_s=1.5e-3, max_sets=32, mem_budget=24e9):
     r = max(2, min(max_sets, math.ceil(target_s / max(est_s, 1e-7))))
     return max(2, min(r, int(mem_budget // max(per_set_bytes, 1))))
@@ -288,20 +329,21 @@ def gemm_bench(results, args, ms):
 # ----------------------------------------------------------------------------------------------------------------
 # RMSNorm-quant bandwidth
 # ----------------------------------------------------------------------------------------------------------------
+HBM_COPY_REFERENCE_GBPS = 4300.0  # the guide's H200 device-to-device copy figure (2026-11-29), the 80 % target's base
+
+
 def rms_bench(results, args):
+    """Fused RMSNorm -> INT8 at M in --rms-ms, K in {4096, 8192}: the default kernel, the old two-pass body, the
+    K-chunked body and the unfused XLA reference; host timing always, kernel (profiler) timing with
+    --device-timing. Fractions are of the guide's 4.3 TB/s copy and of the same run's copy ceilings."""
     rows = []
-    # device copy ceiling (read + write), 2 GiB bf16
-    xs = [jax.random.normal(jax.random.PRNGKey(i), (args.copy_elems,), jnp.bfloat16) for i in range(2)]
-    t, _ = time_multi(lambda a: a + jnp.bfloat16(1), [(a,) for a in xs], args.iters)
-    copy_bw = 2 * xs[0].nbytes / t / 1e9
-    results["copy_GBps"] = copy_bw
-    log(f"copy (x+1, bf16 {xs[0].nbytes / 2**30:.2f} GiB): {copy_bw:.0f} GB/s")
-    del xs
-    for k in (4096, 8192):
-        for m in [int(v) for v in args.rms_ms.split(",")]:
+    ceil = copy_ceilings(args, log)
+    results["copy_GBps"] = ceil
+    for k in (8192, 4096):
+        for m in sorted((int(v) for v in args.rms_ms.split(",")), reverse=True):
             if time.time() - T0 > args.budget_s:
                 continue
-            nbytes = m * k * 2 + k * 2 + m * k + m * 4 + m * 4
+            nbytes = m * k * 2 + k * 2 + m * k + m * 2 + m * 4
             r = n_sets(nbytes / 3.5e12, m * k * 3)
             sets = []
             for i in range(r):
@@ -311,10 +353,10 @@ def rms_bench(results, args):
             row = dict(m=m, k=k, bytes=nbytes, sets=r)
             for name, fn in [
                 ("pallas_fused", lambda x, w: rq.rmsnorm_quantize(x, w, qparam_dtype=jnp.float16, check=False)),
-                ("pallas_fused_r1w4", lambda x, w: rq.rmsnorm_quantize(x, w, qparam_dtype=jnp.float16, check=False,
-                                                                       block_rows=1, num_warps=4)),
-                ("pallas_fused_r4w16", lambda x, w: rq.rmsnorm_quantize(x, w, qparam_dtype=jnp.float16, check=False,
-                                                                        block_rows=4, num_warps=16)),
+                ("pallas_twopass", lambda x, w: rq.rmsnorm_quantize(x, w, qparam_dtype=jnp.float16, check=False,
+                                                                    one_pass=False)),
+                ("pallas_chunked", lambda x, w: rq.rmsnorm_quantize(x, w, qparam_dtype=jnp.float16, check=False,
+                                                                    chunk=1024, num_stages=3)),
                 ("xla_unfused_ref", lambda x, w: rq.rmsnorm_quantize_reference(x, w, qparam_dtype=jnp.float16,
                                                                                check=False)),
             ]:
@@ -322,8 +364,14 @@ def rms_bench(results, args):
                     continue
                 try:
                     t, spread = time_multi(fn, sets, args.iters)
-                    row[name] = dict(us=t * 1e6, GBps=nbytes / t / 1e9, frac_copy=nbytes / t / 1e9 / copy_bw)
-                    log(f"rmsnorm M={m} K={k} {name}: {t * 1e6:8.1f} us {nbytes / t / 1e9:7.0f} GB/s")
+                    row[name] = dict(us=t * 1e6, GBps=nbytes / t / 1e9)
+                    msg = f"rmsnorm M={m} K={k} {name}: host {t * 1e6:8.1f} us {nbytes / t / 1e9:7.0f} GB/s"
+                    if args.device_timing:
+                        td, _ = device_time(fn, sets, args.iters)
+                        row[name].update(dev_us=td * 1e6, dev_GBps=nbytes / td / 1e9,
+                                         frac_hbm=nbytes / td / 1e9 / HBM_COPY_REFERENCE_GBPS)
+                        msg += f" | kernel {td * 1e6:8.1f} us {nbytes / td / 1e9:7.0f} GB/s"
+                    log(msg)
                 except Exception as e:  # noqa: BLE001
                     row[name] = dict(error=repr(e)[:400])
                     log(f"rmsnorm M={m} K={k} {name}: ERROR {e!r}"[:600])
@@ -370,6 +418,13 @@ def copy_ceilings(args, log, with_f32: bool = False) -> dict:
         try:
             t, _ = time_multi(fn, sets, args.iters)
             ceil[name] = nbytes / t / 1e9
+            if getattr(args, "device_timing", False):
+                try:
+                    td, info = device_time(fn, sets, args.iters)
+                    ceil[name + "_device"] = nbytes / td / 1e9
+                    log("ceiling (device timing)", name, ceil[name + "_device"], info)
+                except Exception as e:  # noqa: BLE001
+                    log("ceiling (device timing) failed", name, repr(e)[:300])
         except Exception as e:  # noqa: BLE001
             ceil[name] = repr(e)[:300]
         log("ceiling", name, ceil[name])
@@ -496,6 +551,20 @@ RMS_VARIANTS = [  # (name, kwargs); the first is the old default (two-pass, 1 ro
     ("onepass_reload_r1w8", dict(one_pass=True, reload=True, block_rows=1, num_warps=8)),
     ("onepass_r2w8", dict(one_pass=True, block_rows=2, num_warps=8)),
     ("onepass_r1w2", dict(one_pass=True, block_rows=1, num_warps=2)),
+    # K-chunked one-pass body (two streaming loops; c = chunk width, s = num_stages)
+    ("chunk_c1024_r1w4s1", dict(one_pass=True, chunk=1024, block_rows=1, num_warps=4, num_stages=1)),
+    ("chunk_c1024_r1w4s3", dict(one_pass=True, chunk=1024, block_rows=1, num_warps=4, num_stages=3)),
+    ("chunk_c2048_r1w4s2", dict(one_pass=True, chunk=2048, block_rows=1, num_warps=4, num_stages=2)),
+    ("chunk_c2048_r1w8s3", dict(one_pass=True, chunk=2048, block_rows=1, num_warps=8, num_stages=3)),
+    ("chunk_c512_r2w4s3", dict(one_pass=True, chunk=512, block_rows=2, num_warps=4, num_stages=3)),
+    ("chunk_c1024_r2w8s3", dict(one_pass=True, chunk=1024, block_rows=2, num_warps=8, num_stages=3)),
+    ("chunk_c512_r4w8s3", dict(one_pass=True, chunk=512, block_rows=4, num_warps=8, num_stages=3)),
+    ("chunk_c4096_r1w8s2", dict(one_pass=True, chunk=4096, block_rows=1, num_warps=8, num_stages=2)),
+    ("chunk_c1024_r1w2s4", dict(one_pass=True, chunk=1024, block_rows=1, num_warps=2, num_stages=4)),
+    ("chunk_c2048_r1w4s3", dict(one_pass=True, chunk=2048, block_rows=1, num_warps=4, num_stages=3)),
+    ("chunk_c1024_r1w8s3", dict(one_pass=True, chunk=1024, block_rows=1, num_warps=8, num_stages=3)),
+    ("onepass_r2w4", dict(one_pass=True, block_rows=2, num_warps=4)),
+    ("onepass_r4w8", dict(one_pass=True, block_rows=4, num_warps=8)),
 ]
 
 
@@ -539,6 +608,7 @@ def rms_variants(results, args):
             # --rounds > 1: the variants are timed in interleaved rounds (A B C A B C ...) and the median round is
             # reported, so slow drifts of the clock/thermal state hit every variant alike
             per = {name: [] for name, _ in variants}
+            dev = {name: [] for name, _ in variants}
             for rnd in range(args.rounds):
                 for name, kw in variants:
                     if time.time() - T0 > args.budget_s:
@@ -549,6 +619,14 @@ def rms_variants(results, args):
                         per[name].append(t)
                         log(f"rms variant M={m} K={k} {name} round {rnd}: {t * 1e6:.1f} us "
                             f"{nbytes / t / 1e9:.0f} GB/s spread {spread:.2f}")
+                        if args.device_timing:
+                            try:
+                                td, info = device_time(lambda x, w, kw=kw: rq.rmsnorm_quantize(
+                                    x, w, qparam_dtype=jnp.float16, check=False, **kw), sets, args.iters)
+                                dev[name].append(td)
+                                log(f"   device timing: {td * 1e6:.1f} us {nbytes / td / 1e9:.0f} GB/s {info}"[:400])
+                            except Exception as e:  # noqa: BLE001
+                                log(f"   device timing failed: {e!r}"[:300])
                     except Exception as e:  # noqa: BLE001
                         row[name] = dict(error=repr(e)[:300])
                         log(f"rms variant M={m} K={k} {name}: {row[name]}"[:500])
@@ -556,6 +634,9 @@ def rms_variants(results, args):
                 if ts:
                     t = statistics.median(ts)
                     row[name] = dict(us=t * 1e6, GBps=nbytes / t / 1e9, rounds_us=[v * 1e6 for v in ts])
+                    if dev[name]:
+                        td = statistics.median(dev[name])
+                        row[name].update(dev_us=td * 1e6, dev_GBps=nbytes / td / 1e9)
             rows.append(row)
             out["rmsnorm"] = rows
             write(results, args.out)
@@ -605,18 +686,19 @@ def markdown(results):
                 f"{sp_bf} | {sp_e} | {fmt(r.get('pallas_w4a8'))} | {fmt(r.get('pallas_w8a8_affine'))} |")
         lines.append("")
     if results.get("rmsnorm"):
-        lines += [f"Copy ceiling (x+1 on bf16, read+write): {results.get('copy_GBps', 0):.0f} GB/s", "",
-                  "| M | K | fused us | fused GB/s | % copy | rows=1/4 warps us (GB/s) | rows=4/16 warps us (GB/s) | "
-                  "XLA unfused ref us (GB/s) |",
-                  "|---|---|---|---|---|---|---|---|"]
+        names = ["pallas_fused", "pallas_twopass", "pallas_chunked", "xla_unfused_ref"]
+        lines += [f"Copy ceilings (GB/s, read + write): {results.get('copy_GBps')}", "",
+                  "µs (GB/s), host timing / kernel timing; % = kernel GB/s of 4.3 TB/s", "",
+                  "| M | K | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
         for r in results["rmsnorm"]:
-            f_ = r.get("pallas_fused", {})
-            lines.append(
-                f"| {r['m']} | {r['k']} | {fmt(f_)} | {fmt(f_, 'GBps', '{:.0f}')} | "
-                f"{fmt(f_, 'frac_copy', '{:.0%}')} | {fmt(r.get('pallas_fused_r1w4'))} "
-                f"({fmt(r.get('pallas_fused_r1w4'), 'GBps', '{:.0f}')}) | {fmt(r.get('pallas_fused_r4w16'))} "
-                f"({fmt(r.get('pallas_fused_r4w16'), 'GBps', '{:.0f}')}) | {fmt(r.get('xla_unfused_ref'))} "
-                f"({fmt(r.get('xla_unfused_ref'), 'GBps', '{:.0f}')}) |")
+            cells = []
+            for n in names:
+                v = r.get(n)
+                c = f"{fmt(v)} ({fmt(v, 'GBps', '{:.0f}')})"
+                if isinstance(v, dict) and "dev_us" in v:
+                    c += f" / {fmt(v, 'dev_us')} ({fmt(v, 'dev_GBps', '{:.0f}')}, {fmt(v, 'frac_hbm', '{:.0%}')})"
+                cells.append(c)
+            lines.append(f"| {r['m']} | {r['k']} | " + " | ".join(cells) + " |")
     rv = results.get("rms_variants", {})
     if rv.get("rmsnorm"):
         names = [n for n, _ in RMS_VARIANTS if any(n in r for r in rv["rmsnorm"])]
@@ -627,7 +709,9 @@ def markdown(results):
         lines += ["", "| M | K | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
         for r in rv["rmsnorm"]:
             lines.append(f"| {r['m']} | {r['k']} | " + " | ".join(
-                f"{fmt(r.get(n))} ({fmt(r.get(n), 'GBps', '{:.0f}')})" for n in names) + " |")
+                f"{fmt(r.get(n))} ({fmt(r.get(n), 'GBps', '{:.0f}')})"
+                + (f" dev {fmt(r.get(n), 'dev_us')} ({fmt(r.get(n), 'dev_GBps', '{:.0f}')})"
+                   if isinstance(r.get(n), dict) and "dev_us" in r.get(n) else "") for n in names) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -653,6 +737,8 @@ def main():
     p.add_argument("--rms-variant-ms", default="4096,16384", help="M values of the rms_variants phase")
     p.add_argument("--rms-variants", default="", help="comma list of RMS_VARIANTS names to run (default: all)")
     p.add_argument("--rms-variant-nocheck", action="store_true", help="skip the variants' on-device oracle checks")
+    p.add_argument("--device-timing", action="store_true",
+                   help="rms_variants / copy ceilings: also time from a profiler trace (GPU kernel time, no host gaps)")
     p.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds per variant (rms_variants)")
     p.add_argument("--copy-elems", type=int, default=1 << 30, help="bf16 elements of the copy-bandwidth probe")
     p.add_argument("--kns", default="4096x4096,4096x14336,8192x8192")

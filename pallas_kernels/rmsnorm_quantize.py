@@ -75,7 +75,7 @@ STATUS_OK = 0
 STATUS_NONFINITE = 1
 STATUS_FTZ_UNSAFE = 2
 # amax formulation used when ``one_pass`` is None (kernel and reference alike); see the module docstring
-ONE_PASS_DEFAULT = False  # one-pass measured slower at K = 8192 on an H200 (docs/benchmarks_w8a8.md, 2026-11-30)
+ONE_PASS_DEFAULT = True  # with the lean encode, one-pass is the faster body on an H200 (docs/benchmarks_w8a8.md, 2026-11-30)
 QMAX = 127
 _F32_MAX = float(np.finfo(np.float32).max)
 _X_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -96,27 +96,9 @@ def _rint_to_int32(v):
     return lax.bitcast_convert_type(v + _RINT_MAGIC, jnp.int32) - _RINT_MAGIC_BITS
 
 
-def _row_math(x, w, *, k, eps, qdtype, one_pass, reload=None):
-    """x: float32 [bm, kp] (padding columns are 0), w: float32 [1, kp]. Returns codes int8, scale [bm,1], status.
-
-    ``one_pass=False``: Σx², then y = x·r·w and max|y| (two dependent reductions, y live in between).
-    ``one_pass=True``: Σx² and max|x·w| are independent reductions issued together; amax = r·max|x·w| and the codes
-    are (x·w)·(r/s_eff). ``reload``: optional callable returning (x, w) float32 again for the encode step (the GPU
-    kernel re-reads them from L1/L2 instead of keeping them live in registers across the reductions)."""
-    ss = jnp.sum(x * x, axis=1, keepdims=True)
-    if one_pass:
-        xw = x * w
-        axw = jnp.abs(xw)
-        # NaN/Inf become +inf before the max (a float max may drop NaN), so one reduction gives both the absmax
-        # and the finiteness of the row.
-        amax_xw = jnp.max(jnp.where(axw <= _F32_MAX, axw, jnp.inf), axis=1, keepdims=True)
-        inv = lax.rsqrt(ss / float(k) + eps)
-        amax = inv * amax_xw
-    else:
-        inv = lax.rsqrt(ss / float(k) + eps)
-        y = x * inv * w
-        ay = jnp.abs(y)
-        amax = jnp.max(jnp.where(ay <= _F32_MAX, ay, jnp.inf), axis=1, keepdims=True)
+def _scale_status(ss, amax, qdtype):
+    """Per-row tail shared by every kernel body: ss = Σx² and amax (float32 [bm, 1]) -> stored scale (qdtype),
+    status (int32), bad (status != OK) and the float32 reciprocal of the stored scale."""
     nonfinite = ~(ss <= _F32_MAX) | ~(amax <= _F32_MAX)
     zero = amax == 0.0
     ideal = jnp.where(zero, 1.0, amax / float(QMAX))
@@ -125,18 +107,54 @@ def _row_math(x, w, *, k, eps, qdtype, one_pass, reload=None):
     finfo = np.finfo(np.dtype(qdtype))
     ftz = ~zero & ~((eff >= float(finfo.tiny)) & (eff <= float(finfo.max)))
     status = jnp.where(nonfinite, STATUS_NONFINITE, jnp.where(ftz, STATUS_FTZ_UNSAFE, STATUS_OK)).astype(jnp.int32)
-    bad = status != STATUS_OK
-    # one reciprocal per row, then a multiply per element (differs from y / s_eff only within a few float32 ulps of
-    # a rounding tie); clip first (the bounds are integers, so clip and rint commute), then round half to even.
-    rinv = 1.0 / eff
+    return scale, status, status != STATUS_OK, 1.0 / eff
+
+
+def _encode(v, bad):
+    """float32 v = y / s_eff -> int8 codes; rows with bad status get 0.
+
+    No clip is needed: |y| <= amax and s_eff = qparam(amax / 127) >= (amax / 127)(1 - 2^-11) (fp16 rounding; 2^-24
+    for fp32), so |v| <= 127.07 (plus a few float32 ulps) and rint(v) is in [-127, 127]; zero rows have v = 0, and
+    rows whose scale is not a normal qparam value are bad (zeroed). The int8 cast keeps the low byte of the
+    round-half-to-even integer. (A per-block branch that skips the select when no row is bad measured 12 % slower
+    on an H200 than this select, docs/benchmarks_w8a8.md.)"""
+    return jnp.where(bad, 0, _rint_to_int32(v)).astype(jnp.int8)
+
+
+def _absmax_bits(v, axis):
+    """max |v| over ``axis`` as float32, NaN-propagating: the max is taken over the int32 bit patterns of |v|
+    (monotone for non-NaN floats; NaN patterns sort above +Inf), one integer op per element instead of a
+    compare/select pair. Any NaN -> NaN, any Inf -> Inf."""
+    bits = lax.bitcast_convert_type(v, jnp.int32) & jnp.int32(0x7FFFFFFF)
+    return lax.bitcast_convert_type(jnp.max(bits, axis=axis, keepdims=True), jnp.float32)
+
+
+def _row_math(x, w, *, k, eps, qdtype, one_pass, reload=None):
+    """x: float32 [bm, kp] (padding columns are 0), w: float32 [1, kp]. Returns codes int8, scale [bm,1], status.
+
+    ``one_pass=False``: Σx², then y = x·r·w and max|y| (two dependent reductions, y live in between).
+    ``one_pass=True``: Σx² and max|x·w| are independent reductions issued together; amax = r·max|x·w| and the codes
+    are (x·w)·(r/s_eff). ``reload``: optional callable returning (x, w) float32 again for the encode step (the GPU
+    kernel re-reads them from L1/L2 instead of keeping them live in registers across the reductions)."""
+    ss = jnp.sum(x * x, axis=1, keepdims=True)
+    # the absmax is NaN-propagating (a float max may drop NaN), so one reduction gives both the absmax and the
+    # finiteness of the row
+    if one_pass:
+        xw = x * w
+        inv = lax.rsqrt(ss / float(k) + eps)
+        amax = inv * _absmax_bits(xw, 1)
+    else:
+        inv = lax.rsqrt(ss / float(k) + eps)
+        y = x * inv * w
+        amax = _absmax_bits(y, 1)
+    scale, status, bad, rinv = _scale_status(ss, amax, qdtype)
     if reload is not None:
         x, w = reload()
     if one_pass:
         v = (x * w if reload is not None else xw) * (inv * rinv)
     else:
         v = (x * inv * w if reload is not None else y) * rinv
-    q = _rint_to_int32(jnp.clip(v, -float(QMAX), float(QMAX)))
-    codes = jnp.where(bad, 0, q).astype(jnp.int8)
+    codes = _encode(v, bad)
     scale = jnp.where(bad, jnp.nan, scale).astype(qdtype)
     return codes, scale, status
 
@@ -221,6 +239,67 @@ def _gpu_persistent_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, m,
     lax.fori_loop(0, iters, body, load(0))
 
 
+def _gpu_chunked_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, m, k, bm, ck, eps, qdtype):
+    """K-chunked one-pass body: a row block is streamed twice in ``ck``-wide chunks instead of being held whole in
+    registers. Loop 1 accumulates x² and max|x·w| elementwise ([bm, ck] float32 accumulators, one block reduction
+    each at the end); loop 2 re-reads each chunk (L2/L1-resident by then), encodes (x·w)·(r/s_eff) and stores the
+    codes. Live registers scale with ck, not K, so more row blocks fit on a multiprocessor, and the loops can be
+    software-pipelined (``num_stages``). Same semantics as ``one_pass=True`` up to float32 summation order."""
+    from jax.experimental.pallas import triton as plt
+
+    nck = pl.cdiv(k, ck)
+    mask_m = m % bm != 0
+    mask_k = k % ck != 0
+    rows_ok = (pl.program_id(0) * bm + lax.broadcasted_iota(jnp.int32, (bm,), 0)) < m
+    col_iota = lax.broadcasted_iota(jnp.int32, (ck,), 0)
+
+    def load(c):
+        off = pl.multiple_of(c * ck, ck)
+        cols_ok = (off + col_iota) < k
+        tile_ok = rows_ok[:, None] & cols_ok[None, :]
+        if mask_k:
+            w = plt.load(w_ref.at[pl.ds(off, ck)], mask=cols_ok, other=0)
+        else:
+            w = w_ref[pl.ds(off, ck)]
+        if mask_m or mask_k:
+            x = plt.load(x_ref.at[:, pl.ds(off, ck)], mask=tile_ok, other=0)
+        else:
+            x = x_ref[:, pl.ds(off, ck)]
+        return x.astype(jnp.float32), w.astype(jnp.float32)[None, :], off, tile_ok
+
+    def stats(c, carry):
+        ss, mx = carry
+        x, w, _, _ = load(c)
+        bits = lax.bitcast_convert_type(x * w, jnp.int32) & jnp.int32(0x7FFFFFFF)  # see _absmax_bits
+        return ss + x * x, jnp.maximum(mx, bits)
+
+    ss_v, mx_v = lax.fori_loop(0, nck, stats, (jnp.zeros((bm, ck), jnp.float32), jnp.zeros((bm, ck), jnp.int32)))
+    ss = jnp.sum(ss_v, axis=1, keepdims=True)
+    inv = lax.rsqrt(ss / float(k) + eps)
+    amax = inv * lax.bitcast_convert_type(jnp.max(mx_v, axis=1, keepdims=True), jnp.float32)
+    scale, status, bad, rinv = _scale_status(ss, amax, qdtype)
+    mult = inv * rinv
+
+    def encode(c, carry):
+        x, w, off, tile_ok = load(c)
+        codes = _encode((x * w) * mult, bad)
+        if mask_m or mask_k:
+            plt.store(codes_ref.at[:, pl.ds(off, ck)], codes, mask=tile_ok)
+        else:
+            codes_ref[:, pl.ds(off, ck)] = codes
+        return carry
+
+    lax.fori_loop(0, nck, encode, 0)
+    scale = jnp.where(bad, jnp.nan, scale).astype(qdtype)[:, 0]
+    status = status[:, 0]
+    if mask_m:
+        plt.store(scale_ref, scale, mask=rows_ok)
+        plt.store(status_ref, status, mask=rows_ok)
+    else:
+        scale_ref[...] = scale
+        status_ref[...] = status
+
+
 def _tpu_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, k, eps, qdtype, one_pass):
     codes, scale, status = _row_math(
         x_ref[...].astype(jnp.float32), w_ref[...].astype(jnp.float32), k=k, eps=eps, qdtype=qdtype,
@@ -241,8 +320,9 @@ def _gpu_defaults(k: int) -> tuple[int, int]:
     return 1, max(4, min(16, kp // 2048))
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
-def _gpu_call(x2, w, eps, qdtype, block_rows, num_warps, num_programs, interpret, one_pass, reload):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9, 10, 11))
+def _gpu_call(x2, w, eps, qdtype, block_rows, num_warps, num_programs, interpret, one_pass, reload, chunk,
+              num_stages):
     m, k = x2.shape
     kp = _next_pow2(k)
     bm_d, nw_d = _gpu_defaults(k)
@@ -253,13 +333,21 @@ def _gpu_call(x2, w, eps, qdtype, block_rows, num_warps, num_programs, interpret
     if not interpret:
         from jax.experimental.pallas import triton as plt
 
-        compiler_params = plt.CompilerParams(num_warps=num_warps or nw_d, num_stages=1)
+        compiler_params = plt.CompilerParams(num_warps=num_warps or nw_d, num_stages=num_stages or 1)
     out_shape = [
         jax.ShapeDtypeStruct((m, k), jnp.int8),
         jax.ShapeDtypeStruct((m,), qdtype),
         jax.ShapeDtypeStruct((m,), jnp.int32),
     ]
     nblocks = pl.cdiv(m, bm)
+    if chunk:
+        kernel = functools.partial(_gpu_chunked_kernel, m=m, k=k, bm=bm, ck=chunk, eps=eps, qdtype=qdtype)
+        in_specs = [pl.BlockSpec((bm, k), lambda i: (i, 0)), pl.BlockSpec((k,), lambda i: (0,))]
+        out_specs = [pl.BlockSpec((bm, k), lambda i: (i, 0)), pl.BlockSpec((bm,), lambda i: (i,)),
+                     pl.BlockSpec((bm,), lambda i: (i,))]
+        return pl.pallas_call(kernel, grid=(nblocks,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                              compiler_params=compiler_params, interpret=interpret,
+                              name="rmsnorm_quantize_chunked")(x2, w)
     if num_programs:
         nprog = min(num_programs, nblocks)
         kernel = functools.partial(_gpu_persistent_kernel, m=m, k=k, kp=kp, bm=bm, nprog=nprog,
@@ -378,6 +466,8 @@ def rmsnorm_quantize(
     check: bool = True,
     one_pass: bool | None = None,
     reload: bool = False,
+    chunk: int | None = None,
+    num_stages: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Fused RMSNorm + per-token INT8 quantization. Returns ``(codes int8 [...,K], scale [...], status int32 [...])``.
 
@@ -386,8 +476,21 @@ def rmsnorm_quantize(
     ``one_pass``: None -> ``ONE_PASS_DEFAULT``; selects the amax formulation (module docstring); the reference takes
     the same flag. ``reload``: GPU grid kernel only (not with ``num_programs``, not on TPU): re-read x and w for
     the encode step instead of keeping them in registers across the reductions (same results).
+    ``chunk``: GPU grid kernel only: stream each row block in ``chunk``-wide column chunks (a power of two) through
+    two loops instead of holding whole rows in registers; one-pass semantics (``one_pass`` None or True).
+    ``num_stages``: Triton software-pipelining depth of the GPU kernels (default 1; matters for ``chunk``).
     """
     x, weight, eps, qdtype = _validate(x, weight, eps, qparam_dtype)
+    if chunk is not None:
+        if not isinstance(chunk, (int, np.integer)) or chunk < 16 or chunk & (chunk - 1):
+            raise ValueError(f"rmsnorm_quantize: chunk must be a power of two >= 16, got {chunk!r}")
+        if one_pass is False:
+            raise ValueError("rmsnorm_quantize: chunk= uses the one-pass amax formulation; one_pass=False conflicts")
+        if reload or num_programs or backend == "tpu":
+            raise ValueError("rmsnorm_quantize: chunk= is only supported by the GPU grid kernel (no reload, "
+                             "num_programs or backend='tpu')")
+        one_pass = True
+        chunk = int(chunk)
     one_pass = ONE_PASS_DEFAULT if one_pass is None else bool(one_pass)
     reload = bool(reload)
     if backend is None:
@@ -404,7 +507,7 @@ def rmsnorm_quantize(
         codes, scale, status = _tpu_call(x2, weight, eps, qdtype, block_rows, interpret, one_pass)
     else:
         codes, scale, status = _gpu_call(x2, weight, eps, qdtype, block_rows, num_warps, num_programs, interpret,
-                                         one_pass, reload)
+                                         one_pass, reload, chunk, num_stages)
     out = codes.reshape(*lead, k), scale.reshape(lead), status.reshape(lead)
     return _check_status(*out, check, (x, weight))
 
@@ -429,12 +532,14 @@ def rmsnorm_quantize_reference(
     check: bool = True,
     one_pass: bool | None = None,
     reload: bool = False,
+    chunk: int | None = None,
+    num_stages: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Plain-JAX (unfused, float32) reference with the kernel's semantics (``one_pass`` as for the kernel); tuning
-    arguments (``reload`` included) are ignored."""
-    del block_rows, num_warps, num_programs, backend, interpret, reload
+    """Plain-JAX (unfused, float32) reference with the kernel's semantics (``one_pass`` as for the kernel; a
+    ``chunk`` implies one-pass); tuning arguments (``reload``, ``num_stages`` included) are ignored."""
+    del block_rows, num_warps, num_programs, backend, interpret, reload, num_stages
     x, weight, eps, qdtype = _validate(x, weight, eps, qparam_dtype)
-    one_pass = ONE_PASS_DEFAULT if one_pass is None else bool(one_pass)
+    one_pass = True if chunk else ONE_PASS_DEFAULT if one_pass is None else bool(one_pass)
     lead, k = x.shape[:-1], x.shape[-1]
     codes, scale, status = _reference_math(x.reshape(-1, k), weight, k=k, eps=eps, qdtype=qdtype, one_pass=one_pass)
     out = codes.reshape(*lead, k), scale.reshape(lead), status.reshape(lead)
