@@ -138,6 +138,8 @@ class ActivationConfig:
     int32 accumulation, float epilogue -- for the ``linears`` named (embeddings never; ``lm_head`` only if named).
     ``prefill`` / ``decode``: the path of T > 1 / T == 1 forwards ("w8a8", "w8a16" weight-only, "float").
     ``float_layers``: decoder layers kept in float.  ``impl``: "xla" int8 dot or the "pallas" kernel.
+    ``fuse_norm``: W8A8 prefill quantizes each RMSNorm output once with the fused RMSNorm -> INT8 producer, shared
+    by q/k/v (gate/up); False = float RMSNorm, then one activation quantization per projection.
     ``smooth_alpha``: SmoothQuant migration strength (None = off), folded into the RMSNorm / linear weights from
     ``smooth_windows`` x ``smooth_len`` tokens of the calibration split.  ``smooth_attention_alpha``: QServe's
     SmoothAttention (equal scales on each RoPE pair, folded into W_q / W_k; None = off) -- a float-exact
@@ -157,6 +159,7 @@ class ActivationConfig:
     float_layers: tuple[int, ...] = ()
     impl: str = "xla"
     act_qparam_dtype: str = "fp32"
+    fuse_norm: bool = True
     smooth_alpha: float | None = None
     smooth_sites: tuple[str, ...] = ("qkv", "gate_up")
     smooth_attention_alpha: float | None = None
@@ -170,7 +173,8 @@ class ActivationConfig:
         from kvquant_jax.models.w8a8 import W8A8Policy
 
         return W8A8Policy(linears=self.linears, prefill=self.prefill, decode=self.decode, impl=self.impl,
-                          act_qparam_dtype=self.act_qparam_dtype, float_layers=self.float_layers)
+                          act_qparam_dtype=self.act_qparam_dtype, float_layers=self.float_layers,
+                          fuse_norm=self.fuse_norm)
 
     @property
     def transforms_model(self) -> bool:

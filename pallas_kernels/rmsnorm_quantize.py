@@ -4,19 +4,23 @@ Semantics per row ``x[m, :]`` (arithmetic in float32 inside the kernel)::
 
     r      = rsqrt(mean(x^2) + eps)                (> 0, one scalar per row)
     y      = x * r * w
-    amax   = max_k |y|                            (one_pass=False, the default: two dependent reductions)
-           = r * max_k |x * w|                    (one_pass=True, opt-in: Σx² and max|x·w| are independent
-                                                   reductions issued together; equal in real arithmetic since r > 0)
+    amax   = r * max_k |x * w|                    (one_pass=True, the default: Σx² and max|x·w| are independent
+                                                   reductions issued together)
+           = max_k |y|                            (one_pass=False: two dependent reductions; equal in real
+                                                   arithmetic since r > 0)
     scale  = 1                                    if amax == 0 (all-zero row; codes 0)
            = qparam_dtype(amax / 127)             otherwise (rounded to the declared qparam dtype, RNE)
     s_eff  = float32(scale)                       (the stored scale is re-read before encoding)
-    codes  = clip(rint(y / s_eff), -127, 127)     (rint = round half to even) -> int8
+    codes  = rint(y / s_eff)                      (rint = round half to even) -> int8, in [-127, 127]
 
-(Implementation: ``rint(clip(y * (1 / s_eff)))`` with one reciprocal per row, and with ``one_pass=True``
-``rint(clip((x * w) * (r * (1 / s_eff))))``; either can differ from the real-arithmetic ``y / s_eff`` only when that
-lies within a few float32 ulps of a .5 tie, the same order as the float32 rounding of ``y`` itself. The float32
-``amax`` of the two formulations differs by a few ulps at most, so ``scale`` can differ by one qparam ulp between
-them; ``rmsnorm_quantize_reference`` takes the same ``one_pass`` flag and reproduces the kernel's choice.)
+(Implementation: ``rint((x * w) * (r * (1 / s_eff)))`` (one-pass) or ``rint(y * (1 / s_eff))`` (two-pass) with one
+reciprocal per row; either can differ from the real-arithmetic ``y / s_eff`` only when that lies within a few
+float32 ulps of a .5 tie, the same order as the float32 rounding of ``y`` itself. No clip is needed: s_eff is amax
+/ 127 rounded to nearest, so |y / s_eff| <= 127 (1 + 2^-11) < 127.5. The absmax is taken over the int32 bit
+patterns of |v| (monotone for floats, NaN above Inf), so one integer max per element also carries NaN/Inf into the
+status. The float32 ``amax`` of the two formulations differs by a few ulps at most, so ``scale`` can differ by one
+qparam ulp between them; ``rmsnorm_quantize_reference`` takes the same ``one_pass`` flag and reproduces the
+kernel's choice.)
 
 Per-row status (int32 [M]):
 
@@ -35,12 +39,13 @@ returns ``(codes, scale, status)``; when called on concrete arrays (not under ``
 Layouts: ``x: [..., K]`` (float32/bfloat16/float16, leading dims flattened to M rows), ``w: [K]`` float;
 outputs ``codes: int8 [..., K]``, ``scale: qparam_dtype [...]``, ``status: int32 [...]``.
 
-Backends: ``"gpu"`` (Pallas Triton; one program handles ``block_rows`` whole rows (default 1 row, 4 warps up to
-K = 8192); K is loaded as one power-of-two-wide masked tile, so any K works; M tails are masked; with
-``num_programs=P`` a persistent variant runs P programs that loop over row blocks and prefetch the next block,
-measured no faster on an H200; ``one_pass=True`` measured 5-8 % faster at M = 16384, K = 4096 but 3-10 % slower at
-K = 8192, and ``reload=True`` (re-read x, w for the encode step) 0-28 % slower, hence neither is the default), also
-used on CPU with ``interpret=True``;
+Backends: ``"gpu"`` (Pallas Triton; one program handles ``block_rows`` whole rows held in registers (default 1 row,
+64 elements per thread: 2 warps at K = 4096, 4 at K = 8192); K is loaded as one power-of-two-wide masked tile, so
+any K works; M tails are masked), also used on CPU with ``interpret=True``. Measured on an H200 (kernel time,
+docs/benchmarks_w8a8.md): 3.50 TB/s at M = 16384, K = 8192 and 3.42 TB/s at K = 4096 (80-82 % of the 4.3 TB/s
+copy). Tuning alternatives kept for measurement, none faster: ``num_programs=P`` (a persistent grid that loops over
+row blocks, prefetching the next), ``reload=True`` (re-read x, w for the encode step instead of keeping them live),
+``one_pass=False`` (the two-pass body, 8-11 % slower at K = 8192);
 ``"tpu"`` (Mosaic BlockSpecs ``(block_rows, K)``, scale/status as ``[M, 1]``, partial edge blocks), validated only
 with ``pltpu.InterpretParams()``.
 """
@@ -75,7 +80,7 @@ STATUS_OK = 0
 STATUS_NONFINITE = 1
 STATUS_FTZ_UNSAFE = 2
 # amax formulation used when ``one_pass`` is None (kernel and reference alike); see the module docstring
-ONE_PASS_DEFAULT = True  # with the lean encode, one-pass is the faster body on an H200 (docs/benchmarks_w8a8.md, 2026-11-30)
+ONE_PASS_DEFAULT = True  # the faster body on an H200 since the lean encode (docs/benchmarks_w8a8.md, 2026-11-30)
 QMAX = 127
 _F32_MAX = float(np.finfo(np.float32).max)
 _X_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -239,67 +244,6 @@ def _gpu_persistent_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, m,
     lax.fori_loop(0, iters, body, load(0))
 
 
-def _gpu_chunked_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, m, k, bm, ck, eps, qdtype):
-    """K-chunked one-pass body: a row block is streamed twice in ``ck``-wide chunks instead of being held whole in
-    registers. Loop 1 accumulates x² and max|x·w| elementwise ([bm, ck] float32 accumulators, one block reduction
-    each at the end); loop 2 re-reads each chunk (L2/L1-resident by then), encodes (x·w)·(r/s_eff) and stores the
-    codes. Live registers scale with ck, not K, so more row blocks fit on a multiprocessor, and the loops can be
-    software-pipelined (``num_stages``). Same semantics as ``one_pass=True`` up to float32 summation order."""
-    from jax.experimental.pallas import triton as plt
-
-    nck = pl.cdiv(k, ck)
-    mask_m = m % bm != 0
-    mask_k = k % ck != 0
-    rows_ok = (pl.program_id(0) * bm + lax.broadcasted_iota(jnp.int32, (bm,), 0)) < m
-    col_iota = lax.broadcasted_iota(jnp.int32, (ck,), 0)
-
-    def load(c):
-        off = pl.multiple_of(c * ck, ck)
-        cols_ok = (off + col_iota) < k
-        tile_ok = rows_ok[:, None] & cols_ok[None, :]
-        if mask_k:
-            w = plt.load(w_ref.at[pl.ds(off, ck)], mask=cols_ok, other=0)
-        else:
-            w = w_ref[pl.ds(off, ck)]
-        if mask_m or mask_k:
-            x = plt.load(x_ref.at[:, pl.ds(off, ck)], mask=tile_ok, other=0)
-        else:
-            x = x_ref[:, pl.ds(off, ck)]
-        return x.astype(jnp.float32), w.astype(jnp.float32)[None, :], off, tile_ok
-
-    def stats(c, carry):
-        ss, mx = carry
-        x, w, _, _ = load(c)
-        bits = lax.bitcast_convert_type(x * w, jnp.int32) & jnp.int32(0x7FFFFFFF)  # see _absmax_bits
-        return ss + x * x, jnp.maximum(mx, bits)
-
-    ss_v, mx_v = lax.fori_loop(0, nck, stats, (jnp.zeros((bm, ck), jnp.float32), jnp.zeros((bm, ck), jnp.int32)))
-    ss = jnp.sum(ss_v, axis=1, keepdims=True)
-    inv = lax.rsqrt(ss / float(k) + eps)
-    amax = inv * lax.bitcast_convert_type(jnp.max(mx_v, axis=1, keepdims=True), jnp.float32)
-    scale, status, bad, rinv = _scale_status(ss, amax, qdtype)
-    mult = inv * rinv
-
-    def encode(c, carry):
-        x, w, off, tile_ok = load(c)
-        codes = _encode((x * w) * mult, bad)
-        if mask_m or mask_k:
-            plt.store(codes_ref.at[:, pl.ds(off, ck)], codes, mask=tile_ok)
-        else:
-            codes_ref[:, pl.ds(off, ck)] = codes
-        return carry
-
-    lax.fori_loop(0, nck, encode, 0)
-    scale = jnp.where(bad, jnp.nan, scale).astype(qdtype)[:, 0]
-    status = status[:, 0]
-    if mask_m:
-        plt.store(scale_ref, scale, mask=rows_ok)
-        plt.store(status_ref, status, mask=rows_ok)
-    else:
-        scale_ref[...] = scale
-        status_ref[...] = status
-
-
 def _tpu_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, k, eps, qdtype, one_pass):
     codes, scale, status = _row_math(
         x_ref[...].astype(jnp.float32), w_ref[...].astype(jnp.float32), k=k, eps=eps, qdtype=qdtype,
@@ -314,15 +258,14 @@ def _next_pow2(v: int) -> int:
 
 
 def _gpu_defaults(k: int) -> tuple[int, int]:
-    """One row per program, 4 warps up to K = 8192 (measured best on an H200, docs/benchmarks_w8a8.md); wider rows
-    get more warps so a thread holds at most ~64 elements."""
+    """One row per program and 64 row elements per thread: 2 warps at K = 4096, 4 at K = 8192, 8 at 16384 (the
+    measured best at K = 4096 and 8192 on an H200, docs/benchmarks_w8a8.md); at least 2, at most 16 warps."""
     kp = _next_pow2(k)
-    return 1, max(4, min(16, kp // 2048))
+    return 1, max(2, min(16, kp // 2048))
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9, 10, 11))
-def _gpu_call(x2, w, eps, qdtype, block_rows, num_warps, num_programs, interpret, one_pass, reload, chunk,
-              num_stages):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
+def _gpu_call(x2, w, eps, qdtype, block_rows, num_warps, num_programs, interpret, one_pass, reload):
     m, k = x2.shape
     kp = _next_pow2(k)
     bm_d, nw_d = _gpu_defaults(k)
@@ -333,21 +276,13 @@ def _gpu_call(x2, w, eps, qdtype, block_rows, num_warps, num_programs, interpret
     if not interpret:
         from jax.experimental.pallas import triton as plt
 
-        compiler_params = plt.CompilerParams(num_warps=num_warps or nw_d, num_stages=num_stages or 1)
+        compiler_params = plt.CompilerParams(num_warps=num_warps or nw_d, num_stages=1)
     out_shape = [
         jax.ShapeDtypeStruct((m, k), jnp.int8),
         jax.ShapeDtypeStruct((m,), qdtype),
         jax.ShapeDtypeStruct((m,), jnp.int32),
     ]
     nblocks = pl.cdiv(m, bm)
-    if chunk:
-        kernel = functools.partial(_gpu_chunked_kernel, m=m, k=k, bm=bm, ck=chunk, eps=eps, qdtype=qdtype)
-        in_specs = [pl.BlockSpec((bm, k), lambda i: (i, 0)), pl.BlockSpec((k,), lambda i: (0,))]
-        out_specs = [pl.BlockSpec((bm, k), lambda i: (i, 0)), pl.BlockSpec((bm,), lambda i: (i,)),
-                     pl.BlockSpec((bm,), lambda i: (i,))]
-        return pl.pallas_call(kernel, grid=(nblocks,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                              compiler_params=compiler_params, interpret=interpret,
-                              name="rmsnorm_quantize_chunked")(x2, w)
     if num_programs:
         nprog = min(num_programs, nblocks)
         kernel = functools.partial(_gpu_persistent_kernel, m=m, k=k, kp=kp, bm=bm, nprog=nprog,
@@ -466,8 +401,6 @@ def rmsnorm_quantize(
     check: bool = True,
     one_pass: bool | None = None,
     reload: bool = False,
-    chunk: int | None = None,
-    num_stages: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Fused RMSNorm + per-token INT8 quantization. Returns ``(codes int8 [...,K], scale [...], status int32 [...])``.
 
@@ -476,21 +409,8 @@ def rmsnorm_quantize(
     ``one_pass``: None -> ``ONE_PASS_DEFAULT``; selects the amax formulation (module docstring); the reference takes
     the same flag. ``reload``: GPU grid kernel only (not with ``num_programs``, not on TPU): re-read x and w for
     the encode step instead of keeping them in registers across the reductions (same results).
-    ``chunk``: GPU grid kernel only: stream each row block in ``chunk``-wide column chunks (a power of two) through
-    two loops instead of holding whole rows in registers; one-pass semantics (``one_pass`` None or True).
-    ``num_stages``: Triton software-pipelining depth of the GPU kernels (default 1; matters for ``chunk``).
     """
     x, weight, eps, qdtype = _validate(x, weight, eps, qparam_dtype)
-    if chunk is not None:
-        if not isinstance(chunk, (int, np.integer)) or chunk < 16 or chunk & (chunk - 1):
-            raise ValueError(f"rmsnorm_quantize: chunk must be a power of two >= 16, got {chunk!r}")
-        if one_pass is False:
-            raise ValueError("rmsnorm_quantize: chunk= uses the one-pass amax formulation; one_pass=False conflicts")
-        if reload or num_programs or backend == "tpu":
-            raise ValueError("rmsnorm_quantize: chunk= is only supported by the GPU grid kernel (no reload, "
-                             "num_programs or backend='tpu')")
-        one_pass = True
-        chunk = int(chunk)
     one_pass = ONE_PASS_DEFAULT if one_pass is None else bool(one_pass)
     reload = bool(reload)
     if backend is None:
@@ -507,7 +427,7 @@ def rmsnorm_quantize(
         codes, scale, status = _tpu_call(x2, weight, eps, qdtype, block_rows, interpret, one_pass)
     else:
         codes, scale, status = _gpu_call(x2, weight, eps, qdtype, block_rows, num_warps, num_programs, interpret,
-                                         one_pass, reload, chunk, num_stages)
+                                         one_pass, reload)
     out = codes.reshape(*lead, k), scale.reshape(lead), status.reshape(lead)
     return _check_status(*out, check, (x, weight))
 
@@ -532,14 +452,12 @@ def rmsnorm_quantize_reference(
     check: bool = True,
     one_pass: bool | None = None,
     reload: bool = False,
-    chunk: int | None = None,
-    num_stages: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Plain-JAX (unfused, float32) reference with the kernel's semantics (``one_pass`` as for the kernel; a
-    ``chunk`` implies one-pass); tuning arguments (``reload``, ``num_stages`` included) are ignored."""
-    del block_rows, num_warps, num_programs, backend, interpret, reload, num_stages
+    """Plain-JAX (unfused, float32) reference with the kernel's semantics (``one_pass`` as for the kernel); tuning
+    arguments (``reload`` included) are ignored."""
+    del block_rows, num_warps, num_programs, backend, interpret, reload
     x, weight, eps, qdtype = _validate(x, weight, eps, qparam_dtype)
-    one_pass = True if chunk else ONE_PASS_DEFAULT if one_pass is None else bool(one_pass)
+    one_pass = ONE_PASS_DEFAULT if one_pass is None else bool(one_pass)
     lead, k = x.shape[:-1], x.shape[-1]
     codes, scale, status = _reference_math(x.reshape(-1, k), weight, k=k, eps=eps, qdtype=qdtype, one_pass=one_pass)
     out = codes.reshape(*lead, k), scale.reshape(lead), status.reshape(lead)

@@ -41,7 +41,8 @@ USES_DATA = {"ppl", "serving_ppl", "kv_error", "agreement", "passkey"}
 # Keys added to a config block after results were first keyed: left out of a row's key while they hold their
 # default value, so adding an option never invalidates finished rows (setting it does change the key).
 KEY_STABLE_ADDITIONS = {"activation": ("linears", "prefill", "decode", "float_layers", "impl", "act_qparam_dtype",
-                                       "smooth_sites", "smooth_attention_alpha", "smooth_windows", "smooth_len")}
+                                       "fuse_norm", "smooth_sites", "smooth_attention_alpha", "smooth_windows",
+                                       "smooth_len")}
 
 
 def _stable_block(cfg: ExperimentConfig, name: str, block: dict) -> dict:

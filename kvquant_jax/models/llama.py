@@ -90,15 +90,27 @@ def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
     return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
+def norm_linears(linear: Callable, x, norm_w, eps: float, projections) -> list:
+    """``RMSNorm(x; norm_w, eps)`` followed by each ``(w, name)`` of ``projections`` (weights that read the same
+    normalized activations: q/k/v, gate/up, the head). A ``linear`` hook with a ``norm_linears`` method (e.g.
+    ``W8A8Policy``) receives the whole group, so it can fuse the norm into a single activation quantization shared
+    by the group; any other hook gets ``linear(rms_norm(x), w, name)`` per projection."""
+    group = getattr(linear, "norm_linears", None)
+    if group is not None:
+        return group(x, norm_w, eps, projections)
+    h = rms_norm(x, norm_w, eps)
+    return [linear(h, w, name) for w, name in projections]
+
+
 def _qkv(cfg: LlamaConfig, x, lp, positions, linear: Callable | None = None):
     """Projections of one layer: q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` (q, k post-RoPE).
     ``linear(x, w, name)`` computes each projection (default ``cfg.activation`` or :func:`dense`)."""
     linear = linear or cfg.activation or dense
     b, t, _ = x.shape
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-    q = linear(h, lp["wq"], "q").reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = linear(h, lp["wk"], "k").reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = linear(h, lp["wv"], "v").reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q, k, v = norm_linears(linear, x, lp["attn_norm"], cfg.rms_eps, ((lp["wq"], "q"), (lp["wk"], "k"), (lp["wv"], "v")))
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     return (apply_rope(q, positions, cfg.rope_theta, cfg.rope_pairing),
             apply_rope(k, positions, cfg.rope_theta, cfg.rope_pairing), v)
 
@@ -108,9 +120,8 @@ def _finish(cfg: LlamaConfig, x, lp, a, linear: Callable | None = None):
     linear = linear or cfg.activation or dense
     b, t, _ = x.shape
     x = x + linear(a.reshape(b, t, cfg.num_heads * cfg.head_dim), lp["wo"], "o")
-    h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
-    return x + linear(jax.nn.silu(linear(h, lp["w_gate"], "gate")) * linear(h, lp["w_up"], "up"), lp["w_down"],
-                      "down")
+    gate, up = norm_linears(linear, x, lp["ffn_norm"], cfg.rms_eps, ((lp["w_gate"], "gate"), (lp["w_up"], "up")))
+    return x + linear(jax.nn.silu(gate) * up, lp["w_down"], "down")
 
 
 def _layer(cfg: LlamaConfig, x, lp, positions, attn_fn: Callable, linear: Callable | None = None):
@@ -123,9 +134,10 @@ def logits_from_hidden(params, cfg: LlamaConfig, x, linear: Callable | None = No
     """Final norm + output head -> float32 logits. A quantized head (``params["lm_head_q"]``, made only when an
     activation policy names ``lm_head``) goes through ``linear``; otherwise the float head as before."""
     linear = linear or cfg.activation or dense
-    x = rms_norm(x, params["final_norm"], cfg.rms_eps)
     if "lm_head_q" in params:
-        return linear(x, params["lm_head_q"], "lm_head").astype(jnp.float32)
+        return norm_linears(linear, x, params["final_norm"], cfg.rms_eps,
+                            ((params["lm_head_q"], "lm_head"),))[0].astype(jnp.float32)
+    x = rms_norm(x, params["final_norm"], cfg.rms_eps)
     if cfg.tie_embeddings:
         return jnp.einsum("bth,vh->btv", x, params["embed"].astype(x.dtype),
                           precision=jax.lax.Precision.HIGHEST).astype(jnp.float32)

@@ -23,6 +23,14 @@ silently using zero codes.
 ``impl``: "xla" (default; ``lax.dot_general`` int8 x int8 -> int32, any platform) or "pallas"
 (``pallas_kernels.w8a8_matmul.w8a8_matmul``; on CPU it runs in the Pallas interpreter, ``interpret=None`` picks
 the platform default).
+
+Fused RMSNorm producer (``fuse_norm=True``, the default): in the W8A8 mode the projections that read the same
+RMSNorm output -- q/k/v after ``attn_norm``, gate/up after ``ffn_norm`` (and the head after ``final_norm`` when it
+is quantized) -- get their INT8 activation rows from ONE call of the fused RMSNorm -> per-token INT8 producer
+(``pallas_kernels.rmsnorm_quantize``: the Pallas kernel for ``impl="pallas"``, its XLA reference for "xla"),
+shared by the group's GEMMs: the normalized activations never exist in float, and each token row is quantized
+once instead of once per projection. (Numerically the producer's amax is r * max|x * w| in float32, the unfused
+path's max|rmsnorm(x)|: equal up to float32 rounding, so a code can differ by one step at a rounding tie.)
 """
 from __future__ import annotations
 
@@ -73,6 +81,9 @@ class W8A8Policy:
       float_layers: decoder layers whose linears keep their float weights and float activations (e.g. the first
         and last layers); the others follow the modes above.  Chosen per layer at run time inside the layer scan
         (``lax.cond`` on a stacked per-layer flag), so one compiled forward serves the mixed model.
+      fuse_norm: in the w8a8 mode, quantize each RMSNorm output once with the fused RMSNorm -> INT8 producer and
+        share the codes across the projections reading it (module docstring); False = RMSNorm in float, then one
+        activation quantization per projection.
     """
 
     linears: tuple[str, ...] = LINEARS
@@ -82,6 +93,7 @@ class W8A8Policy:
     interpret: bool | None = None
     act_qparam_dtype: str = "fp32"
     float_layers: tuple[int, ...] = ()
+    fuse_norm: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "linears", tuple(self.linears))
@@ -127,6 +139,36 @@ class W8A8Policy:
         return jax.lax.cond(w.active, quantized,
                             lambda x: jnp.matmul(x, w.w_float.astype(x.dtype), precision=jax.lax.Precision.HIGHEST),
                             x)
+
+    def norm_linears(self, x: jax.Array, norm_w: jax.Array, eps: float, projections) -> list:
+        """The ``norm_linears`` hook of ``llama``: ``RMSNorm(x; norm_w, eps)`` followed by every ``(w, name)`` of
+        ``projections`` (weights reading the same normalized activations). ``x [B, T, K]``; returns one
+        ``[B, T, N_i]`` array per projection, in x's dtype. The W8A8 mode with ``fuse_norm`` and every weight a
+        :class:`QuantLinear` runs :func:`norm_w8a8_dense` (one fused producer call, shared codes); any other case
+        is RMSNorm in float, then this policy per projection."""
+        from kvquant_jax.models.llama import rms_norm
+
+        ws = [w for w, _ in projections]
+        t = x.shape[-2] if x.ndim >= 2 else 1
+        if not (self.fuse_norm and self.mode(t) == "w8a8" and all(isinstance(w, QuantLinear) for w in ws)):
+            h = rms_norm(x, norm_w, eps)
+            return [self(h, w, name) for w, name in projections]
+
+        def fused(x):
+            return norm_w8a8_dense(x, norm_w, eps, ws, impl=self.impl, interpret=self.interpret,
+                                   act_qparam_dtype=self.act_qparam_dtype)
+
+        if all(w.active is None for w in ws):
+            return fused(x)
+        if any(w.active is None for w in ws):
+            raise ValueError("W8A8Policy.norm_linears: a projection group mixes per-layer and plain QuantLinears; "
+                             "quantize the params with one quantize_params(params, policy) call")
+
+        def float_path(x):
+            h = rms_norm(x, norm_w, eps)
+            return [jnp.matmul(h, w.w_float.astype(h.dtype), precision=jax.lax.Precision.HIGHEST) for w in ws]
+
+        return jax.lax.cond(ws[0].active, fused, float_path, x)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -188,6 +230,55 @@ def w8a8_dense(x: jax.Array, w: QuantLinear, *, impl: str = "xla", interpret=Non
     if C.is_concrete(status):
         C.raise_for_status(status, "w8a8_dense (per-token activation quantization)")
     return y
+
+
+def _producer_status(status: jax.Array) -> jax.Array:
+    """``pallas_kernels.rmsnorm_quantize`` row status -> :class:`~kvquant_jax.quant._common.QuantStatus` flags."""
+    from pallas_kernels import rmsnorm_quantize as RQ
+
+    return jnp.where(status == RQ.STATUS_NONFINITE, int(C.QuantStatus.NONFINITE_INPUT),
+                     jnp.where(status == RQ.STATUS_FTZ_UNSAFE, int(C.QuantStatus.SCALE_SUBNORMAL), 0)
+                     ).astype(jnp.int32)
+
+
+def norm_w8a8_dense_with_status(x: jax.Array, norm_w: jax.Array, eps: float, ws, *, impl: str = "xla",
+                                interpret=None, act_qparam_dtype: str = "fp32") -> tuple[list, jax.Array]:
+    """Jit-safe fused RMSNorm -> W8A8 projections sharing one activation quantization.
+
+    ``x [..., K]`` float32/bfloat16/float16, ``norm_w [K]`` the RMSNorm weight, ``eps`` a static float, ``ws`` a
+    sequence of :class:`QuantLinear` (``codes [N_i, K]``). The fused producer (``pallas_kernels.rmsnorm_quantize``
+    for ``impl="pallas"``, ``rmsnorm_quantize_reference`` -- the same semantics in XLA -- for "xla") turns each token
+    row into INT8 codes + one scale (``act_qparam_dtype``) once; every weight's GEMM reads them. Returns
+    ``([y_i [..., N_i] in x's dtype], status int32 [...])`` with :class:`~kvquant_jax.quant._common.QuantStatus`
+    flags (0 = OK); rejected rows are NaN in every output."""
+    from pallas_kernels import rmsnorm_quantize as RQ
+
+    if not ws or any(w.codes.ndim != 2 or w.codes.shape[1] != x.shape[-1] for w in ws):
+        raise ValueError(f"norm_w8a8_dense: expected x [..., K] and weights codes [N, K], got {x.shape} and "
+                         f"{[tuple(w.codes.shape) for w in ws]}")
+    lead, k = x.shape[:-1], x.shape[-1]
+    qdtype = C.canonical_qparam_dtype(act_qparam_dtype)
+    if impl == "pallas":
+        codes, scale, status = RQ.rmsnorm_quantize(x.reshape(-1, k), norm_w, eps=eps, qparam_dtype=qdtype,
+                                                   interpret=interpret, check=False)
+    else:
+        codes, scale, status = RQ.rmsnorm_quantize_reference(x.reshape(-1, k), norm_w, eps=eps, qparam_dtype=qdtype,
+                                                             check=False)
+    ok = (status == 0)[:, None]
+    ys = [jnp.where(ok, _int8_gemm(codes, scale, w, impl, interpret), jnp.float32(jnp.nan)).reshape(*lead, -1)
+          .astype(x.dtype) for w in ws]
+    return ys, _producer_status(status).reshape(lead)
+
+
+def norm_w8a8_dense(x: jax.Array, norm_w: jax.Array, eps: float, ws, *, impl: str = "xla", interpret=None,
+                    act_qparam_dtype: str = "fp32") -> list:
+    """:func:`norm_w8a8_dense_with_status` without the status; on concrete inputs raises ``ValueError`` naming the
+    problem (non-finite activations, FTZ-unsafe per-token scale)."""
+    ys, status = norm_w8a8_dense_with_status(x, norm_w, eps, ws, impl=impl, interpret=interpret,
+                                             act_qparam_dtype=act_qparam_dtype)
+    if C.is_concrete(status):
+        C.raise_for_status(status, "norm_w8a8_dense (fused RMSNorm -> per-token activation quantization)")
+    return ys
 
 
 def quantize_params(params: dict, policy: W8A8Policy = W8A8Policy()) -> dict:

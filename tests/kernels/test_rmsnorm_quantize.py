@@ -230,3 +230,21 @@ def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         rq.rmsnorm_quantize(jnp.asarray(args["x"]), jnp.asarray(args["w"]), qparam_dtype=args["qparam_dtype"],
                             eps=args["eps"], backend=args["backend"], interpret=True)
+
+
+@pytest.mark.parametrize("one_pass", [True, False], ids=["onepass", "twopass"])
+@pytest.mark.parametrize("qdtype", [np.float16, np.float32], ids=["fp16", "fp32"])
+def test_codes_saturate_at_127_without_a_clip(one_pass, qdtype, rng):
+    """The encode has no clip (|y / s_eff| <= 127.07 by construction): every non-zero row reaches exactly +-127 at
+    its absmax element, nothing lies outside [-127, 127] (-128 never appears), on rows with extreme outliers and
+    with scales that round down in fp16."""
+    m, k = 64, 300
+    x = rng.normal(size=(m, k)) * rng.uniform(1e-3, 1e3, (m, 1))
+    x[np.arange(m), rng.integers(0, k, m)] *= rng.uniform(1, 1e3, m)          # one outlier per row
+    w = rng.uniform(0.01, 3.0, k)
+    codes, scale, status = rq.rmsnorm_quantize(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32),
+                                               qparam_dtype=qdtype, backend="gpu", interpret=True, one_pass=one_pass)
+    c = np.asarray(codes, np.int64)
+    np.testing.assert_array_equal(np.asarray(status), 0)
+    assert c.min() >= -127 and c.max() <= 127
+    np.testing.assert_array_equal(np.abs(c).max(axis=1), 127)

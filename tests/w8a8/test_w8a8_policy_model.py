@@ -131,9 +131,20 @@ def test_prefill_and_decode_phases_choose_documented_paths(monkeypatch, tiny):
 
     cache = init_cache(FullScheme(), num_layers=cfg.num_layers, batch=1, capacity=16, num_kv_heads=cfg.num_kv_heads,
                        head_dim=cfg.head_dim)
-    step = jax.jit(lambda p, t, c: llama.forward(p, cfg, t, c, linear=pol))   # fresh jit: the hook is traced
-    _, cache, ok = step(qp, jnp.arange(5, dtype=jnp.int32)[None], cache)
+    real_norm = W.norm_w8a8_dense
+    monkeypatch.setattr(W, "norm_w8a8_dense", lambda x, nw, eps, ws, **k: calls.append(f"norm+w8a8 x{len(ws)}")
+                        or real_norm(x, nw, eps, ws, **k))
+    # unfused: RMSNorm in float, one activation quantization per projection
+    unfused = dataclasses.replace(pol, fuse_norm=False)
+    step = jax.jit(lambda p, t, c: llama.forward(p, cfg, t, c, linear=unfused))   # fresh jit: the hook is traced
+    cache0 = cache
+    _, _, ok = step(qp, jnp.arange(5, dtype=jnp.int32)[None], cache)
     assert bool(ok) and calls == ["w8a8"] * 7
+    # default (fused): q/k/v share one fused RMSNorm -> INT8 call, gate/up another; o and down quantize their own
+    calls.clear()
+    step = jax.jit(lambda p, t, c: llama.forward(p, cfg, t, c, linear=pol))
+    _, cache, ok = step(qp, jnp.arange(5, dtype=jnp.int32)[None], cache0)
+    assert bool(ok) and calls == ["norm+w8a8 x3", "w8a8", "norm+w8a8 x2", "w8a8"]
     calls.clear()
     _, cache, ok = step(qp, jnp.array([[5]], jnp.int32), cache)
     assert bool(ok) and calls == ["w8a16"] * 7
@@ -182,3 +193,84 @@ def test_orbax_round_trip_bit_exact(tmp_path):
         W.save(qp, pol, tmp_path / "ck")
     with pytest.raises(ValueError, match="manifest"):
         W.restore(tmp_path)
+
+
+def _oracle_norm_w8a8(x, nw, eps, ws, qdtype):
+    """float64: RMSNorm, per-token symmetric INT8 of the normalized rows with the scale stored in ``qdtype`` (the
+    codes use the stored scale), per-channel INT8 weights, exact integer sums."""
+    x = np.asarray(x, np.float64)
+    h = x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + eps) * np.asarray(nw, np.float64)
+    sx = (np.abs(h).max(axis=1) / 127.0).astype(qdtype).astype(np.float64)
+    qx = np.clip(np.rint(h / sx[:, None]), -127, 127)
+    out = []
+    for w in ws:
+        w = np.asarray(w, np.float64)
+        sw = np.abs(w).max(axis=0) / 127.0
+        qw = np.clip(np.rint(w / sw[None, :]), -127, 127)
+        out.append((qx @ qw) * sx[:, None] * sw[None, :])
+    return out, h
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("qdtype", ["fp32", "fp16"])
+def test_norm_w8a8_dense_matches_float64_oracle(impl, qdtype):
+    """The fused group path (one RMSNorm -> INT8 producer call, three GEMMs reading its codes) vs float64."""
+    rng = np.random.default_rng(11)
+    m, k, ns = 29, 96, (24, 8, 8)
+    x = (rng.standard_normal((m, k)) * np.exp(rng.standard_normal(k)) * rng.uniform(0.1, 30, (m, 1))).astype(
+        np.float32)
+    nw = rng.uniform(0.2, 2.0, k).astype(np.float32)
+    ws = [(rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32) for n in ns]
+    qws = [W.quantize_weight(jnp.asarray(w)) for w in ws]
+    refs, h = _oracle_norm_w8a8(x, nw, 1e-5, ws, np.float32 if qdtype == "fp32" else np.float16)
+    ys = W.norm_w8a8_dense(jnp.asarray(x), jnp.asarray(nw), 1e-5, qws, impl=impl, interpret=True,
+                           act_qparam_dtype=qdtype)
+    for y, ref, w in zip(ys, refs, ws):
+        y = np.asarray(y, np.float64)
+        assert y.shape == ref.shape and np.isfinite(y).all()
+        scale = np.abs(ref).max()
+        # same integer sums up to float32 rounding of the scales
+        np.testing.assert_allclose(y, ref, rtol=0, atol=3e-6 * scale)
+        assert np.abs(y - h @ w).max() < 0.05 * scale          # the quantization error itself, bounded
+    # and the unfused path (float RMSNorm, quantize per projection) agrees to float32 rounding
+    from kvquant_jax.models.llama import rms_norm
+
+    hu = rms_norm(jnp.asarray(x), jnp.asarray(nw), 1e-5)
+    for y, qw in zip(ys, qws):
+        yu = np.asarray(W.w8a8_dense(hu, qw, act_qparam_dtype=qdtype), np.float64)
+        np.testing.assert_allclose(np.asarray(y, np.float64), yu, rtol=0, atol=3e-6 * np.abs(yu).max())
+
+
+def test_norm_w8a8_bad_rows_raise_or_poison():
+    qw = [W.quantize_weight(jnp.ones((8, 4), jnp.float32)), W.quantize_weight(jnp.ones((8, 2), jnp.float32))]
+    nw = jnp.ones((8,), jnp.float32)
+    x = np.ones((3, 8), np.float32)
+    x[1, 2] = np.inf
+    with pytest.raises(ValueError, match="non-finite"):
+        W.norm_w8a8_dense(jnp.asarray(x), nw, 1e-6, qw)
+    ys, status = jax.jit(W.norm_w8a8_dense_with_status, static_argnums=2)(jnp.asarray(x), nw, 1e-6, qw)
+    for y in ys:                                   # the rejected row is NaN in every output, the others finite
+        assert np.isnan(np.asarray(y[1])).all() and np.isfinite(np.asarray(y)[[0, 2]]).all()
+    assert list(np.asarray(status) != 0) == [False, True, False]
+    # a normalized row whose fp16 scale underflows (a tiny RMSNorm weight): FTZ-unsafe, named
+    with pytest.raises(ValueError, match="subnormal"):
+        W.norm_w8a8_dense(jnp.ones((2, 8), jnp.float32), jnp.full((8,), 1e-7, jnp.float32), 1e-6, qw,
+                          act_qparam_dtype="fp16")
+    with pytest.raises(ValueError, match="expected x"):
+        W.norm_w8a8_dense(jnp.ones((2, 5), jnp.float32), jnp.ones((5,), jnp.float32), 1e-6, qw)
+
+
+def test_fused_and_unfused_model_agree(tiny):
+    """Default policy (fused producer) vs fuse_norm=False: the same model up to float32 rounding of the amax (a code
+    may flip at a tie), far inside the W8A8 error; per-layer float layers still reproduce float exactly."""
+    cfg, p, qp = tiny
+    pol = W.W8A8Policy()
+    tok = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
+    ref = np.asarray(FWD(p, cfg, tok))
+    yf = np.asarray(FWD(qp, cfg, tok, linear=pol))
+    yu = np.asarray(FWD(qp, cfg, tok, linear=dataclasses.replace(pol, fuse_norm=False)))
+    err_q = np.abs(yu - ref).max()
+    assert np.abs(yf - yu).max() < 0.05 * err_q
+    pol_f = W.W8A8Policy(float_layers=(0, 1))
+    qpf = W.quantize_params(p, pol_f)
+    np.testing.assert_allclose(np.asarray(FWD(qpf, cfg, tok, linear=pol_f)), ref, rtol=0, atol=1e-6 * np.abs(ref).max())
