@@ -18,6 +18,7 @@ KV4 rows (float weights/activations, the quantized-cache fast path ``make_nll_fn
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -90,6 +91,8 @@ def main(argv=None):
     add("w8a8", "w8a16 (weight-only)", v, s)
     v, s = ppl(quantize_params(p, pol), linear=pol)
     add("w8a8", "w8a8", v, s)
+    v, s = ppl(quantize_params(p, pol), linear=dataclasses.replace(pol, fuse_norm=False))
+    add("w8a8", "w8a8 (unfused norm)", v, s)
     for a in args.alphas:
         for sites in (("qkv", "gate_up"), SQ.SITES):
             sp = SQ.smooth_params(p, cfg, stats, SQ.SmoothQuantConfig(alpha=a, sites=sites))
