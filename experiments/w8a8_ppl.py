@@ -10,6 +10,9 @@ W8A8 rows (plain forward, one segment per forward, i.e. the prefill path T > 1 o
   w8a8                    + per-token INT8 activations on all 7 block linears (q k v o gate up down)
   w8a8+sq(alpha)          SmoothQuant folded into the norms (q/k/v, gate/up) before weight quantization
   w8a8+sq(alpha)+down/o   SmoothQuant also on the down_proj input (via w_up) and the o_proj input (via w_v)
+  w8a8 (unfused norm)     fuse_norm=False: float RMSNorm, then one activation quantization per projection
+  ... [embed x (1+i*2^-20)]  sensitivity rows (--perturbations N): the same config with the float embedding table
+                          scaled by 1 + i * 2^-20, i = 1..N (a change far below any quantization step)
 KV4 rows (float weights/activations, the quantized-cache fast path ``make_nll_fn`` with ``--kv-chunk``):
   <scheme>, <scheme>+smoothattention (lambda = pair-max(post-RoPE |K|)^0.5, folded into W_q / W_k)
 
@@ -28,6 +31,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from kvquant_jax.calibration import smoothattention as SA
 from kvquant_jax.calibration import smoothquant as SQ
@@ -58,6 +62,8 @@ def main(argv=None):
     ap.add_argument("--alphas", type=float, nargs="+", default=[0.5, 0.8])
     ap.add_argument("--kv-schemes", nargs="+", default=["qserve4", "int4"])
     ap.add_argument("--kv-chunk", type=int, default=128)
+    ap.add_argument("--perturbations", type=int, default=3,
+                    help="sensitivity rows: W8A8 and W8A8+SQ(first alpha) with the embeddings scaled by 1 + i*2^-20")
     ap.add_argument("--sa-alpha", type=float, default=0.5)
     ap.add_argument("--out", default=None, help="directory for results.json (optional)")
     args = ap.parse_args(argv)
@@ -99,6 +105,19 @@ def main(argv=None):
             name = f"w8a8+sq(a={a})" + ("" if len(sites) == 2 else "+down/o")
             v, s = ppl(quantize_params(sp, pol), linear=pol)
             add("w8a8", name, v, s, alpha=a, sites=list(sites))
+
+    def perturbed(params, i):
+        return {**params, "embed": params["embed"] * jnp.float32(1.0 + i * 2.0 ** -20)}
+
+    for i in range(1, args.perturbations + 1):
+        v, s = ppl(perturbed(quantize_params(p, pol), i), linear=pol)
+        add("w8a8", f"w8a8 [embed x (1+{i}*2^-20)]", v, s, perturbation=i)
+    if args.alphas and args.perturbations:
+        a = args.alphas[0]
+        sp = SQ.smooth_params(p, cfg, stats, SQ.SmoothQuantConfig(alpha=a, sites=("qkv", "gate_up")))
+        for i in range(1, args.perturbations + 1):
+            v, s = ppl(perturbed(quantize_params(sp, pol), i), linear=pol)
+            add("w8a8", f"w8a8+sq(a={a}) [embed x (1+{i}*2^-20)]", v, s, perturbation=i, alpha=a)
 
     p_sa = SA.smooth_attention(p, cfg, stats, alpha=args.sa_alpha, key_stage="post_rope")
     for spec in args.kv_schemes:

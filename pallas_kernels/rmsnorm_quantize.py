@@ -120,8 +120,7 @@ def _encode(v, bad):
 
     No clip is needed: |y| <= amax and s_eff = qparam(amax / 127) >= (amax / 127)(1 - 2^-11) (fp16 rounding; 2^-24
     for fp32), so |v| <= 127.07 (plus a few float32 ulps) and rint(v) is in [-127, 127]; zero rows have v = 0, and
-    rows whose scale is not a normal qparam value are bad (zeroed). The int8 cast keeps the low byte of the
-    round-half-to-even integer. (A per-block branch that skips the select when no row is bad measured 12 % slower
+    rows whose scale is not a normal qparam value are bad (zeroed). (A per-block branch that skips the select when no row is bad measured 12 % slower
     on an H200 than this select, docs/benchmarks_w8a8.md.)"""
     return jnp.where(bad, 0, _rint_to_int32(v)).astype(jnp.int8)
 
