@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvquant_jax.artifact import array_specs, read_artifact, write_artifact
+from kvquant_jax.models.llama import dense, rms_norm
 from kvquant_jax.quant import _common as C
 from kvquant_jax.quant.symmetric import quantize_symmetric, quantize_symmetric_rows_with_status
 
@@ -124,7 +125,7 @@ class W8A8Policy:
             if name in self.linears:
                 raise ValueError(f"W8A8Policy: linear {name!r} is in the policy but its weight is float; pass the "
                                  "params from quantize_params(params, policy)")
-            return jnp.matmul(x, w.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
+            return dense(x, w, name)
         t = x.shape[-2] if x.ndim >= 2 else 1
         mode = self.mode(t)
 
@@ -136,9 +137,7 @@ class W8A8Policy:
 
         if w.active is None:
             return quantized(x)
-        return jax.lax.cond(w.active, quantized,
-                            lambda x: jnp.matmul(x, w.w_float.astype(x.dtype), precision=jax.lax.Precision.HIGHEST),
-                            x)
+        return jax.lax.cond(w.active, quantized, lambda x: dense(x, w.w_float, name), x)
 
     def norm_linears(self, x: jax.Array, norm_w: jax.Array, eps: float, projections) -> list:
         """The ``norm_linears`` hook of ``llama``: ``RMSNorm(x; norm_w, eps)`` followed by every ``(w, name)`` of
@@ -146,8 +145,6 @@ class W8A8Policy:
         ``[B, T, N_i]`` array per projection, in x's dtype. The W8A8 mode with ``fuse_norm`` and every weight a
         :class:`QuantLinear` runs :func:`norm_w8a8_dense` (one fused producer call, shared codes); any other case
         is RMSNorm in float, then this policy per projection."""
-        from kvquant_jax.models.llama import rms_norm
-
         ws = [w for w, _ in projections]
         t = x.shape[-2] if x.ndim >= 2 else 1
         if not (self.fuse_norm and self.mode(t) == "w8a8" and all(isinstance(w, QuantLinear) for w in ws)):
@@ -164,9 +161,9 @@ class W8A8Policy:
             raise ValueError("W8A8Policy.norm_linears: a projection group mixes per-layer and plain QuantLinears; "
                              "quantize the params with one quantize_params(params, policy) call")
 
-        def float_path(x):
+        def float_path(x):                    # a float layer: exactly the float model's norm + projections
             h = rms_norm(x, norm_w, eps)
-            return [jnp.matmul(h, w.w_float.astype(h.dtype), precision=jax.lax.Precision.HIGHEST) for w in ws]
+            return [dense(h, w.w_float, name) for w, name in projections]
 
         return jax.lax.cond(ws[0].active, fused, float_path, x)
 
