@@ -42,10 +42,10 @@ outputs ``codes: int8 [..., K]``, ``scale: qparam_dtype [...]``, ``status: int32
 Backends: ``"gpu"`` (Pallas Triton; one program handles ``block_rows`` whole rows held in registers (default 1 row,
 64 elements per thread: 2 warps at K = 4096, 4 at K = 8192); K is loaded as one power-of-two-wide masked tile, so
 any K works; M tails are masked), also used on CPU with ``interpret=True``. Measured on an H200 (kernel time,
-docs/benchmarks_w8a8.md): 3.50 TB/s at M = 16384, K = 8192 and 3.42 TB/s at K = 4096 (80-82 % of the 4.3 TB/s
-copy). Tuning alternatives kept for measurement, none faster: ``num_programs=P`` (a persistent grid that loops over
-row blocks, prefetching the next), ``reload=True`` (re-read x, w for the encode step instead of keeping them live),
-``one_pass=False`` (the two-pass body, 8-11 % slower at K = 8192);
+docs/benchmarks_w8a8.md): 3.50 TB/s at M = 16384, K = 8192 and 3.42 TB/s at K = 4096 (81 % / 79.6 % of the
+4.3 TB/s copy). Tuning alternatives kept for measurement, none faster: ``num_programs=P`` (a persistent grid that
+loops over row blocks, prefetching the next), ``reload=True`` (re-read x, w for the encode step instead of keeping
+them live), ``one_pass=False`` (the two-pass body, 8-11 % slower at K = 8192);
 ``"tpu"`` (Mosaic BlockSpecs ``(block_rows, K)``, scale/status as ``[M, 1]``, partial edge blocks), validated only
 with ``pltpu.InterpretParams()``.
 """
@@ -120,8 +120,8 @@ def _encode(v, bad):
 
     No clip is needed: |y| <= amax and s_eff = qparam(amax / 127) >= (amax / 127)(1 - 2^-11) (fp16 rounding; 2^-24
     for fp32), so |v| <= 127.07 (plus a few float32 ulps) and rint(v) is in [-127, 127]; zero rows have v = 0, and
-    rows whose scale is not a normal qparam value are bad (zeroed). (A per-block branch that skips the select when no row is bad measured 12 % slower
-    on an H200 than this select, docs/benchmarks_w8a8.md.)"""
+    rows whose scale is not a normal qparam value are bad (zeroed). (A per-block branch that skips the select when
+    no row is bad measured 12 % slower on an H200 than this select, docs/benchmarks_w8a8.md.)"""
     return jnp.where(bad, 0, _rint_to_int32(v)).astype(jnp.int8)
 
 
