@@ -572,8 +572,6 @@ RMS_VARIANTS = [  # (name, kwargs); the first is the old default (two-pass, 1 ro
     ("onepass_r4w8", dict(one_pass=True, block_rows=4, num_warps=8)),
     ("onepass_r4w16", dict(one_pass=True, block_rows=4, num_warps=16)),
     ("onepass_r2w2", dict(one_pass=True, block_rows=2, num_warps=2)),
-    ("onepass_r1w2_stream", dict(one_pass=True, block_rows=1, num_warps=2, streaming=True)),
-    ("onepass_r1w4_stream", dict(one_pass=True, block_rows=1, num_warps=4, streaming=True)),
 ]
 
 

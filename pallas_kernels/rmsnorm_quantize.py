@@ -166,8 +166,7 @@ def _row_math(x, w, *, k, eps, qdtype, one_pass, reload=None):
 # --------------------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------------------
-def _gpu_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, m, k, kp, bm, eps, qdtype, one_pass, reload,
-                streaming):
+def _gpu_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, m, k, kp, bm, eps, qdtype, one_pass, reload):
     from jax.experimental.pallas import triton as plt
 
     mask_m = m % bm != 0
@@ -176,32 +175,27 @@ def _gpu_kernel(x_ref, w_ref, codes_ref, scale_ref, status_ref, *, m, k, kp, bm,
     cols_ok = lax.broadcasted_iota(jnp.int32, (kp,), 0) < k
     tile_ok = rows_ok[:, None] & cols_ok[None, :]
 
-    def load(x_policy, w_policy):
+    def load(policy):
         # distinct eviction policies keep the re-read (reload=True) from being CSE'd into the first load
         if mask_k:
-            w = plt.load(w_ref.at[pl.ds(0, kp)], mask=cols_ok, other=0, eviction_policy=w_policy)
-        elif w_policy is None:
+            w = plt.load(w_ref.at[pl.ds(0, kp)], mask=cols_ok, other=0, eviction_policy=policy)
+        elif policy is None:
             w = w_ref[...]
         else:
-            w = plt.load(w_ref.at[pl.ds(0, kp)], eviction_policy=w_policy)
+            w = plt.load(w_ref.at[pl.ds(0, kp)], eviction_policy=policy)
         if mask_m or mask_k:
-            x = plt.load(x_ref.at[:, pl.ds(0, kp)], mask=tile_ok, other=0, eviction_policy=x_policy)
-        elif x_policy is None:
+            x = plt.load(x_ref.at[:, pl.ds(0, kp)], mask=tile_ok, other=0, eviction_policy=policy)
+        elif policy is None:
             x = x_ref[...]
         else:
-            x = plt.load(x_ref.at[:, pl.ds(0, kp)], eviction_policy=x_policy)
+            x = plt.load(x_ref.at[:, pl.ds(0, kp)], eviction_policy=policy)
         return x.astype(jnp.float32), w.astype(jnp.float32)[None, :]
 
-    # streaming: x is read once and the codes written once (evict first), w is re-read by every program (keep)
-    first = ("evict_last", "evict_last") if reload else ("evict_first", "evict_last") if streaming else (None, None)
-    x, w = load(*first)
+    x, w = load("evict_last" if reload else None)
     codes, scale, status = _row_math(x, w, k=k, eps=eps, qdtype=qdtype, one_pass=one_pass,
-                                     reload=(lambda: load("evict_first", "evict_first")) if reload else None)
-    store_policy = "evict_first" if streaming else None
+                                     reload=(lambda: load("evict_first")) if reload else None)
     if mask_m or mask_k:
-        plt.store(codes_ref.at[:, pl.ds(0, kp)], codes, mask=tile_ok, eviction_policy=store_policy)
-    elif streaming:
-        plt.store(codes_ref.at[:, pl.ds(0, kp)], codes, eviction_policy=store_policy)
+        plt.store(codes_ref.at[:, pl.ds(0, kp)], codes, mask=tile_ok)
     else:
         codes_ref[...] = codes
     if mask_m:
@@ -269,8 +263,8 @@ def _gpu_defaults(k: int) -> tuple[int, int]:
     return 1, max(2, min(16, kp // 2048))
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9, 10))
-def _gpu_call(x2, w, eps, qdtype, block_rows, num_warps, num_programs, interpret, one_pass, reload, streaming):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
+def _gpu_call(x2, w, eps, qdtype, block_rows, num_warps, num_programs, interpret, one_pass, reload):
     m, k = x2.shape
     kp = _next_pow2(k)
     bm_d, nw_d = _gpu_defaults(k)
@@ -295,7 +289,7 @@ def _gpu_call(x2, w, eps, qdtype, block_rows, num_warps, num_programs, interpret
         return pl.pallas_call(kernel, grid=(nprog,), out_shape=out_shape, compiler_params=compiler_params,
                               interpret=interpret, name="rmsnorm_quantize_persistent")(x2, w)
     kernel = functools.partial(_gpu_kernel, m=m, k=k, kp=kp, bm=bm, eps=eps, qdtype=qdtype, one_pass=one_pass,
-                               reload=reload, streaming=streaming)
+                               reload=reload)
     return pl.pallas_call(
         kernel,
         grid=(nblocks,),
@@ -406,7 +400,6 @@ def rmsnorm_quantize(
     check: bool = True,
     one_pass: bool | None = None,
     reload: bool = False,
-    streaming: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Fused RMSNorm + per-token INT8 quantization. Returns ``(codes int8 [...,K], scale [...], status int32 [...])``.
 
@@ -414,8 +407,7 @@ def rmsnorm_quantize(
     ``interpret``: None -> ``default_interpret()``; True -> interpreter (TPU interpreter for ``backend="tpu"``).
     ``one_pass``: None -> ``ONE_PASS_DEFAULT``; selects the amax formulation (module docstring); the reference takes
     the same flag. ``reload``: GPU grid kernel only (not with ``num_programs``, not on TPU): re-read x and w for
-    the encode step instead of keeping them in registers across the reductions (same results). ``streaming``:
-    GPU grid kernel only: L2 eviction hints (x loads and code stores evict-first, w evict-last; same results).
+    the encode step instead of keeping them in registers across the reductions (same results).
     """
     x, weight, eps, qdtype = _validate(x, weight, eps, qparam_dtype)
     one_pass = ONE_PASS_DEFAULT if one_pass is None else bool(one_pass)
@@ -430,13 +422,11 @@ def rmsnorm_quantize(
     x2 = x.reshape(-1, k)
     if reload and (backend == "tpu" or num_programs):
         raise ValueError("rmsnorm_quantize: reload=True is only supported by the GPU grid kernel (no num_programs)")
-    if streaming and (backend == "tpu" or num_programs):
-        raise ValueError("rmsnorm_quantize: streaming=True is only supported by the GPU grid kernel (no num_programs)")
     if backend == "tpu":
         codes, scale, status = _tpu_call(x2, weight, eps, qdtype, block_rows, interpret, one_pass)
     else:
         codes, scale, status = _gpu_call(x2, weight, eps, qdtype, block_rows, num_warps, num_programs, interpret,
-                                         one_pass, reload, bool(streaming))
+                                         one_pass, reload)
     out = codes.reshape(*lead, k), scale.reshape(lead), status.reshape(lead)
     return _check_status(*out, check, (x, weight))
 
@@ -461,11 +451,10 @@ def rmsnorm_quantize_reference(
     check: bool = True,
     one_pass: bool | None = None,
     reload: bool = False,
-    streaming: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Plain-JAX (unfused, float32) reference with the kernel's semantics (``one_pass`` as for the kernel); tuning
-    arguments (``reload``, ``streaming`` included) are ignored."""
-    del block_rows, num_warps, num_programs, backend, interpret, reload, streaming
+    arguments (``reload`` included) are ignored."""
+    del block_rows, num_warps, num_programs, backend, interpret, reload
     x, weight, eps, qdtype = _validate(x, weight, eps, qparam_dtype)
     one_pass = ONE_PASS_DEFAULT if one_pass is None else bool(one_pass)
     lead, k = x.shape[:-1], x.shape[-1]
