@@ -42,10 +42,11 @@ outputs ``codes: int8 [..., K]``, ``scale: qparam_dtype [...]``, ``status: int32
 Backends: ``"gpu"`` (Pallas Triton; one program handles ``block_rows`` whole rows held in registers (default 1 row,
 64 elements per thread: 2 warps at K = 4096, 4 at K = 8192); K is loaded as one power-of-two-wide masked tile, so
 any K works; M tails are masked), also used on CPU with ``interpret=True``. Measured on an H200 (kernel time,
-docs/benchmarks_w8a8.md): 3.50 TB/s at M = 16384, K = 8192 and 3.42 TB/s at K = 4096 (81 % / 79.6 % of the
-4.3 TB/s copy). Tuning alternatives kept for measurement, none faster: ``num_programs=P`` (a persistent grid that
-loops over row blocks, prefetching the next), ``reload=True`` (re-read x, w for the encode step instead of keeping
-them live), ``one_pass=False`` (the two-pass body, 8-11 % slower at K = 8192);
+docs/benchmarks_w8a8.md): 3.49-3.54 TB/s at M = 16384, K = 8192 and 3.42-3.49 TB/s at K = 4096 (80-82 % of the
+4.3 TB/s copy; 79.6 % in one of three runs at K = 4096). Tuning alternatives kept for measurement, none faster:
+``num_programs=P`` (a persistent grid that loops over row blocks, prefetching the next), ``reload=True`` (re-read
+x, w for the encode step instead of keeping them live), ``one_pass=False`` (the two-pass body, 8-11 % slower at
+K = 8192);
 ``"tpu"`` (Mosaic BlockSpecs ``(block_rows, K)``, scale/status as ``[M, 1]``, partial edge blocks), validated only
 with ``pltpu.InterpretParams()``.
 """
