@@ -204,6 +204,13 @@ def _int8_gemm(xq, xs, w: QuantLinear, impl: str, interpret) -> jax.Array:
     return acc.astype(jnp.float32) * xs.astype(jnp.float32)[:, None] * w.scale.astype(jnp.float32)[None, :]
 
 
+def _poisoned_gemm(codes, scale, status, w: QuantLinear, impl: str, interpret, lead, dtype) -> jax.Array:
+    """INT8 GEMM of activation rows ``codes [M, K]`` / ``scale [M]`` with ``w``; rows whose ``status`` is not 0 are
+    NaN (never silently zero). Returns ``[*lead, N]`` in ``dtype``."""
+    y = jnp.where((status == 0)[:, None], _int8_gemm(codes, scale, w, impl, interpret), jnp.float32(jnp.nan))
+    return y.reshape(*lead, -1).astype(dtype)
+
+
 def w8a8_dense_with_status(x: jax.Array, w: QuantLinear, *, impl: str = "xla", interpret=None,
                            act_qparam_dtype: str = "fp32") -> tuple[jax.Array, jax.Array]:
     """Jit-safe W8A8 linear. ``x [..., K]`` float, ``w`` a :class:`QuantLinear` with ``codes [N, K]``.
@@ -214,9 +221,7 @@ def w8a8_dense_with_status(x: jax.Array, w: QuantLinear, *, impl: str = "xla", i
         raise ValueError(f"w8a8_dense: expected x [..., K] and codes [N, K], got {x.shape} and {w.codes.shape}")
     lead, k = x.shape[:-1], x.shape[-1]
     q, status = quantize_symmetric_rows_with_status(x.reshape(-1, k), bits=8, qparam_dtype=act_qparam_dtype)
-    y = _int8_gemm(q.codes, q.scale, w, impl, interpret)
-    y = jnp.where((status == 0)[:, None], y, jnp.float32(jnp.nan))
-    return y.reshape(*lead, -1).astype(x.dtype), status.reshape(lead)
+    return _poisoned_gemm(q.codes, q.scale, status, w, impl, interpret, lead, x.dtype), status.reshape(lead)
 
 
 def w8a8_dense(x: jax.Array, w: QuantLinear, *, impl: str = "xla", interpret=None,
@@ -261,9 +266,7 @@ def norm_w8a8_dense_with_status(x: jax.Array, norm_w: jax.Array, eps: float, ws,
     else:
         codes, scale, status = RQ.rmsnorm_quantize_reference(x.reshape(-1, k), norm_w, eps=eps, qparam_dtype=qdtype,
                                                              check=False)
-    ok = (status == 0)[:, None]
-    ys = [jnp.where(ok, _int8_gemm(codes, scale, w, impl, interpret), jnp.float32(jnp.nan)).reshape(*lead, -1)
-          .astype(x.dtype) for w in ws]
+    ys = [_poisoned_gemm(codes, scale, status, w, impl, interpret, lead, x.dtype) for w in ws]
     return ys, _producer_status(status).reshape(lead)
 
 
