@@ -15,6 +15,11 @@ CONTROL = 3
 USER_DEFINED = 4
 
 
+class UnsafeChatTemplateError(ValueError):
+    """The model file's chat template failed in the sandbox (an unsafe operation, a syntax error or its own
+    ``raise_exception``)."""
+
+
 @dataclasses.dataclass
 class Tokenizer:
     """Wraps a ``tokenizers.Tokenizer`` with the model's special ids and chat template.
@@ -72,19 +77,42 @@ class Tokenizer:
 
     @cached_property
     def _template(self):
-        import jinja2
+        """The chat template compiled in jinja2's immutable sandbox (as transformers does): the template comes from
+        the model file, which is untrusted, so attribute access to internals (``__globals__``, ``__class__`` ...),
+        calls of unsafe callables and mutation of the render arguments raise :class:`UnsafeChatTemplateError`."""
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         if not self.chat_template:
             return None
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-        return env.from_string(self.chat_template)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template)
+        except TemplateError as e:
+            raise UnsafeChatTemplateError(f"the model's chat template does not compile: {e}") from e
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` (``[{"role", "content"}, ...]``) with the model's template, sandboxed."""
+        from jinja2 import TemplateError
+        from jinja2.exceptions import SecurityError
+
         if self._template is None:
             raise ValueError("this model has no chat template; use raw prompts")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.backend.id_to_token(self.bos_id),
-                                     eos_token=self.backend.id_to_token(self.eos_id))
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.backend.id_to_token(self.bos_id),
+                                         eos_token=self.backend.id_to_token(self.eos_id))
+        except SecurityError as e:
+            raise UnsafeChatTemplateError(
+                f"the model's chat template tried an operation the sandbox forbids ({e}); the model file is not "
+                "trusted: render with raw prompts (--raw) or fix the template") from e
+        except TemplateError as e:
+            raise UnsafeChatTemplateError(f"the model's chat template failed to render: {e}") from e
 
     def encode_chat(self, prompt: str, system: str | None = None) -> list[int]:
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
