@@ -136,7 +136,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", default=None, help="cache scheme (e.g. fp32, bf16, fp8_e4m3, int8, int4, qserve4, kivi2)")
     p.add_argument("--capacity", type=int, default=None)
-    p.add_argument("--attention", default="reference", choices=["reference", "kernel", "auto"])
+    p.add_argument("--attention", default="auto", choices=["reference", "kernel", "auto"],
+                   help="auto (default): packed-KV kernels + cuDNN prefill on GPU, the float32 reference on CPU")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_generate)
 

@@ -230,8 +230,15 @@ def _runs(per_layer: tuple[CacheScheme, ...]) -> list[tuple[CacheScheme, int, in
 
 
 def init_cache(schemes: CacheScheme | tuple[CacheScheme, ...] | list, *, num_layers: int, batch: int,
-               capacity: int, num_kv_heads: int, head_dim: int) -> KVCache:
-    """Empty cache. ``schemes`` is one scheme for all layers, or a per-layer sequence (mixed policy)."""
+               capacity: int, num_kv_heads: int, head_dim: int, layer_groups: str = "runs") -> KVCache:
+    """Empty cache. ``schemes`` is one scheme for all layers, or a per-layer sequence (mixed policy).
+
+    ``layer_groups``: ``"runs"`` stacks each run of consecutive layers with the same scheme into one group
+    ``[L_g, B, Hkv, C, ...]`` (what ``lax.scan`` over layers wants); ``"per_layer"`` gives every layer its own group
+    (``L_g = 1``: its own buffers), the serving layout: the model's unrolled decode step then reads and updates
+    each layer's buffers in place, where slicing one layer out of a stacked buffer would copy it for a kernel."""
+    if layer_groups not in ("runs", "per_layer"):
+        raise ValueError(f"layer_groups must be 'runs' or 'per_layer', got {layer_groups!r}")
     if isinstance(schemes, CacheScheme):
         per_layer = (schemes,) * num_layers
     else:
@@ -241,7 +248,7 @@ def init_cache(schemes: CacheScheme | tuple[CacheScheme, ...] | list, *, num_lay
     if batch < 1 or capacity < 1:
         raise ValueError(f"batch ({batch}) and capacity ({capacity}) must be >= 1")
     groups = []
-    runs = _runs(per_layer)
+    runs = _runs(per_layer) if layer_groups == "runs" else [(s, i, 1) for i, s in enumerate(per_layer)]
     for scheme, _, n in runs:
         one = scheme.init_layer(batch, capacity, num_kv_heads, head_dim)
         groups.append(jax.tree.map(lambda a, n=n: jnp.broadcast_to(a, (n,) + a.shape).copy(), one))

@@ -2,7 +2,7 @@
 
 The LM loss is differentiated with respect to every layer's k_proj / v_proj OUTPUT by adding zero-valued
 perturbations ``dk, dv: [L, B, T, Hkv, D]`` to them inside the model's own layer function
-(:func:`kvquant_jax.models.llama._layer`, through its attention hook): ``k_pre + dk`` is rotated like the key and
+(:func:`kvquant_jax.models.llama.decoder_layer`, through its attention hook): ``k_pre + dk`` is rotated like the key and
 ``v + dv`` enters attention, so ``dL/d(dk) = dL/dk_pre`` (the PRE-RoPE key gradient) and ``dL/d(dv) = dL/dv``.
 The diagonal Fisher is the squared gradient, element by element (one sequence's loss per element: sequences of
 a batch do not interact, so a batched gradient of the summed loss is the per-sequence gradient).
@@ -21,7 +21,7 @@ import numpy as np
 
 from kvquant_jax.eval.ppl import token_nll
 from kvquant_jax.models.config import LlamaConfig
-from kvquant_jax.models.llama import _layer, attend, logits_from_hidden
+from kvquant_jax.models.llama import attend, decoder_layer, logits_from_hidden
 from kvquant_jax.models.rope import apply_rope
 
 
@@ -48,7 +48,7 @@ def kv_with_gradients(params, cfg: LlamaConfig, tokens: jax.Array):
                 kp = k.astype(jnp.float32) + apply_rope(dk_l, positions, cfg.rope_theta, cfg.rope_pairing)
                 return attend(q, kp.astype(k.dtype), (v.astype(jnp.float32) + dv_l).astype(v.dtype), num_new, None)
 
-            x, k, v = _layer(cfg, x, lp, positions, attn_fn)
+            x, k, v = decoder_layer(cfg, x, lp, positions, attn_fn)
             return x, (k.astype(jnp.float32), v.astype(jnp.float32))
 
         x, (ks, vs) = jax.lax.scan(body, x, (params["layers"], dk, dv))

@@ -1,8 +1,8 @@
 """A differentiable LLaMA forward over ``[prefix rows | body tokens]`` with per-layer outputs.
 
 Used by IntactKV calibration (gradients reach the prefix K/V), PrefixQuant discovery (per-token ``down_proj`` input
-maxima) and static-scale calibration (exact body K/V rows).  It is built from ``kvquant_jax.models.llama``'s blocks
-(``rms_norm``, ``apply_rope``, ``attend``, ``_dot``, ``logits_from_hidden``) and follows ``llama.forward``'s chunked
+maxima) and static-scale calibration (exact body K/V rows).  Each layer is the model's own
+``decoder_layer`` (so any ``linear`` hook, W8A8 included, applies) and it follows ``llama.forward``'s chunked
 cache contract exactly:
 
 * body token ``t`` sits at position ``P + t`` (``P`` prefix rows, positions ``0..P-1``);
@@ -28,30 +28,38 @@ import numpy as np
 
 from kvquant_jax.cache.interface import CacheScheme
 from kvquant_jax.models.config import LlamaConfig
-from kvquant_jax.models.llama import _dot, attend, logits_from_hidden, rms_norm
-from kvquant_jax.models.rope import apply_rope
+from kvquant_jax.models.llama import attend, decoder_layer, dense, logits_from_hidden
 
 OUTPUTS = ("logits", "hidden", "down_max", "kv")
 
 
-def block(cfg: LlamaConfig, x, lp, positions, attn_fn):
-    """One decoder layer that also reports its ``down_proj`` input.
+class _DownInputMax:
+    """A ``linear`` hook that delegates every projection to ``base`` and records the per-token ``max |x|`` of the
+    ``down`` projection's input (PrefixQuant's outlier statistic). A ``norm_linears`` group method of ``base``
+    (e.g. W8A8's fused RMSNorm producer) is kept, so the model computes exactly what it computes without the hook."""
+
+    def __init__(self, base):
+        self.base = base
+        self.down_max = None
+        if hasattr(base, "norm_linears"):
+            self.norm_linears = base.norm_linears
+
+    def __call__(self, x, w, name):
+        if name == "down":
+            self.down_max = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+        return self.base(x, w, name)
+
+
+def block(cfg: LlamaConfig, x, lp, positions, attn_fn, linear=None):
+    """The model's own decoder layer (:func:`kvquant_jax.models.llama.decoder_layer`, with ``linear`` or the
+    config's activation policy), also reporting its ``down_proj`` input.
 
     Returns ``(x', k, v, down_max)``: ``k`` post-RoPE and ``v`` ``[B, T, Hkv, D]``; ``down_max [B, T]`` float32 is the
     per-token ``max |silu(gate) * up|`` (the input of ``w_down``: PrefixQuant's outlier statistic).
     """
-    b, t, _ = x.shape
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-    q = _dot(h, lp["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = _dot(h, lp["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = _dot(h, lp["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_pairing)
-    k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_pairing)
-    x = x + _dot(attn_fn(q, k, v).reshape(b, t, cfg.num_heads * cfg.head_dim), lp["wo"])
-    h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
-    down_in = jax.nn.silu(_dot(h, lp["w_gate"])) * _dot(h, lp["w_up"])
-    x = x + _dot(down_in, lp["w_down"])
-    return x, k, v, jnp.max(jnp.abs(down_in.astype(jnp.float32)), axis=-1)
+    hook = _DownInputMax(linear or cfg.activation or dense)
+    x, k, v = decoder_layer(cfg, x, lp, positions, attn_fn, hook)
+    return x, k, v, hook.down_max
 
 
 def init_body_state(body: CacheScheme, cfg: LlamaConfig, batch: int, capacity: int, *, k_scales=None,

@@ -92,7 +92,7 @@ def _layer_stats(cfg: LlamaConfig, x, lp, positions):
         num_new = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
         return llama.attend(q, k, v, num_new, None)
 
-    x, _, _ = llama._layer(cfg, x, lp, positions, attn, linear)
+    x, _, _ = llama.decoder_layer(cfg, x, lp, positions, attn, linear)
     return x, stats
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvquant_jax.cache.interface import layer_state
 from kvquant_jax.eval.policy import as_policy
-from kvquant_jax.models.llama import _finish, _qkv, attend
+from kvquant_jax.models.llama import attend, finish_layer, project_qkv
 
 NEG = jnp.float32(-1e30)
 
@@ -42,8 +42,8 @@ def exact_qkv(params, cfg, tokens):
     num_new = jnp.full((b,), t, jnp.int32)
 
     def body(x, lp):
-        q, k, v = _qkv(cfg, x, lp, positions)
-        x = _finish(cfg, x, lp, attend(q, k, v, num_new, None))
+        q, k, v = project_qkv(cfg, x, lp, positions)
+        x = finish_layer(cfg, x, lp, attend(q, k, v, num_new, None))
         return x, (q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
 
     _, (q, k, v) = jax.lax.scan(body, params["embed"][tokens], params["layers"])

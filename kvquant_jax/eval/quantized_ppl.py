@@ -127,7 +127,7 @@ def _decode_scan(params, cfg, cache, first, forced, targets, free_running, *, at
 
 
 def decode(params, cfg, policy, prompt, n: int, *, targets=None, free_running: bool = False,
-           attention_impl: str = "reference"):
+           attention_impl: str = "auto"):
     """Prefill ``prompt`` (int32 [B, P]) then decode ``n`` tokens through a fresh cache of ``policy``.
 
     Teacher-forced (``free_running=False``): ``targets`` int32 [B, n + 1] are the tokens after the prompt; step i
@@ -159,7 +159,7 @@ def decode(params, cfg, policy, prompt, n: int, *, targets=None, free_running: b
     return {"first": np.asarray(first_am), "nll": np.asarray(nll), "argmax": np.asarray(am)}
 
 
-def serving_nll(params, cfg, tokens, policy, prefill: int, *, attention_impl: str = "reference") -> np.ndarray:
+def serving_nll(params, cfg, tokens, policy, prefill: int, *, attention_impl: str = "auto") -> np.ndarray:
     """float32 ``[B, N]``: NLL of ``tokens[:, P + 1:]`` (``N = T - P - 1``) on the serving path: prefill
     ``tokens[:, :P]`` at once, then teacher-forced decode one token per forward.
 

@@ -1,8 +1,17 @@
 """LLaMA decoder as a pure function of (params, tokens, cache) -> (logits, cache', ok).
 
 Shapes: B batch, T tokens in this forward, H hidden, Hq query heads, Hkv KV heads, D head_dim, G = Hq // Hkv,
-C cache capacity, V vocab.  Layers run under ``lax.scan`` over parameters stacked on a leading layer axis; cache
-layer states are stacked the same way (one stacked group per run of layers sharing a scheme).
+C cache capacity, V vocab.  Parameters are stacked on a leading layer axis (``params["layers"]`` a dict of
+``[L, ...]`` arrays; the form calibration and evaluation use) or unstacked (a tuple of per-layer dicts, made by
+:func:`unstack_layers`: the serving form).  Cache layer states come in groups (one per run of layers sharing a
+scheme, or one per layer: ``init_cache(..., layer_groups="per_layer")``).  A stacked group over stacked params runs
+under ``lax.scan``; every other combination is unrolled, so each layer reads its own weight and cache buffers in
+place (on GPU a scan's per-layer dynamic slices of the stacked weights are materialized: a copy of every weight
+matrix per step, measured in docs/results/serving).
+
+Public layer API (what evaluation, calibration and serving build on): :func:`project_qkv`, :func:`attend`,
+:func:`finish_layer` (output projection + MLP), :func:`decoder_layer`, :func:`logits_from_hidden`, :func:`matmul`,
+:func:`dense` (the default ``linear`` hook), :func:`norm_linears`, :func:`layer_params`.
 
 Attention contract (design notes 0x06D): the current forward attends with the EXACT K/V it just produced (causal
 within the chunk) plus the retained history decoded from the cache's stored representation, under ONE softmax;
@@ -17,12 +26,15 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from kvquant_jax.attention.dispatch import decode_attention
 from kvquant_jax.cache.interface import KVCache
+from kvquant_jax.cache.ops import publish
 from kvquant_jax.models.config import LlamaConfig
+from kvquant_jax.models.prefill_attention import (ATTENTION_IMPLS, NEG_INF, attend, prefill_attention,  # noqa: F401
+                                                   resolve_prefill_impl)
 from kvquant_jax.models.rope import apply_rope
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
-NEG_INF = -1e30
 
 
 def cast_params(params: dict, dtype: str = "fp32") -> dict:
@@ -43,51 +55,22 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def _dot(x, w):
-    return jnp.matmul(x, w.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
+def _precision(dtype):
+    """float32 operands: HIGHEST (true float32 products: parity with float64 oracles and transformers); bf16 / fp16
+    operands: DEFAULT (one tensor-core pass with float32 accumulation; HIGHEST would buy nothing)."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def matmul(x, w):
+    """``x [..., K] @ w [K, N]`` in x's dtype, precision by dtype (:func:`_precision`)."""
+    return jnp.matmul(x, w.astype(x.dtype), precision=_precision(x.dtype))
 
 
 def dense(x, w, name: str):
     """The default ``linear(x, w, name)`` hook: ``x [..., K] @ w [K, N]`` in x's dtype (``name`` is one of q, k, v,
     o, gate, up, down, lm_head; unused here). An activation policy (``kvquant_jax.models.w8a8``) replaces it."""
     del name
-    return _dot(x, w)
-
-
-def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
-           hist: tuple[jax.Array, jax.Array, jax.Array] | None) -> jax.Array:
-    """One softmax over [history, current chunk].
-
-    q: [B, T, Hq, D]; k_cur, v_cur: [B, T, Hkv, D]; num_new: int32 [B] (keys t >= num_new are padding);
-    hist: optional (k [B, Hkv, C, D] f32, v [B, Hkv, C, D] f32, valid bool [B, C]).
-    Returns [B, T, Hq, D] in q's dtype; scores and softmax in float32.
-    """
-    b, t, hq, d = q.shape
-    hkv = k_cur.shape[2]
-    g = hq // hkv
-    scale = jnp.float32(1.0 / (d ** 0.5))
-    qf = q.astype(jnp.float32).reshape(b, t, hkv, g, d)
-    kc, vc = k_cur.astype(jnp.float32), v_cur.astype(jnp.float32)
-    hp = jax.lax.Precision.HIGHEST
-    s_cur = jnp.einsum("btkgd,bskd->bkgts", qf, kc, precision=hp) * scale          # [B, Hkv, G, T, S=T]
-    ti = jnp.arange(t)
-    causal = (ti[None, :] <= ti[:, None])[None] & (ti[None, None, :] < num_new[:, None, None])  # [B, T, S]
-    s_cur = jnp.where(causal[:, None, None], s_cur, jnp.float32(NEG_INF))
-    if hist is not None:
-        hk, hv, valid = hist
-        s_hist = jnp.einsum("btkgd,bkcd->bkgtc", qf, hk, precision=hp) * scale      # [B, Hkv, G, T, C]
-        s_hist = jnp.where(valid[:, None, None, None, :], s_hist, jnp.float32(NEG_INF))
-        s = jnp.concatenate([s_hist, s_cur], axis=-1)
-    else:
-        s = s_cur
-    p = jax.nn.softmax(s, axis=-1)
-    if hist is not None:
-        c = hk.shape[2]
-        out = (jnp.einsum("bkgtc,bkcd->btkgd", p[..., :c], hv, precision=hp)
-               + jnp.einsum("bkgts,bskd->btkgd", p[..., c:], vc, precision=hp))
-    else:
-        out = jnp.einsum("bkgts,bskd->btkgd", p, vc, precision=hp)
-    return out.reshape(b, t, hq, d).astype(q.dtype)
+    return matmul(x, w)
 
 
 def norm_linears(linear: Callable, x, norm_w, eps: float, projections) -> list:
@@ -102,8 +85,9 @@ def norm_linears(linear: Callable, x, norm_w, eps: float, projections) -> list:
     return [linear(h, w, name) for w, name in projections]
 
 
-def _qkv(cfg: LlamaConfig, x, lp, positions, linear: Callable | None = None):
-    """Projections of one layer: q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` (q, k post-RoPE).
+def project_qkv(cfg: LlamaConfig, x, lp, positions, linear: Callable | None = None):
+    """Projections of one layer: x ``[B, T, H]``, lp one layer's params, positions int32 ``[B, T]`` ->
+    q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` in x's dtype (q, k post-RoPE).
     ``linear(x, w, name)`` computes each projection (default ``cfg.activation`` or :func:`dense`)."""
     linear = linear or cfg.activation or dense
     b, t, _ = x.shape
@@ -115,8 +99,9 @@ def _qkv(cfg: LlamaConfig, x, lp, positions, linear: Callable | None = None):
             apply_rope(k, positions, cfg.rope_theta, cfg.rope_pairing), v)
 
 
-def _finish(cfg: LlamaConfig, x, lp, a, linear: Callable | None = None):
-    """Output projection + residual, then the SwiGLU MLP block. a: attention output ``[B, T, Hq, D]``."""
+def finish_layer(cfg: LlamaConfig, x, lp, a, linear: Callable | None = None):
+    """Output projection + residual, then the SwiGLU MLP block: x ``[B, T, H]`` (the layer's input), a the attention
+    output ``[B, T, Hq, D]`` -> the layer's output ``[B, T, H]``."""
     linear = linear or cfg.activation or dense
     b, t, _ = x.shape
     x = x + linear(a.reshape(b, t, cfg.num_heads * cfg.head_dim), lp["wo"], "o")
@@ -124,10 +109,42 @@ def _finish(cfg: LlamaConfig, x, lp, a, linear: Callable | None = None):
     return x + linear(jax.nn.silu(gate) * up, lp["w_down"], "down")
 
 
-def _layer(cfg: LlamaConfig, x, lp, positions, attn_fn: Callable, linear: Callable | None = None):
+def decoder_layer(cfg: LlamaConfig, x, lp, positions, attn_fn: Callable, linear: Callable | None = None):
     """One decoder layer. ``attn_fn(q, k, v) -> [B, T, Hq, D]``. Returns (x', k, v) (this forward's exact K/V)."""
-    q, k, v = _qkv(cfg, x, lp, positions, linear)
-    return _finish(cfg, x, lp, attn_fn(q, k, v), linear), k, v
+    q, k, v = project_qkv(cfg, x, lp, positions, linear)
+    return finish_layer(cfg, x, lp, attn_fn(q, k, v), linear), k, v
+
+
+def unstack_layers(params: dict) -> dict:
+    """Stacked ``params["layers"]`` (dict of ``[L, ...]`` arrays, or any pytree such as W8A8 ``QuantLinear``) ->
+    a tuple of ``L`` per-layer pytrees: the serving form (each layer's weights are separate buffers, read in place
+    by the unrolled forward). Already unstacked params are returned as they are."""
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):
+        return params
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))}
+
+
+def stack_layers(params: dict) -> dict:
+    """The inverse of :func:`unstack_layers` (stacked params are returned as they are)."""
+    layers = params["layers"]
+    if not isinstance(layers, (tuple, list)):
+        return params
+    return {**params, "layers": jax.tree.map(lambda *a: jnp.stack(a), *layers)}
+
+
+def num_param_layers(params: dict) -> int:
+    layers = params["layers"]
+    return len(layers) if isinstance(layers, (tuple, list)) else jax.tree.leaves(layers)[0].shape[0]
+
+
+def layer_params(params: dict, layer: int):
+    """One layer's params (a static index into stacked or unstacked params)."""
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):
+        return layers[layer]
+    return jax.tree.map(lambda a: a[layer], layers)
 
 
 def logits_from_hidden(params, cfg: LlamaConfig, x, linear: Callable | None = None):
@@ -140,8 +157,8 @@ def logits_from_hidden(params, cfg: LlamaConfig, x, linear: Callable | None = No
     x = rms_norm(x, params["final_norm"], cfg.rms_eps)
     if cfg.tie_embeddings:
         return jnp.einsum("bth,vh->btv", x, params["embed"].astype(x.dtype),
-                          precision=jax.lax.Precision.HIGHEST).astype(jnp.float32)
-    return _dot(x, params["lm_head"]).astype(jnp.float32)
+                          precision=_precision(x.dtype)).astype(jnp.float32)
+    return matmul(x, params["lm_head"]).astype(jnp.float32)
 
 
 def forward_nocache(params, cfg: LlamaConfig, tokens: jax.Array, positions: jax.Array | None = None,
@@ -158,23 +175,29 @@ def forward_nocache(params, cfg: LlamaConfig, tokens: jax.Array, positions: jax.
         num_new = jnp.full((b,), t, jnp.int32)
     x = params["embed"][tokens]
 
-    def body(x, lp):
-        x, _, _ = _layer(cfg, x, lp, positions, lambda q, k, v: attend(q, k, v, num_new, None), linear)
-        return x, None
+    def layer(x, lp):
+        x, _, _ = decoder_layer(cfg, x, lp, positions, lambda q, k, v: attend(q, k, v, num_new, None), linear)
+        return x
 
-    x, _ = jax.lax.scan(body, x, params["layers"])
+    if isinstance(params["layers"], (tuple, list)):
+        for lp in params["layers"]:
+            x = layer(x, lp)
+    else:
+        x, _ = jax.lax.scan(lambda x, lp: (layer(x, lp), None), x, params["layers"])
     return logits_from_hidden(params, cfg, x, linear)
 
 
 def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new: jax.Array | None = None,
-            *, attention_impl: str = "reference", linear: Callable | None = None
+            *, attention_impl: str = "auto", linear: Callable | None = None
             ) -> tuple[jax.Array, KVCache, jax.Array]:
     """Forward ``tokens`` (int32 [B, T]) at positions ``cache.lengths + t`` and append them to the cache.
 
     Args:
       num_new: int32 [B]: valid tokens per sequence (right padding beyond); default all T.
-      attention_impl: "reference" (decode the stored history, one softmax in JAX) or "kernel"/"auto" (decode
-        steps, T == 1, go through ``kvquant_jax.attention.dispatch.decode_attention`` which reads packed codes).
+      attention_impl: "reference" (decode the stored history, one float32 softmax in JAX, every phase), "kernel"
+        (decode steps, T == 1, go through ``kvquant_jax.attention.dispatch.decode_attention``, which reads packed
+        codes in place; prefill, T > 1, through cuDNN flash attention on GPU) or "auto" (the default: "kernel" on
+        GPU/TPU where a kernel serves the layout, the float32 reference on CPU, so CPU results are unchanged).
       linear: optional ``linear(x, w, name)`` projection hook (None = float); a hashable policy object (e.g.
         ``kvquant_jax.models.w8a8.W8A8Policy``) so it can be a static jit argument. The hook sees ``x [B, T, K]``,
         so it can specialise on the phase (prefill T > 1, decode T == 1).
@@ -184,24 +207,30 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
     """
     b, t = tokens.shape
     linear = linear or cfg.activation or dense
+    if attention_impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
     if num_new is None:
         num_new = jnp.full((b,), t, jnp.int32)
+    if num_param_layers(params) != cache.num_layers:
+        raise ValueError(f"params hold {num_param_layers(params)} layers, the cache {cache.num_layers}")
     lengths = cache.lengths
     positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    prefill_impl = resolve_prefill_impl(attention_impl)
     x = params["embed"][tokens]
     new_groups = []
     ok = jnp.bool_(True)
+    unstacked = isinstance(params["layers"], (tuple, list))
     for (scheme, first, n), gstate in zip(cache.schemes, cache.groups):
-        lp_all = jax.tree.map(lambda a: a[first:first + n], params["layers"])
 
         def body(carry, inp, scheme=scheme):
-            # The stacked group state rides in the carry. The append is written first (dynamic_update_slice of
-            # this layer's slice) and attention then reads the UPDATED state at the OLD lengths: by the frontier
-            # rule that view equals the old state's, and with no reader of the pre-append buffer left XLA updates
-            # the donated cache in place (no per-step copy of the cache).
+            # The group state rides in the carry. The append is written first (dynamic_update_slice of this layer's
+            # slice) and attention then reads the UPDATED state at the OLD lengths: by the frontier rule that view
+            # equals the old state's, and with no reader of the pre-append buffer left XLA updates the donated cache
+            # in place (no per-step copy of the cache). ``i`` is a traced index under the scan, a Python int when
+            # unrolled (then every slice is static; for one-layer groups a bitcast).
             x, ok, gst = carry
             lp, i = inp
-            q, k, v = _qkv(cfg, x, lp, positions, linear)
+            q, k, v = project_qkv(cfg, x, lp, positions, linear)
             st = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), gst)
             st2, fin = scheme.append_layer_with_status(st, lengths, k, v, num_new)
             gst = jax.tree.map(lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, 0), gst, st2)
@@ -210,26 +239,29 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
             else:  # a long append may wrap residual rings onto slots still visible at the old lengths
                 view = st
             if attention_impl != "reference" and t == 1:
-                from kvquant_jax.attention.dispatch import decode_attention
-
                 a = decode_attention(q[:, 0], scheme, view, lengths, k[:, 0], v[:, 0],
                                      impl=attention_impl)[:, None].astype(q.dtype)
             else:
-                a = attend(q, k, v, num_new, scheme.materialize_layer(view, lengths))
-            x = _finish(cfg, x, lp, a, linear)
+                a = prefill_attention(q, k, v, num_new, scheme.materialize_layer(view, lengths), impl=prefill_impl)
+            x = finish_layer(cfg, x, lp, a, linear)
             return (x, ok & jnp.all(fin), gst), None
 
-        (x, ok, g2), _ = jax.lax.scan(body, (x, ok, gstate), (lp_all, jnp.arange(n, dtype=jnp.int32)))
+        if unstacked or n == 1:      # unrolled: static per-layer slices of params and cache
+            carry = (x, ok, gstate)
+            for j in range(n):
+                carry, _ = body(carry, (layer_params(params, first + j), j))
+            x, ok, g2 = carry
+        else:
+            lp_all = jax.tree.map(lambda a: a[first:first + n], params["layers"])
+            (x, ok, g2), _ = jax.lax.scan(body, (x, ok, gstate), (lp_all, jnp.arange(n, dtype=jnp.int32)))
         new_groups.append(g2)
     logits = logits_from_hidden(params, cfg, x, linear)
     # Publish: lengths advance iff every valid row of every layer was finite and encodable; a rejected multi-row
     # append restores residual rings it may have wrapped (see kvquant_jax.cache.ops.publish).
-    from kvquant_jax.cache.ops import publish
-
     return logits, publish(cache, tuple(new_groups), num_new, ok, multi_row=t > 1), ok
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_impl", "linear"), donate_argnames=("cache",))
-def forward_jit(params, cfg, tokens, cache, num_new, attention_impl="reference", linear=None):
+def forward_jit(params, cfg, tokens, cache, num_new, attention_impl="auto", linear=None):
     """``forward`` under jit with the cache donated (updated in place); ``linear`` must be hashable (static)."""
     return forward(params, cfg, tokens, cache, num_new, attention_impl=attention_impl, linear=linear)

@@ -39,18 +39,54 @@ def bucket(n: int, multiple: int = 16) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
+DEFAULT_PREFILL_CHUNK = 4096
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_impl"), donate_argnames=("cache",))
-def prefill_step(params, cfg: LlamaConfig, tokens, cache, num_new, attention_impl="reference"):
-    """tokens int32 [B, T] right-padded; returns (logits of each sequence's last valid token [B, V], cache, ok)."""
+def prefill_step(params, cfg: LlamaConfig, tokens, cache, num_new, attention_impl="auto"):
+    """tokens int32 [B, T] right-padded; returns (logits of each sequence's last valid token [B, V], cache, ok).
+    A sequence with ``num_new == 0`` appends nothing (its logits row is meaningless)."""
     logits, cache, ok = forward(params, cfg, tokens, cache, num_new, attention_impl=attention_impl)
-    last = jnp.take_along_axis(logits, (num_new - 1)[:, None, None], axis=1)[:, 0]
+    last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    return last, cache, ok
+
+
+def prefill_chunked(params, cfg: LlamaConfig, tokens, cache: KVCache, num_new, *, chunk: int = DEFAULT_PREFILL_CHUNK,
+                    attention_impl: str = "auto"):
+    """Prefill right-padded prompts ``tokens`` (int32 ``[B, T]``, ``num_new[b]`` valid) in chunks of ``chunk``
+    tokens: each chunk is one :func:`prefill_step` (cache donated) that attends to the history the cache stores and
+    to its own exact K/V, so peak activation memory is that of one chunk. Full-precision caches give the one-shot
+    result (up to float rounding); a quantized cache stores exactly what the same chunk sequence through
+    ``forward`` stores (later chunks read earlier chunks from the stored representation, as decode does).
+
+    Returns (logits of each sequence's last prompt token ``[B, V]``, cache, ok); ``ok`` is False as soon as one
+    chunk was rejected (that chunk published nothing, and no later chunk runs).
+    """
+    if chunk < 1:
+        raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
+    tokens = jnp.asarray(tokens, jnp.int32)
+    num_new = np.asarray(num_new, np.int32)
+    b, t = tokens.shape
+    last = None
+    ok = jnp.bool_(True)
+    for start in range(0, t, chunk):
+        n_c = np.clip(num_new - start, 0, chunk).astype(np.int32)
+        if not n_c.any():
+            break
+        width = min(chunk, t - start)
+        logits, cache, ok = prefill_step(params, cfg, tokens[:, start:start + width], cache, jnp.asarray(n_c),
+                                         attention_impl=attention_impl)
+        if not bool(ok):
+            break
+        ends_here = jnp.asarray((num_new > start) & (num_new <= start + width))[:, None]
+        last = logits if last is None else jnp.where(ends_here, logits, last)
     return last, cache, ok
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new", "sampling", "attention_impl", "eos_id"),
                    donate_argnames=("cache",))
 def decode_loop(params, cfg: LlamaConfig, first_tok, cache, key, *, max_new: int, sampling: SamplingParams,
-                eos_id: int, attention_impl: str = "reference"):
+                eos_id: int, attention_impl: str = "auto"):
     """Decode up to ``max_new`` tokens (the first already sampled) in one compiled ``while_loop``.
 
     Returns (out int32 [B, max_new] (eos-padded), n_generated int32 [B], cache, ok, steps).
@@ -84,8 +120,15 @@ def decode_loop(params, cfg: LlamaConfig, first_tok, cache, key, *, max_new: int
 def generate(params, cfg: LlamaConfig, prompts: list[list[int]], *, max_new_tokens: int = 32,
              scheme: CacheScheme | tuple | None = None, capacity: int | None = None,
              sampling: SamplingParams = SamplingParams(), seed: int = 0, eos_id: int | None = None,
-             attention_impl: str = "reference") -> GenerationResult:
+             attention_impl: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+             layer_groups: str | None = None) -> GenerationResult:
     """Generate for a batch of token-id prompts of different lengths.
+
+    ``attention_impl`` (see ``llama.forward``; "auto" = kernels on GPU/TPU, the float32 reference on CPU),
+    ``prefill_chunk`` (prompt tokens per prefill forward, :func:`prefill_chunked`) and ``layer_groups`` (cache
+    layout, ``init_cache``; None = "per_layer" on GPU/TPU, where the unrolled step reads every layer's buffers in
+    place, "runs" on CPU, where the layer scan compiles faster) only change speed and memory, not results, for
+    prompts up to one chunk.
 
     Raises ValueError for an empty prompt, a prompt (plus ``max_new_tokens``) over the cache capacity, and
     :class:`CacheAppendError` when a step produced non-finite K/V.
@@ -102,10 +145,12 @@ def generate(params, cfg: LlamaConfig, prompts: list[list[int]], *, max_new_toke
         capacity = bucket(need, 64)
     check_fits(cfg, need, capacity, f"prompt of {max(lens)} tokens + {max_new_tokens} new tokens")
     scheme = scheme or FullPrecisionScheme(rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
+    if layer_groups is None:
+        layer_groups = "runs" if jax.default_backend() == "cpu" else "per_layer"
     cache = init_cache(scheme, num_layers=cfg.num_layers, batch=len(prompts), capacity=capacity,
-                       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+                       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, layer_groups=layer_groups)
     return run_batch(params, cfg, prompts, cache, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                     eos_id=eos_id, attention_impl=attention_impl)
+                     eos_id=eos_id, attention_impl=attention_impl, prefill_chunk=prefill_chunk)
 
 
 def check_fits(cfg: LlamaConfig, rows_needed: int, capacity: int, what: str) -> None:
@@ -119,7 +164,7 @@ def check_fits(cfg: LlamaConfig, rows_needed: int, capacity: int, what: str) -> 
 
 def run_batch(params, cfg: LlamaConfig, runs: list[list[int]], cache: KVCache, *, max_new_tokens: int,
               sampling: SamplingParams, seed: int, eos_id: int | None,
-              attention_impl: str = "reference") -> GenerationResult:
+              attention_impl: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> GenerationResult:
     """Prefill the non-empty token lists ``runs`` (one per sequence of ``cache``, appended after the rows the cache
     already holds) and decode up to ``max_new_tokens`` per sequence.  The caller has checked capacity."""
     eos_id = cfg.eos_id if eos_id is None else eos_id
@@ -130,8 +175,8 @@ def run_batch(params, cfg: LlamaConfig, runs: list[list[int]], cache: KVCache, *
         toks[i, : len(r)] = r
     key, k0 = jax.random.split(jax.random.PRNGKey(seed))
     t0 = time.perf_counter()
-    last, cache, ok = prefill_step(params, cfg, jnp.asarray(toks), cache, jnp.asarray(lens, jnp.int32),
-                                   attention_impl=attention_impl)
+    last, cache, ok = prefill_chunked(params, cfg, toks, cache, np.asarray(lens, np.int32), chunk=prefill_chunk,
+                                      attention_impl=attention_impl)
     if not bool(ok):
         raise CacheAppendError("prefill produced non-finite K/V; nothing was appended")
     first = sample(last, k0, sampling)

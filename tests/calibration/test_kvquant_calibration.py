@@ -16,7 +16,7 @@ from kvquant_jax.cache.schema import IncompatibleSchemaError
 from kvquant_jax.calibration import kvquant as KC
 from kvquant_jax.calibration.fisher import KVActivations, collect, kv_with_gradients, sample_starts
 from kvquant_jax.calibration.kmeans import weighted_kmeans
-from kvquant_jax.models.llama import _layer, attend, logits_from_hidden
+from kvquant_jax.models.llama import attend, decoder_layer, logits_from_hidden
 from kvquant_jax.models.testing import random_params, tiny_config
 
 CFG = tiny_config(head_dim=16, num_heads=4, num_kv_heads=2, hidden_size=32, num_layers=2)
@@ -46,7 +46,7 @@ def _post_rope_loss(params, tokens, dk_post):
 
     def body(x, inp):
         lp, d = inp
-        x, _, _ = _layer(CFG, x, lp, positions, lambda q, k, v: attend(q, k + d, v, num_new, None))
+        x, _, _ = decoder_layer(CFG, x, lp, positions, lambda q, k, v: attend(q, k + d, v, num_new, None))
         return x, None
 
     x, _ = jax.lax.scan(body, x, (params["layers"], dk_post))

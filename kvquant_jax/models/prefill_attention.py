@@ -1,0 +1,119 @@
+"""Attention of a forward over [stored history, this forward's exact K/V]: the float32 reference and cuDNN flash.
+
+Shapes: B batch, T tokens in this forward, Hq query heads, Hkv KV heads, G = Hq // Hkv, D head_dim, C history rows.
+Both implementations compute ONE softmax over the history rows (``valid``) and the causal current chunk (keys
+``s <= t`` and ``s < num_new``):
+
+* :func:`attend` (reference): float32 scores ``[B, Hkv, G, T, C + T]`` materialized; exact (HIGHEST precision),
+  the CPU and parity path; memory ``O(T * (C + T))`` per head, so it cannot serve long prompts.
+* :func:`prefill_attention_cudnn` (GPU): two cuDNN fused flash-attention calls, the causal current chunk and the
+  history (padding mask ``kv_seqlen = #valid``), each returning its float32 softmax statistics (log-sum-exp of the
+  scaled logits); the two partial outputs merge exactly by their log-sum-exps. No ``[T, T]`` scores exist in HBM.
+  Operands in the compute dtype (bf16/fp16; float32 inputs are rounded to bf16), float32 accumulation. Requires
+  the history rows to be contiguous from row 0 (``valid[b] == arange(C) < n_b``), which every scheme's
+  ``materialize_layer`` satisfies (rows are positions).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+ATTENTION_IMPLS = ("auto", "kernel", "reference")
+NEG_INF = -1e30
+
+
+def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
+           hist: tuple[jax.Array, jax.Array, jax.Array] | None) -> jax.Array:
+    """One softmax over [history, current chunk].
+
+    q: [B, T, Hq, D]; k_cur, v_cur: [B, T, Hkv, D]; num_new: int32 [B] (keys t >= num_new are padding);
+    hist: optional (k [B, Hkv, C, D] f32, v [B, Hkv, C, D] f32, valid bool [B, C]).
+    Returns [B, T, Hq, D] in q's dtype; scores and softmax in float32.
+    """
+    b, t, hq, d = q.shape
+    hkv = k_cur.shape[2]
+    g = hq // hkv
+    scale = jnp.float32(1.0 / (d ** 0.5))
+    qf = q.astype(jnp.float32).reshape(b, t, hkv, g, d)
+    kc, vc = k_cur.astype(jnp.float32), v_cur.astype(jnp.float32)
+    hp = jax.lax.Precision.HIGHEST
+    s_cur = jnp.einsum("btkgd,bskd->bkgts", qf, kc, precision=hp) * scale          # [B, Hkv, G, T, S=T]
+    ti = jnp.arange(t)
+    causal = (ti[None, :] <= ti[:, None])[None] & (ti[None, None, :] < num_new[:, None, None])  # [B, T, S]
+    s_cur = jnp.where(causal[:, None, None], s_cur, jnp.float32(NEG_INF))
+    if hist is not None:
+        hk, hv, valid = hist
+        s_hist = jnp.einsum("btkgd,bkcd->bkgtc", qf, hk, precision=hp) * scale      # [B, Hkv, G, T, C]
+        s_hist = jnp.where(valid[:, None, None, None, :], s_hist, jnp.float32(NEG_INF))
+        s = jnp.concatenate([s_hist, s_cur], axis=-1)
+    else:
+        s = s_cur
+    p = jax.nn.softmax(s, axis=-1)
+    if hist is not None:
+        c = hk.shape[2]
+        out = (jnp.einsum("bkgtc,bkcd->btkgd", p[..., :c], hv, precision=hp)
+               + jnp.einsum("bkgts,bskd->btkgd", p[..., c:], vc, precision=hp))
+    else:
+        out = jnp.einsum("bkgts,bskd->btkgd", p, vc, precision=hp)
+    return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def resolve_prefill_impl(attention_impl: str, platform: str | None = None) -> str:
+    """The prefill (T > 1) attention for a forward's ``attention_impl``: ``"cudnn"`` on GPU for "auto"/"kernel",
+    ``"reference"`` otherwise (CPU and TPU: the float32 reference)."""
+    platform = platform or jax.default_backend()
+    if attention_impl == "reference" or platform not in ("gpu", "cuda"):
+        return "reference"
+    return "cudnn"
+
+
+def prefill_attention(q, k_cur, v_cur, num_new, hist, *, impl: str = "reference"):
+    """:func:`attend` (``impl="reference"``) or :func:`prefill_attention_cudnn` (``"cudnn"``); same arguments."""
+    if impl == "reference":
+        return attend(q, k_cur, v_cur, num_new, hist)
+    if impl == "cudnn":
+        return prefill_attention_cudnn(q, k_cur, v_cur, num_new, hist)
+    raise ValueError(f"prefill attention impl must be 'reference' or 'cudnn', got {impl!r}")
+
+
+def _cudnn_with_stats(q, k, v, q_len, kv_len, *, causal: bool, layout: str):
+    """One cuDNN flash-attention call -> (out in q's dtype, float32 log-sum-exp ``[B, Hq, T]``)."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    d = q.shape[-1]
+    out, lse = dot_product_attention(q, k, v, q_seqlen=q_len, kv_seqlen=kv_len, scale=float(1.0 / d ** 0.5),
+                                     mask_type=MaskType.PADDING_CAUSAL if causal else MaskType.PADDING,
+                                     qkv_layout=layout, return_residual=True)
+    return out, lse.astype(jnp.float32)
+
+
+def prefill_attention_cudnn(q, k_cur, v_cur, num_new, hist):
+    """cuDNN flash attention over [history, causal current chunk], merged by log-sum-exp (module docstring).
+
+    q: [B, T, Hq, D]; k_cur, v_cur: [B, T, Hkv, D]; num_new: int32 [B]; hist: optional (k [B, Hkv, C, D],
+    v [B, Hkv, C, D], valid bool [B, C]). Returns [B, T, Hq, D] in q's dtype; rows ``t >= num_new`` are 0.
+    """
+    b, t, hq, d = q.shape
+    cdt = q.dtype if q.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
+    qc = q.astype(cdt)
+    num_new = num_new.astype(jnp.int32)
+    out_c, lse_c = _cudnn_with_stats(qc, k_cur.astype(cdt), v_cur.astype(cdt), num_new, num_new, causal=True,
+                                     layout="BTNH")
+    q_valid = (jnp.arange(t)[None, :] < num_new[:, None])[:, :, None, None]          # [B, T, 1, 1]
+    out_c = out_c.astype(jnp.float32)
+    if hist is None:
+        return jnp.where(q_valid, out_c, 0.0).astype(q.dtype)
+    hk, hv, valid = hist
+    n_hist = jnp.sum(valid, axis=-1).astype(jnp.int32)                                   # [B]
+    has = n_hist > 0
+    out_h, lse_h = _cudnn_with_stats(jnp.swapaxes(qc, 1, 2), hk.astype(cdt), hv.astype(cdt), num_new,
+                                     jnp.maximum(n_hist, 1), causal=False, layout="BNTH")
+    out_h = jnp.swapaxes(out_h, 1, 2).astype(jnp.float32)                               # [B, T, Hq, D]
+    lse_h = jnp.swapaxes(lse_h, 1, 2)[..., None]                                          # [B, T, Hq, 1]
+    lse_c = jnp.swapaxes(lse_c, 1, 2)[..., None]
+    lse_h = jnp.where(has[:, None, None, None], lse_h, -jnp.inf)
+    m = jnp.maximum(lse_h, lse_c)
+    w_h = jnp.where(has[:, None, None, None], jnp.exp(lse_h - m), 0.0)
+    w_c = jnp.exp(lse_c - m)
+    out = (w_h * jnp.where(has[:, None, None, None], out_h, 0.0) + w_c * out_c) / (w_h + w_c)
+    return jnp.where(q_valid, out, 0.0).astype(q.dtype)
