@@ -1,0 +1,624 @@
+"""Mosaic GPU (Hopper) decode attention over one KV region: swap-AB wgmma, split-K, packed codes in registers.
+
+Issue J, first kernel.  One query token per sequence, ``q: [B, Hq, D]`` attends over ONE region of K/V
+(``[B, Hkv, T, ...]``, live rows ``[start[b], end[b])``) plus, optionally, the exact current token
+``k_new, v_new: [B, Hkv, D]`` in the same softmax.  Like :mod:`pallas_kernels.decode_attention` (the Pallas
+Triton kernel), the kernel returns split-K partials ``(acc, m, l)`` and the wrapper merges them (and the current
+token's partial) with that module's ``_combine``, so the result is the softmax over the concatenated keys.
+
+Formats (``KVFormat`` pairs, K and V the same family): bf16 (``fp16`` too), per-token symmetric INT8 and INT4
+with one scale per (token, head) (``scale="token", zero="symmetric", group in (0, D)``), FP8 E4M3/E5M2 with
+per-head scales.  Not here (yet): INT2/INT1 (Mosaic GPU has no 2-bit register type), grouped scales along D,
+QServe offsets, KIVI, KVQuant -- :func:`mgpu_unsupported` says why and the caller keeps the Triton kernel.
+
+Algorithm, per program ``(b*Hkv + h, split)`` (one warpgroup, 128 threads)
+-------------------------------------------------------------------------
+*Swap-AB*: the KV tokens are the wgmma M dimension and the query-head group is N.  For a block of ``BT`` (128)
+tokens::
+
+    S^T [BT, N]  = K_blk [BT, D] @ Q^T [D, N]          A = K codes (registers, converted) or bf16 K (SMEM)
+    P^T [BT, N]  = exp2(S^T * (s_k[t] * sm_scale * log2 e) - m)   per-token K scale AFTER the dot (a row scale)
+    O^T [D, N]  += V^T_blk [D, BT] @ (P^T * s_v[t])     V per-token scale folded into p (a row scale of P^T)
+
+``N`` = the GQA group padded to a multiple of 8 (wgmma's smallest N): G = 4 query heads -> N = 8, not 16 or 64.
+With ``precision="bf16x2"`` (default) the query rows are duplicated (N = 2G rounded up to 8; free for G = 4):
+columns ``[0, G)`` of the PV operand carry ``hi = bf16(p)``, columns ``[G, 2G)`` carry ``lo = bf16(p - hi)``,
+and the wrapper adds the two column blocks: ~16 significant bits for p in ONE bf16 wgmma (the Triton kernel's
+"dup" trick).  ``precision="bf16"`` rounds p once (flash-attention practice).  A bf16 query is exact; a float32
+query is rounded to the MMA dtype (the "bf16-operand error", ~1e-3 relative on the H200; ``split_query=True``
+feeds hi + lo parts through two QK wgmmas but did not lower that error on the device: unverified, off by
+default); codes are exact in bf16 (f16 for
+FP8/fp16 payloads: e4m3 -> bf16 has no single cvt on sm_90, e4m3 -> f16 has); accumulation is float32 throughout.
+The softmax denominator is kept as per-row partial sums in registers (elementwise), reduced once per split.
+
+The softmax statistics are per column of S^T (a cross-warp reduction along M, through the small SMEM reduction
+scratch Mosaic GPU reserves); ``m`` is kept in the log2 domain (``exp2`` + one FMA per element) and converted
+back to natural log for the combine.  P^T goes through SMEM once per block (``BT x N`` bf16 = 2 KB, stored
+transposed as the wgmma B operand); the K/V *codes* never take an SMEM round trip after their TMA copy: they are
+loaded straight from the swizzled TMA tile into the wgmma register-A layout and converted in registers.
+
+Loads: :func:`plgpu.emit_pipeline` double/triple-buffers the TMA copies of the K, V and scale tiles of the
+split (``max_concurrent_steps``).  No warp specialization yet (one compute warpgroup issues its own TMAs).
+
+Pack-time layout ("mgpu layout", NOT layout_version 1 -- convert with :func:`prepare_region`)
+--------------------------------------------------------------------------------------------
+The Mosaic GPU path wants each operand in the form its wgmma fragment reads::
+
+    k        [B*Hkv, T, D]  int8 / int4 (SIGNED two's complement q = u - 2^(b-1), i.e. u XOR 0x80 / 0x88;
+                            int4 packed two per byte, element i in the low nibble first = layout v1's order),
+                            or the float payload (bf16/fp16/e4m3/e5m2) unchanged
+    v        [B*Hkv, D, T]  the same codes TRANSPOSED (tokens contiguous) for INT and FP8: the PV product's A
+                            operand is V^T, whose register fragment needs the contraction axis (tokens)
+                            contiguous; bf16/fp16 V stays [B*Hkv, T, D] (wgmma reads it transposed from SMEM)
+    k_scale, v_scale  f32 [B*Hkv, T]  per-token scales (INT); None for float payloads
+    logit_scale       f32 [B*Hkv]     sm_scale * K per-head scale (fp8, 1 otherwise) * log2(e)
+    v_head_scale      f32 [B*Hkv] or None (fp8 V per-head scale, applied to the partial outputs)
+
+:func:`prepare_region` converts a layout_version-1 :class:`~kvquant_jax.attention.regions.Region` (offset-binary
+``uint8`` codes packed little-endian along D, ``[B, Hkv, T, D*bits/8]``, scales ``[B, Hkv, T, 1]``) into it;
+:func:`unprepare_codes` is the inverse for the codes (used by the CPU round-trip tests).  A cache that stores the
+mgpu layout natively pays the transposed V append (one strided column write per token) instead of the conversion.
+
+Ragged lengths: rows outside ``[start, end)`` are masked (their contents may be NaN: logits and scales are
+selected, never multiplied; FP8 V columns are zeroed in registers; bf16/fp16 V rows are read by the wgmma
+straight from SMEM, so dead bf16/fp16 V rows must be finite); blocks outside the live window are still read
+(static pipeline grid; v1 limitation).
+
+Measured (H200, JAX 0.11.2, 2026-12-01, ``experiments/check_mgpu_decode.py``, two runs, B=8 Hq=32 Hkv=8 D=128)
+-----------------------------------------------------------------------------------------------------------
+float64-oracle parity (ragged, poisoned, + k_new/v_new, bf16 query): 1.0e-6 .. 2.2e-6 for bf16/int8/int4 at
+D = 64/128/256 and GQA 3/4/8, 1.7e-7 for e4m3; ``precision="bf16"`` 1.0e-3 .. 1.6e-3 (bf16 p); a float32 query
+(rounded to bf16 / f16): 5e-4 .. 1.7e-3 (the bf16-operand error).  T = 32K, median of 8 programs, copy probe
+3.20 / 3.51 TB/s, cuDNN bf16 487.5 / 497.6 us: bf16 385-441 us (1.11-1.29x, 76-84% of copy), INT8 345-346 us
+(1.41-1.44x, 46-50%), INT4 229-243 us (2.0-2.2x, 33-37% of copy on the 285 MB it reads), e4m3 295-390 us
+(1.27-1.65x).  T = 4K: bf16 105 us (1.13x), INT8 79-80 us (1.45-1.49x), INT4 53 us (2.26x).  The packed formats
+are bound by the per-block dependency chain of the single warpgroup (TMA wait -> convert -> QK wgmma -> cross-warp
+max -> exp -> transposed P store + fence -> PV wgmma), not by bytes: INT4 moves 0.52x INT8's bytes in 0.66x its
+time, and neither more CTAs per SM (2x/4x splits), a deeper pipeline, 64-token blocks nor the UPCAST register
+layouts made INT4 faster.  Next: two compute warpgroups ping-ponging + a TMA warpgroup
+(``emit_pipeline_warp_specialized``), two blocks per softmax update, a dynamic pipeline grid for ragged windows.
+
+Interpret mode: JAX exposes ``plgpu.InterpretGPUParams`` (0.10.2 has it), but its interpreter does not model
+wgmma register fragments / layout casts, so ``interpret=True`` here runs :func:`decode_attention_mgpu_reference`
+on the prepared operands (the same arithmetic, plain JAX) -- CI tests the layout conversion and that path; only
+the H200 runs the kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from kvquant_jax.attention.reference import decode_attention_reference as _oracle_f64
+from kvquant_jax.attention.reference import unpack_codes
+from kvquant_jax.attention.regions import KVFormat, Region, check_query
+
+__all__ = ["MgpuConfig", "MgpuOperands", "prepare_region", "unprepare_codes", "mgpu_unsupported",
+           "decode_attention_mgpu", "decode_attention_mgpu_prepared", "decode_attention_mgpu_partials",
+           "decode_attention_mgpu_reference", "decode_attention_mgpu_reference_f64"]
+
+_F32 = jnp.float32
+_NEG = -1e30
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+_INT_DTYPES = {8: jnp.int8, 4: jnp.int4}
+_FLOAT_DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    """Static knobs.
+
+    block_t: KV tokens per pipeline step (the wgmma M of the QK product; a multiple of 64; 128 default).
+    num_splits: split-K programs per (sequence, KV head); None -> enough for ~2 waves of the 132 SMs.
+    max_concurrent_steps: TMA pipeline depth (stages in SMEM).
+    precision: "bf16x2" (hi/lo p in one wgmma, ~1e-5) or "bf16" (p rounded once, ~1e-4..1e-3).
+    """
+
+    block_t: Optional[int] = None              # None -> default_mgpu_config
+    num_splits: Optional[int] = None
+    max_concurrent_steps: Optional[int] = None  # None -> default_mgpu_config
+    precision: str = "bf16x2"
+    upcast: bool = False                         # INT codes loaded in WGMMA_UPCAST_2X/4X layouts (wider vectors)
+    split_query: bool = False                    # EXPERIMENTAL: float32 q as hi + lo MMA-dtype parts (2 QK wgmmas);
+                                                 # on the H200 (2026-12-01) it did NOT lower the f32-q error
+                                                 # (1.5e-3 bf16 K/V either way): unverified, off by default
+
+
+def default_mgpu_config(kf: KVFormat) -> MgpuConfig:
+    """Per-format defaults from two H200 sweeps at T = 32K, B=8 Hq=32 Hkv=8 D=128 (2026-12-01, the better worst
+    case of the two runs): bf16/fp16 128-token blocks x 3 stages (441 / 385 us), FP8 64 x 3 (295 / 390 us),
+    INT8 128 x 3 (345 / 346 us), INT4 128 x 4 (243 / 229 us); num_splits auto (~2 CTAs per SM)."""
+    if kf.payload in ("e4m3", "e5m2"):
+        return MgpuConfig(block_t=64, max_concurrent_steps=3)
+    if kf.payload == "int4":
+        return MgpuConfig(block_t=128, max_concurrent_steps=4)
+    return MgpuConfig(block_t=128, max_concurrent_steps=3)
+
+
+def _resolve_config(cfg: MgpuConfig | None, kf: KVFormat) -> MgpuConfig:
+    cfg = cfg or MgpuConfig()
+    dflt = default_mgpu_config(kf)
+    return dataclasses.replace(cfg, block_t=cfg.block_t or dflt.block_t,
+                               max_concurrent_steps=cfg.max_concurrent_steps or dflt.max_concurrent_steps)
+
+
+@struct.dataclass
+class MgpuOperands:
+    """One region in the mgpu pack-time layout (see the module docstring); shapes in the field comments."""
+
+    k: jax.Array                      # [BH, T, D] int8/int4 signed codes or float payload
+    v: jax.Array                      # [BH, D, T] (INT/FP8, transposed) or [BH, T, D] (bf16/fp16)
+    k_scale: Optional[jax.Array]      # f32 [BH, T] per-token K scale (INT) or None
+    v_scale: Optional[jax.Array]      # f32 [BH, T] per-token V scale (INT) or None
+    k_head_scale: Optional[jax.Array]  # f32 [Hkv] fp8 per-head K scale or None
+    v_head_scale: Optional[jax.Array]  # f32 [Hkv] fp8 per-head V scale or None
+    start: jax.Array                  # int32 [B] first live row
+    end: jax.Array                    # int32 [B] one past the last live row
+    kf: KVFormat = struct.field(pytree_node=False, default=KVFormat("bf16"))
+    vf: KVFormat = struct.field(pytree_node=False, default=KVFormat("bf16"))
+    num_kv_heads: int = struct.field(pytree_node=False, default=1)
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[2]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Support matrix and pack-time layout conversion (CPU-checkable)
+# --------------------------------------------------------------------------------------------------------------
+def _fmt_supported(f: KVFormat, d: int) -> Optional[str]:
+    if f.payload in ("bf16", "fp16"):
+        return None
+    if f.payload in ("e4m3", "e5m2"):
+        return None
+    if f.payload in ("int8", "int4"):
+        if f.scale != "token" or f.zero != "symmetric":
+            return f"{f}: only per-token symmetric INT (scale='token', zero='symmetric') is implemented"
+        if f.token_groups(d) != 1:
+            return f"{f}: scale groups along D are not implemented"
+        return None
+    return f"{f.payload}: no Mosaic GPU register type (INT2/INT1) or not implemented"
+
+
+def mgpu_unsupported(reg: Region, head_dim: int, config: MgpuConfig | None = None) -> Optional[str]:
+    """Why this kernel cannot take the region (None when it can); the caller keeps the Triton kernel then."""
+    kf, vf = reg.k.fmt, reg.v.fmt
+    cfg = _resolve_config(config, kf)
+    for f in (kf, vf):
+        why = _fmt_supported(f, head_dim)
+        if why:
+            return why
+    if (kf.payload in ("bf16", "fp16")) != (vf.payload in ("bf16", "fp16")):
+        return "mixed float/quantized K and V are not implemented"
+    if head_dim % 64:
+        return f"head_dim {head_dim} is not a multiple of 64"
+    rows = reg.k.data.shape[2]
+    if cfg.block_t % 64 or rows % cfg.block_t:
+        return f"{rows} rows is not a multiple of block_t={cfg.block_t} (a multiple of 64)"
+    return None
+
+
+def _codes_signed(data_u8, bits: int, xp=jnp):
+    """Offset-binary uint8 codes ``[..., D*bits/8]`` -> signed integer codes ``[..., D]`` (int8 values)."""
+    u = unpack_codes(data_u8, bits, xp).astype(xp.int32 if xp is not np else np.int32)
+    return (u - 2 ** (bits - 1)).astype(xp.int8 if xp is not np else np.int8)
+
+
+def prepare_region(reg: Region, num_kv_heads: int | None = None) -> MgpuOperands:
+    """layout_version-1 region -> :class:`MgpuOperands` (jit-able; one pass over the codes).
+
+    ``reg.k.data``: ``[B, Hkv, T, D*bits/8]`` uint8 (INT) or ``[B, Hkv, T, D]`` float; scales ``[B, Hkv, T, 1]``
+    (INT per-token) or ``[Hkv]`` (fp8 per-head).
+    """
+    kf, vf = reg.k.fmt, reg.v.fmt
+    b, hkv, t = reg.k.data.shape[:3]
+    d = reg.k.data.shape[3] * (8 // kf.bits) if kf.is_int else reg.k.data.shape[3]
+    why = None
+    for f in (kf, vf):
+        why = why or _fmt_supported(f, d)
+    if why:
+        raise NotImplementedError(f"decode_attention_mgpu: {why}")
+
+    def conv(op, transpose):
+        f = op.fmt
+        if f.is_int:
+            x = _codes_signed(op.data, f.bits).astype(_INT_DTYPES[f.bits])     # [B, Hkv, T, D]
+            sc = op.scale.astype(_F32).reshape(b * hkv, t)
+        else:
+            x, sc = op.data, None
+        x = x.reshape(b * hkv, t, d)
+        if transpose:
+            x = jnp.swapaxes(x, 1, 2)                                          # [BH, D, T]
+        hs = op.scale.astype(_F32) if f.scale == "head" and not f.is_int else None
+        return x, sc, hs
+
+    k, ks, khs = conv(reg.k, False)
+    v, vs, vhs = conv(reg.v, vf.payload not in ("bf16", "fp16"))
+    return MgpuOperands(k=k, v=v, k_scale=ks, v_scale=vs, k_head_scale=khs, v_head_scale=vhs,
+                        start=reg.start.astype(jnp.int32), end=reg.end.astype(jnp.int32), kf=kf, vf=vf,
+                        num_kv_heads=hkv)
+
+
+def unprepare_codes(codes, bits: int, transposed: bool, b: int, hkv: int, xp=np):
+    """Inverse of the code part of :func:`prepare_region`: signed codes ``[BH, T, D]`` (or ``[BH, D, T]`` when
+    ``transposed``) -> layout-v1 offset-binary uint8 ``[B, Hkv, T, D*bits/8]`` packed little-endian along D."""
+    c = xp.asarray(codes).astype(np.int32)
+    if transposed:
+        c = xp.swapaxes(c, 1, 2)
+        bh, t, d = c.shape
+    else:
+        bh, t, d = c.shape
+    u = (c + 2 ** (bits - 1)).astype(np.uint8)
+    per = 8 // bits
+    u = u.reshape(b, hkv, t, d // per, per).astype(np.uint32)
+    shifts = xp.asarray(np.arange(per, dtype=np.uint32) * bits)
+    packed = xp.sum(u << shifts, axis=-1).astype(np.uint8)
+    return packed
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The Mosaic GPU kernel
+# --------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    d: int
+    g: int            # query heads per KV head
+    n: int            # padded wgmma N
+    dup: int          # > 0: columns [dup, 2 dup) carry lo(p)
+    bt: int
+    ns: int
+    nbs: int          # blocks per split
+    stages: int
+    k_dtype: Any
+    v_dtype: Any
+    k_regs: bool      # K converted in registers (INT / FP8) vs bf16 A from SMEM
+    v_regs: bool      # V^T tile in registers (INT / FP8) vs transposed SMEM A
+    k_tok_scale: bool
+    v_tok_scale: bool
+    q_split: int = 1                # 2: the query enters as bf16 hi + lo parts (two QK wgmmas, float32-grade q)
+    upcast: int = 0                 # 2 / 4: load INT8 / INT4 code tiles in the WGMMA_UPCAST_2X / 4X layout
+    v_mask: bool = False            # zero dead V columns in registers (FP8 V can hold NaN in dead rows)
+    mma_dtype: Any = jnp.bfloat16   # operand type of both wgmmas (f16 for fp16/FP8 payloads: e4m3 -> f16 is one cvt)
+
+
+def _tile_transforms(dtype, minor: int):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bits = jnp.dtype(dtype).itemsize * 8 if dtype != jnp.int4 else 4
+    sw = plgpu.find_swizzle(minor * bits)
+    return (plgpu.TilingTransform((8, sw * 8 // bits)), plgpu.SwizzleTransform(sw))
+
+
+def _mgpu_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec):
+    """Launch.  ``start, end, lscale``: [BH]; ``q``: [BH, QS, N, D] (MMA dtype); ``k``: [BH, T, D]; ``v``: [BH, D, T] or
+    [BH, T, D]; ``ks, vs``: f32 [BH, T] or None.  Returns ``o [BH, S, D, N], m [BH, S, N], l [BH, S, N]`` f32
+    (``m`` in log2 units)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bh = q.shape[0]
+    d, n, bt, ns, nbs = sp.d, sp.n, sp.bt, sp.ns, sp.nbs
+    nch = bt // 64
+    bf16 = sp.mma_dtype               # "bf16" below = the 16-bit MMA operand type (bf16 or f16)
+    wg = plgpu.Layout.WGMMA
+    q_tf = _tile_transforms(bf16, d)
+    k_tf = _tile_transforms(sp.k_dtype, d)
+    v_tf = _tile_transforms(sp.v_dtype, bt if sp.v_regs else d)
+    p_tf = _tile_transforms(bf16, 64)
+    has_ks, has_vs = ks is not None, vs is not None
+
+    def _codes_to_regs(ref):
+        """SMEM code tile -> MMA-dtype registers in the wgmma register-A (WGMMA) layout."""
+        if sp.upcast:
+            if sp.upcast == 4:   # int4: 8 codes per 32-bit register; relayout on the narrow type, then widen
+                x = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+                x = plgpu.layout_cast(x, plgpu.Layout.WGMMA_UPCAST_2X).astype(bf16)
+            else:
+                x = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(bf16)
+            return plgpu.layout_cast(x, wg)
+        return ref[...].astype(bf16)
+
+    def body(start_ref, end_ref, ls_ref, q_ref, k_ref, v_ref, *rest):
+        rest = list(rest)
+        ks_ref = rest.pop(0) if has_ks else None
+        vs_ref = rest.pop(0) if has_vs else None
+        o_ref, m_ref, l_ref = rest
+        pid = lax.axis_index("bh")
+        sid = lax.axis_index("split")
+        lo = start_ref[pid]
+        hi = end_ref[pid]
+        lsc = ls_ref[pid]
+        base = sid * nbs
+
+        def scoped(q_smem, p_smem, o_smem, m_smem, l_smem, q_bar):
+            plgpu.copy_gmem_to_smem(q_ref.at[pid], q_smem, q_bar)       # [QS, N, D]: hi (, lo) parts
+            plgpu.barrier_wait(q_bar)
+
+            def step(indices, k_smem, v_smem, *more):
+                more = list(more)
+                carry = more.pop()
+                ks_smem = more.pop(0) if has_ks else None
+                vs_smem = more.pop(0) if has_vs else None
+                (i,) = indices
+                acc, m_i, l_i = carry
+                row0 = (base + i) * bt
+
+                def qk(acc_ref):
+                    if sp.k_regs:
+                        kr = _codes_to_regs(k_smem)                         # [BT, D] WGMMA registers
+                        for qi in range(sp.q_split):
+                            for j in range(d // 64):
+                                cs = slice(j * 64, (j + 1) * 64)
+                                plgpu.wgmma(acc_ref, kr[:, cs], q_smem.at[qi, :, cs].T)
+                    else:
+                        for qi in range(sp.q_split):
+                            plgpu.wgmma(acc_ref, k_smem, q_smem.at[qi].T)
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((bt, n), _F32))          # S^T [BT, N]
+                if has_ks:
+                    ksv = plgpu.load(ks_smem, (), layout=wg.reduce(1), optimized=False)
+                    s = s * lax.broadcast_in_dim(ksv * lsc, s.shape, [0])
+                else:
+                    s = s * lsc
+                rows = plgpu.broadcasted_iota(jnp.int32, (bt, n), 0, layout=wg) + row0
+                valid = (rows >= lo) & (rows < hi)
+                s = jnp.where(valid, s, _NEG)
+                m_new = jnp.maximum(m_i, s.max(axis=0))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+                p = jnp.where(valid, p, 0.0)
+                # l kept as per-row partial sums [BT, N] (elementwise): no cross-warp reduction per block
+                l_i = l_i * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
+                if has_vs:
+                    vsv = plgpu.load(vs_smem, (), layout=wg.reduce(1), optimized=False)
+                    p = jnp.where(valid, p * lax.broadcast_in_dim(vsv, s.shape, [0]), 0.0)
+                if sp.dup:
+                    cols = plgpu.broadcasted_iota(jnp.int32, (bt, n), 1, layout=wg)
+                    p_lo = p - p.astype(bf16).astype(_F32)
+                    p = jnp.where(cols < sp.dup, p, p_lo)
+                p16 = p.astype(bf16)
+                for j in range(nch):
+                    p_smem.at[j].T[...] = plgpu.layout_cast(p16[j * 64:(j + 1) * 64],
+                                                            plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.commit_smem()
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+                vr = _codes_to_regs(v_smem) if sp.v_regs else None     # V^T [D, BT] registers
+                if sp.v_mask:
+                    vcols = plgpu.broadcasted_iota(jnp.int32, (d, bt), 1, layout=wg) + row0
+                    vr = jnp.where((vcols >= lo) & (vcols < hi), vr, jnp.zeros_like(vr))
+
+                def pv(acc_ref):
+                    for j in range(nch):
+                        if sp.v_regs:
+                            a = vr[:, j * 64:(j + 1) * 64]
+                        else:
+                            a = v_smem.at[pl.ds(j * 64, 64), :].T
+                        plgpu.wgmma(acc_ref, a, p_smem.at[j].T)
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                return acc, m_new, l_i
+
+            kspec = plgpu.BlockSpec((bt, d), lambda i: (base + i, 0), transforms=k_tf)
+            if sp.v_regs:
+                vspec = plgpu.BlockSpec((d, bt), lambda i: (0, base + i), transforms=v_tf)
+            else:
+                vspec = plgpu.BlockSpec((bt, d), lambda i: (base + i, 0), transforms=v_tf)
+            specs = [kspec, vspec]
+            refs = [k_ref.at[pid], v_ref.at[pid]]
+            if has_ks:
+                specs.append(plgpu.BlockSpec((bt,), lambda i: (base + i,)))
+                refs.append(ks_ref.at[pid])
+            if has_vs:
+                specs.append(plgpu.BlockSpec((bt,), lambda i: (base + i,)))
+                refs.append(vs_ref.at[pid])
+            m0 = plgpu.layout_cast(jnp.full((n,), _NEG, _F32), wg.reduce(0))
+            l0 = plgpu.layout_cast(jnp.full((bt, n), 0.0, _F32), wg)
+            a0 = plgpu.layout_cast(jnp.full((d, n), 0.0, _F32), wg)
+            acc, m_i, l_i = plgpu.emit_pipeline(
+                step, grid=(nbs,), in_specs=specs, max_concurrent_steps=min(sp.stages, nbs),
+                init_carry=(a0, m0, l0))(*refs)
+            o_smem[...] = acc
+            m_smem[...] = m_i
+            l_smem[...] = l_i.sum(axis=0)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pid, sid])
+            plgpu.copy_smem_to_gmem(m_smem, m_ref.at[pid, sid])
+            plgpu.copy_smem_to_gmem(l_smem, l_ref.at[pid, sid])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(
+            scoped,
+            plgpu.SMEM((sp.q_split, n, d), bf16, transforms=q_tf),
+            plgpu.SMEM((nch, n, 64), bf16, transforms=p_tf),
+            plgpu.SMEM((d, n), _F32),
+            plgpu.SMEM((n,), _F32),
+            plgpu.SMEM((n,), _F32),
+            plgpu.Barrier(num_arrivals=1),
+        )
+
+    out_type = (jax.ShapeDtypeStruct((bh, ns, d, n), _F32), jax.ShapeDtypeStruct((bh, ns, n), _F32),
+                jax.ShapeDtypeStruct((bh, ns, n), _F32))
+    fn = plgpu.kernel(body, out_type=out_type, grid=(bh, ns), grid_names=("bh", "split"),
+                      compiler_params=plgpu.CompilerParams(approx_math=True))
+    args = [start, end, lscale, q, k, v] + ([ks] if has_ks else []) + ([vs] if has_vs else [])
+    return fn(*args)
+
+
+def _auto_splits(bh: int, nb: int) -> int:
+    want = max(1, -(-2 * 132 // bh))
+    s = 1
+    while s * 2 <= min(want, nb) and nb % (s * 2) == 0:
+        s *= 2
+    return s
+
+
+def _spec_for(ops: MgpuOperands, g: int, cfg: MgpuConfig | None, q_dtype=jnp.bfloat16) -> _Spec:
+    kf, vf = ops.kf, ops.vf
+    cfg = _resolve_config(cfg, kf)
+    d, t, bh = ops.head_dim, ops.rows, ops.k.shape[0]
+    if cfg.precision not in ("bf16x2", "bf16"):
+        raise ValueError(f"precision must be 'bf16x2' or 'bf16', got {cfg.precision!r}")
+    dup = g if cfg.precision == "bf16x2" else 0
+    n = max(8, -(-(2 * g if dup else g) // 8) * 8)
+    if cfg.block_t % 64 or t % cfg.block_t:
+        raise ValueError(f"{t} rows is not a multiple of block_t={cfg.block_t} (a multiple of 64)")
+    nb = t // cfg.block_t
+    ns = cfg.num_splits or _auto_splits(bh, nb)
+    if nb % ns:
+        raise ValueError(f"num_splits={ns} does not divide the {nb} blocks")
+    mma = jnp.float16 if kf.payload in ("fp16", "e4m3", "e5m2") else jnp.bfloat16
+    return _Spec(d=d, g=g, n=n, dup=dup, bt=cfg.block_t, ns=ns, nbs=nb // ns, stages=cfg.max_concurrent_steps,
+                 k_dtype=ops.k.dtype, v_dtype=ops.v.dtype, k_regs=kf.payload not in ("bf16", "fp16"),
+                 v_regs=vf.payload not in ("bf16", "fp16"), k_tok_scale=ops.k_scale is not None,
+                 v_tok_scale=ops.v_scale is not None,
+                 q_split=2 if cfg.split_query and jnp.dtype(q_dtype) != jnp.dtype(mma) else 1,
+                 v_mask=vf.payload in ("e4m3", "e5m2"), mma_dtype=mma,
+                 upcast=(4 if kf.bits == 4 else 2) if cfg.upcast and kf.is_int else 0)
+
+
+def _query_block(q, hkv: int, sp: _Spec):
+    """``[B, Hq, D]`` -> ``[B*Hkv, QS, N, D]`` in the MMA dtype: group rows, duplicated for bf16x2, zero-padded
+    to N (QS = 1, or 2 for hi + lo of a float32 query with ``split_query``)."""
+    b, hq, d = q.shape
+    q4 = q.reshape(b, hkv, sp.g, d)
+    if sp.dup:
+        q4 = jnp.concatenate([q4, q4], axis=2)
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, sp.n - q4.shape[2]), (0, 0)))
+    hi = q4.astype(sp.mma_dtype)
+    parts = [hi]
+    if sp.q_split == 2:
+        parts.append((q4.astype(_F32) - hi.astype(_F32)).astype(sp.mma_dtype))
+    return jnp.stack(parts, axis=2).reshape(b * hkv, sp.q_split, sp.n, d)
+
+
+def decode_attention_mgpu_partials(q, ops: MgpuOperands, *, sm_scale: float | None = None,
+                                   config: MgpuConfig | None = None, interpret: Any = False):
+    """Split-K partials of one prepared region.  ``q``: ``[B, Hq, D]``.
+
+    Returns ``acc [B, Hkv, S, G, D], m [B, Hkv, S, G], l [B, Hkv, S, G]`` float32 (natural-log ``m``), the
+    format of ``pallas_kernels.decode_attention._region_partial`` (feed a list of them to its ``_combine``).
+    """
+    cfg = config
+    b, hq, d = q.shape
+    hkv = ops.num_kv_heads
+    g = hq // hkv
+    if interpret:
+        return _partials_jnp(q, ops, sm_scale)
+    sp = _spec_for(ops, g, cfg, q.dtype)
+    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
+    lsc = jnp.full((b, hkv), scale * _LOG2E, _F32)
+    if ops.k_head_scale is not None:
+        lsc = lsc * ops.k_head_scale.astype(_F32)[None, :]
+    lsc = lsc.reshape(b * hkv)
+    rows = ops.rows
+    start = jnp.repeat(jnp.clip(ops.start, 0, rows), hkv)
+    end = jnp.repeat(jnp.clip(ops.end, 0, rows), hkv)
+    qb = _query_block(q, hkv, sp)
+    o, m, l = _mgpu_call(start, end, lsc, qb, ops.k, ops.v, ops.k_scale, ops.v_scale, sp)
+    o = jnp.swapaxes(o, 2, 3).reshape(b, hkv, sp.ns, sp.n, d)                # [B, Hkv, S, N, D]
+    m = m.reshape(b, hkv, sp.ns, sp.n) * _LN2
+    l = l.reshape(b, hkv, sp.ns, sp.n)
+    acc = o[:, :, :, :g] + (o[:, :, :, g:2 * g] if sp.dup else 0.0)
+    if ops.v_head_scale is not None:
+        acc = acc * ops.v_head_scale.astype(_F32)[None, :, None, None, None]
+    return acc, m[..., :g], l[..., :g]
+
+
+def _partials_jnp(q, ops: MgpuOperands, sm_scale):
+    """Plain-JAX partials (one split) from the prepared operands: the same arithmetic in float32."""
+    b, hq, d = q.shape
+    hkv = ops.num_kv_heads
+    g = hq // hkv
+    t = ops.rows
+    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
+    k = ops.k.astype(_F32).reshape(b, hkv, t, d)
+    v = ops.v.astype(_F32)
+    v = (jnp.swapaxes(v, 1, 2) if ops.vf.payload not in ("bf16", "fp16") else v).reshape(b, hkv, t, d)
+    q4 = q.astype(_F32).reshape(b, hkv, g, d)
+    s = jnp.einsum("bhgd,bhtd->bhgt", q4, k, precision=lax.Precision.HIGHEST) * scale
+    if ops.k_scale is not None:
+        s = s * ops.k_scale.reshape(b, hkv, 1, t)
+    if ops.k_head_scale is not None:
+        s = s * ops.k_head_scale.astype(_F32)[None, :, None, None]
+    rows = jnp.arange(t, dtype=jnp.int32)[None, :]
+    valid = ((rows >= ops.start[:, None]) & (rows < ops.end[:, None]))[:, None, None, :]
+    s = jnp.where(valid, s, _NEG)
+    m = jnp.max(s, axis=-1)
+    p = jnp.where(valid, jnp.exp(s - m[..., None]), 0.0)
+    l = jnp.sum(p, axis=-1)
+    pv = p
+    if ops.v_scale is not None:
+        pv = jnp.where(valid, p * ops.v_scale.reshape(b, hkv, 1, t), 0.0)
+    vz = jnp.where(valid[:, :, 0, :, None], v, 0.0)
+    acc = jnp.einsum("bhgt,bhtd->bhgd", pv, vz, precision=lax.Precision.HIGHEST)
+    if ops.v_head_scale is not None:
+        acc = acc * ops.v_head_scale.astype(_F32)[None, :, None, None]
+    return acc[:, :, None], m[:, :, None], l[:, :, None]
+
+
+def decode_attention_mgpu_prepared(q, ops: MgpuOperands, *, k_new=None, v_new=None, sm_scale: float | None = None,
+                                   config: MgpuConfig | None = None, interpret: Any = False, out_dtype=None):
+    """Attention of the new token over one prepared region (+ the exact current token), ONE softmax.
+
+    ``q``: ``[B, Hq, D]``; ``k_new, v_new``: optional ``[B, Hkv, D]``.  Returns ``[B, Hq, D]`` in ``out_dtype``
+    (default ``q.dtype``).
+    """
+    from pallas_kernels.decode_attention import _combine, _dense_partial
+
+    b, hq, d = q.shape
+    hkv = ops.num_kv_heads
+    g = hq // hkv
+    parts = [decode_attention_mgpu_partials(q, ops, sm_scale=sm_scale, config=config, interpret=interpret)]
+    if k_new is not None:
+        scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
+        q4 = q.astype(_F32).reshape(b, hkv, g, d)
+        qs = jnp.full((b, hkv, g), scale, _F32)
+        parts.append(_dense_partial(q4, qs, k_new.astype(_F32)[:, :, None], v_new.astype(_F32)[:, :, None],
+                                    jnp.ones((b, 1), jnp.bool_)))
+    return _combine(parts).reshape(b, hq, d).astype(out_dtype or q.dtype)
+
+
+def decode_attention_mgpu(q, region: Region, *, k_new=None, v_new=None, sm_scale: float | None = None,
+                          config: MgpuConfig | None = None, interpret: Any = False, out_dtype=None):
+    """Layout-v1 entry point: :func:`prepare_region` (a pass over the codes) then the kernel.
+
+    ``q``: ``[B, Hq, D]``; ``region``: one :class:`Region` (``[B, Hkv, T, ...]``); ``k_new, v_new``: optional
+    ``[B, Hkv, D]``.  Serving code should keep the cache in the mgpu layout and call
+    :func:`decode_attention_mgpu_prepared`.
+    """
+    check_query(q, [region], k_new, v_new)
+    why = mgpu_unsupported(region, q.shape[-1], config)
+    if why:
+        raise NotImplementedError(f"decode_attention_mgpu: {why}")
+    ops = prepare_region(region)
+    return decode_attention_mgpu_prepared(q, ops, k_new=k_new, v_new=v_new, sm_scale=sm_scale, config=config,
+                                          interpret=interpret, out_dtype=out_dtype)
+
+
+def decode_attention_mgpu_reference(q, region: Region, *, k_new=None, v_new=None, sm_scale: float | None = None,
+                                    config: MgpuConfig | None = None, interpret: Any = False, out_dtype=None):
+    """Plain-JAX float32 twin of :func:`decode_attention_mgpu` (same signature; kernel-only args ignored):
+    converts to the mgpu layout and runs the same partial arithmetic, so it also checks :func:`prepare_region`."""
+    del config, interpret
+    ops = prepare_region(region)
+    return decode_attention_mgpu_prepared(q, ops, k_new=k_new, v_new=v_new, sm_scale=sm_scale, interpret=True,
+                                          out_dtype=out_dtype)
+
+
+def decode_attention_mgpu_reference_f64(q, region: Region, *, k_new=None, v_new=None,
+                                        sm_scale: float | None = None) -> np.ndarray:
+    """The float64 NumPy oracle (``kvquant_jax.attention.reference``) on the same layout-v1 inputs."""
+    return _oracle_f64(q, [region], k_new=k_new, v_new=v_new, sm_scale=sm_scale)
