@@ -1,7 +1,6 @@
 """``DIR/report.md`` and PNG plots from ``DIR/results.jsonl`` (only the rows of the current points are used)."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -9,16 +8,12 @@ from kvquant_jax.config import METRICS, Point, SchemeSpec
 
 
 def _load(path: Path) -> dict[str, dict]:
-    rows = {}
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                rows.setdefault(r["key"], r)
-    return rows
+    """Rows by key: lines that are not rows are skipped, duplicate keys keep their first row (reported on stderr)."""
+    import sys
+
+    from kvquant_jax.eval.runner import read_rows
+
+    return read_rows(path, log=lambda msg: print(f"[kvq] report: {msg}", file=sys.stderr))
 
 
 def _fmt(x, digits=3, signed=False) -> str:
