@@ -192,6 +192,12 @@ def _error_tables(entries) -> list[str]:
                      f"{_fmt(v['v_nmse_by_pos'][0])} / {_fmt(v['v_nmse_by_pos'][-1])} | {ki} ({_fmt(kl[ki])}) | "
                      f"{vi} ({_fmt(vl[vi])}) | {_fmt(v['logit_rel_rms'])} | {_fmt(v['attn_tv'])} | "
                      f"{_fmt(v['out_rel'])} |")
+    sat = [(e["point"].label, v["k_saturated"], v["v_saturated"]) for e in have
+           if (v := e["kv_error"]["values"]).get("k_saturated", 0) + v.get("v_saturated", 0) > 0]
+    if sat:
+        lines += ["", "**Saturated values** (finite K/V beyond the FP8 range, stored as ±max × scale; counts over "
+                      "the kv_error rows of every layer): "
+                  + "; ".join(f"{label}: K {k}, V {v}" for label, k, v in sat)]
     return lines + [""]
 
 
