@@ -37,13 +37,13 @@ import jax
 import numpy as np
 
 from kvquant_jax.artifact import read_artifact, write_artifact
-from kvquant_jax.validation import check_fields, read_mapping
 from kvquant_jax.cache.kvquant import (KVQuantScheme, default_outlier_counts, load_calibration, normalize_keys,
                                        normalize_values)
 from kvquant_jax.cache.schema import CacheSchema, require_compatible
 from kvquant_jax.calibration.fisher import KVActivations, collect, to_post_rope
 from kvquant_jax.calibration.kmeans import weighted_kmeans
 from kvquant_jax.models.config import LlamaConfig
+from kvquant_jax.validation import check_fields, read_mapping
 
 FORMAT = "kvquant_jax.kvquant_calibration/v1"
 CODEBOOKS = ("nuq", "uniform")
