@@ -129,6 +129,14 @@ def ledger_config(path) -> dict:
                 check_int(x, f"cache.full_precision_layers[{i}]", where, low=0)
     elif spec is not None and not isinstance(spec, str):
         raise _fail(where, "cache", f"expected a scheme name or mapping, got {spec!r}")
+    if spec is not None:
+        from kvquant_jax.cache.registry import make_policy
+
+        try:
+            make_policy(spec, d.get("num_layers", 32), rope_theta=float(d.get("rope_theta", 10000.0)),
+                        rope_pairing=d.get("rope_pairing", "half_split"))
+        except (ValueError, TypeError) as e:
+            raise _fail(where, "cache", str(e)) from None
     return d
 
 
