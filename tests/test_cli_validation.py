@@ -166,6 +166,17 @@ def test_calibrate_bad_config_fails_before_calibrating(monkeypatch, tmp_path, ca
     assert "k_bits" in capsys.readouterr().err
 
 
+def test_calibrate_missing_corpus_fails_before_loading_the_model(monkeypatch, tmp_path, capsys):
+    import kvquant_jax.models
+
+    monkeypatch.setattr(kvquant_jax.models, "load_model", _no_load)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"calibration:\n  corpus: {tmp_path / 'nope.txt'}\n")
+    assert cli.main(["calibrate", str(cfg), "--out", str(tmp_path / "new")]) == 2
+    assert "nope.txt" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["intactkv", "extract", "--out", "{exists}"], "--out"),
     (["prefixquant", "discover", "--out", "{exists}"], "--out"),

@@ -340,8 +340,8 @@ def calibrate(config: CalibrationConfig, *, progress: bool = False) -> KVQuantCa
     """End to end: load the model and the calibration corpus, collect K/V + Fisher, fit, return the artifact."""
     from kvquant_jax.models import load_model
 
+    corpus = load_calibration_corpus(config.corpus)      # first: a missing corpus fails before the model loads
     m = load_model(config.model, dtype=config.dtype, rope_pairing=config.rope_pairing)
-    corpus = load_calibration_corpus(config.corpus)
     ids = m.tokenizer.encode(corpus.text)
     rec = {"name": corpus.name, "source": corpus.source, "sha256": corpus.sha256, "split": "validation",
            "tokens": len(ids)}
