@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+from kvquant_jax import validation as checks
+
 
 def _add_model_args(p):
     p.add_argument("--model", default=None,
@@ -60,6 +62,7 @@ def cmd_generate(args):
 
     if not args.prompt or not args.prompt.strip():
         raise SystemExit("error: --prompt is empty")
+    checks.generate_args(args)
     m = _load(args)
     tok = m.tokenizer
     use_chat = not args.raw and tok.chat_template is not None
@@ -80,7 +83,9 @@ def cmd_ppl(args):
     from kvquant_jax.data import load_corpus
     from kvquant_jax.eval.ppl import perplexity
 
+    checks.ppl_args(args)
     m = _load(args)
+    checks.context_fits(args.seq_len, m.cfg, "--seq-len")
     corpus = load_corpus(args.corpus, split="test")
     print(f"[kvq] corpus: {corpus.name} ({corpus.source})", file=sys.stderr)
     t0 = time.perf_counter()
@@ -104,13 +109,17 @@ def cmd_ppl(args):
 def cmd_ledger(args):
     from kvquant_jax.cache.registry import ledger_from_config
 
-    print(ledger_from_config(args.config))
+    config = args.config
+    if config.endswith((".yaml", ".yml", ".json")):
+        config = checks.ledger_config(config)
+    print(ledger_from_config(config))
 
 
 def cmd_calibrate(args):
     from kvquant_jax.calibration import kvquant as KC
 
     config = KC.CalibrationConfig.from_file(args.config)
+    checks.new_dir(args.out)
     cal = KC.calibrate(config, progress=args.progress)
     path = KC.save(cal, args.out)
     print(json.dumps({"out": str(path), **KC.summary(cal)}))
@@ -175,7 +184,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         print(f"kvq: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -33,7 +33,7 @@ from kvquant_jax.cache import _rows, checks
 from kvquant_jax.cache._scales import layer_scale_table
 from kvquant_jax.cache.interface import KVCache, SchemeBase, rows_finite
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
-from kvquant_jax.quant.fp8 import dequantize_fp8, fp8_dtype, fp8_scale_from_absmax, quantize_fp8
+from kvquant_jax.quant.fp8 import dequantize_fp8, fp8_dtype, fp8_max, fp8_scale_from_absmax, quantize_fp8
 
 SCALE_SOURCES = ("uncalibrated", "warmup", "calibrated")
 SCALE_AXES = ("tensor", "head")
@@ -136,6 +136,18 @@ class FP8Scheme(SchemeBase):
 
     def append_layer_with_status(self, state, lengths, k, v, num_new):
         return self.append_layer(state, lengths, k, v, num_new), rows_finite(k, v, num_new)
+
+    def saturated_layer(self, state, k, v, num_new):
+        """int32 ``[B, 2]``: per sequence, the valid new K and V elements whose ``|x / scale|`` exceeds the format's
+        largest finite value (the saturating cast stores them as +-max), under the scales of ``state`` (the state
+        after the append).  Read by :mod:`kvquant_jax.cache.status` and the kv_error metric."""
+        mask = _rows.new_row_mask(num_new, k.shape[1])[:, None, :, None]
+        hi = jnp.float32(fp8_max(self.fmt))
+        out = []
+        for x, sc in ((k, state.k_scale), (v, state.v_scale)):
+            r = jnp.abs(_rows.head_major(x).astype(jnp.float32)) / sc[None, :, None, None]
+            out.append(jnp.sum(mask & (r > hi), axis=(1, 2, 3), dtype=jnp.int32))
+        return jnp.stack(out, axis=-1)
 
     def materialize_layer(self, state, lengths):
         valid = _rows.valid_rows(lengths, state.k.shape[2])

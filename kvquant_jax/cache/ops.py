@@ -13,7 +13,9 @@ append
     appends :func:`publish` restores the schemes' ``ring_fields`` (the only slots such an append may reuse).
 fork / reorder
     gather along the batch axis: codes, qparams, residual rings and lengths move together; fields declared
-    ``unbatched_fields`` (FP8 layer scales) are shared.  A child's later append produces its own arrays, so forks
+    ``unbatched_fields`` (FP8 layer scales) are shared.  :func:`fork` (eager) raises for an index outside
+    ``[0, batch)`` or a non-integer index array; :func:`try_fork` is the jit-able form: it clamps the indices into
+    range and returns ``(cache, ok)`` like :func:`try_append`.  A child's later append produces its own arrays, so forks
     are independent (copy-on-write for free).
 truncate
     lowers ``lengths``; every frontier is re-derived from them, so stale rows beyond the new length (or beyond a
@@ -210,20 +212,45 @@ def _gather_batch(scheme, state, index):
     return state.replace(**fields)
 
 
+def _parent_index(cache: KVCache, parent_index_per_child, what: str) -> jax.Array:
+    """int32 ``[N]`` of an integer index array; a float / bool dtype (static, even under jit) raises."""
+    dt = jnp.result_type(parent_index_per_child) if _is_tracer(parent_index_per_child) else \
+        np.asarray(parent_index_per_child).dtype
+    shape = tuple(np.shape(parent_index_per_child))
+    if len(shape) != 1 or shape[0] < 1:
+        raise ValueError(f"{what}: parent_index_per_child must be a non-empty 1-D index array, got shape {shape}")
+    if not jnp.issubdtype(dt, jnp.integer):
+        raise TypeError(f"{what}: parent indices must be integers, got dtype {dt} (a float index would be "
+                        "truncated silently)")
+    return jnp.asarray(parent_index_per_child, jnp.int32)
+
+
 def fork(cache: KVCache, parent_index_per_child) -> KVCache:
-    """A cache whose sequence ``c`` is a copy of sequence ``parent_index_per_child[c]`` (jit-able).
+    """A cache whose sequence ``c`` is a copy of sequence ``parent_index_per_child[c]`` (eager).
 
     The batch size becomes ``len(parent_index_per_child)``.  Codes, qparams, residual rings and lengths move
-    together; the parent is untouched and later appends to either side are independent.
+    together; the parent is untouched and later appends to either side are independent.  Raises ``ValueError``
+    for an index outside ``[0, batch)`` and ``TypeError`` for a non-integer index array.  Under ``jit`` use
+    :func:`try_fork` (as :func:`append` / :func:`try_append`).
     """
-    idx = jnp.asarray(parent_index_per_child, jnp.int32)
-    if idx.ndim != 1 or idx.shape[0] < 1:
-        raise ValueError(f"fork: parent_index_per_child must be a non-empty 1-D index array, got shape {idx.shape}")
-    if not _is_tracer(idx):
-        h = host(idx)
-        if (h < 0).any() or (h >= cache.batch).any():
-            raise ValueError(f"fork: parent indices {h.tolist()} out of range [0, {cache.batch})")
+    if _is_tracer((cache, parent_index_per_child)):
+        raise TypeError("ops.fork raises on bad indices and cannot run under jit; use ops.try_fork there")
+    idx = _parent_index(cache, parent_index_per_child, "fork")
+    h = host(idx)
+    if (h < 0).any() or (h >= cache.batch).any():
+        raise ValueError(f"fork: parent indices {np.asarray(parent_index_per_child).tolist()} out of range "
+                         f"[0, {cache.batch})")
     return _fork_jit(cache, idx)
+
+
+def try_fork(cache: KVCache, parent_index_per_child) -> tuple[KVCache, jax.Array]:
+    """Jit-able :func:`fork`: ``(cache', ok)``.  Indices are clamped into ``[0, batch)`` (so every length of
+    ``cache'`` is a real parent's and ``validate`` holds) and ``ok`` (bool scalar) is False when any index was
+    out of range, as ``try_append``'s ``ok``: the caller must check it.  A float / bool index dtype raises
+    ``TypeError`` at trace time."""
+    idx = _parent_index(cache, parent_index_per_child, "try_fork")
+    ok = jnp.all((idx >= 0) & (idx < cache.batch))
+    return _fork_jit(cache, jnp.clip(idx, 0, cache.batch - 1)), ok
 
 
 @jax.jit
@@ -234,10 +261,18 @@ def _fork_jit(cache: KVCache, idx: jax.Array) -> KVCache:
 
 def reorder(cache: KVCache, beam_order) -> KVCache:
     """Beam reorder: sequence ``b`` of the result is sequence ``beam_order[b]`` (repeats allowed, as in beam
-    search); the batch size is unchanged.  Same data movement as :func:`fork`."""
+    search); the batch size is unchanged.  Same data movement and checks as :func:`fork` (eager; under ``jit``
+    use :func:`try_reorder`)."""
     if int(np.shape(beam_order)[0]) != cache.batch:
         raise ValueError(f"reorder: beam_order has {np.shape(beam_order)[0]} entries for batch {cache.batch}")
     return fork(cache, beam_order)
+
+
+def try_reorder(cache: KVCache, beam_order) -> tuple[KVCache, jax.Array]:
+    """Jit-able :func:`reorder`: ``(cache', ok)`` with :func:`try_fork`'s clamp-and-flag."""
+    if int(np.shape(beam_order)[0]) != cache.batch:
+        raise ValueError(f"try_reorder: beam_order has {np.shape(beam_order)[0]} entries for batch {cache.batch}")
+    return try_fork(cache, beam_order)
 
 
 def resize(cache: KVCache, capacity: int) -> KVCache:

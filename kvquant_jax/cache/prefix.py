@@ -50,6 +50,7 @@ from kvquant_jax.cache import _rows, checks
 from kvquant_jax.cache._rows import DTYPES
 from kvquant_jax.cache.interface import CacheScheme, KVCache, init_cache
 from kvquant_jax.cache.schema import Compatibility, IncompatibleSchemaError, check_compatible
+from kvquant_jax.integrity import CorruptArtifactError, guarded, parse_manifest, sign, verify
 
 LAYOUT = "prefix_rows/v1"   # k, v: [L, Hkv, P, D]; keys post-RoPE at positions 0..P-1
 KINDS = ("intactkv-extracted", "intactkv-calibrated", "prefixquant")
@@ -244,7 +245,7 @@ def save_artifact(artifact: PrefixArtifact, path: str | Path) -> Path:
     manifest = {"format": "kvquant_jax.prefix_artifact/v1", "artifact_id": artifact.artifact_id,
                 "identity": artifact.identity.to_dict(), "kind": artifact.kind, "visibility": artifact.visibility,
                 "provenance": artifact.provenance, "sha256": {"k": _sha(artifact.k), "v": _sha(artifact.v)}}
-    (path / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    (path / "manifest.json").write_text(json.dumps(sign(manifest), indent=1, sort_keys=True))
     return path
 
 
@@ -253,17 +254,26 @@ def load_artifact(path: str | Path, *, expect: Mapping[str, Any] | None = None) 
     restored artifact is bit-identical to the saved one) and, with ``expect``, compatibility."""
     import orbax.checkpoint as ocp
 
+    what = "prefix artifact"
     path = Path(path).absolute()
-    man = json.loads((path / "manifest.json").read_text())
+    if not (path / "manifest.json").is_file():
+        raise ValueError(f"{path}: not a prefix artifact (no manifest.json)")
+    man = parse_manifest((path / "manifest.json").read_bytes(), what, path)
     if man.get("format") != "kvquant_jax.prefix_artifact/v1":
         raise ValueError(f"{path}: not a prefix artifact (format {man.get('format')!r})")
-    t = ocp.StandardCheckpointer().restore(path / "tensors")
-    tensors = {n: np.asarray(t[n]) for n in ("k", "v")}
+    verify(man, what, path)
+
+    def restore():
+        t = ocp.StandardCheckpointer().restore(path / "tensors")
+        return {n: np.asarray(t[n]) for n in ("k", "v")}
+
+    tensors = guarded(what, path, restore)
     for n, a in tensors.items():
         if _sha(a) != man["sha256"][n]:
-            raise ValueError(f"{path}: tensor {n} does not match its recorded sha256 (corrupted artifact)")
-    art = PrefixArtifact(k=tensors["k"], v=tensors["v"], identity=PrefixIdentity.from_dict(man["identity"]),
-                         kind=man["kind"], visibility=man["visibility"], provenance=man.get("provenance", {}))
+            raise CorruptArtifactError(f"{path}: tensor {n} does not match its recorded sha256 (corrupt artifact)")
+    art = guarded(what, path, lambda: PrefixArtifact(
+        k=tensors["k"], v=tensors["v"], identity=PrefixIdentity.from_dict(man["identity"]), kind=man["kind"],
+        visibility=man["visibility"], provenance=man.get("provenance", {})))
     if art.artifact_id != man["artifact_id"]:
         raise ValueError(f"{path}: artifact id {art.artifact_id} != recorded {man['artifact_id']}")
     if expect is not None:

@@ -6,6 +6,8 @@ raw array bytes.  Restoring rebuilds the schemes from their configs, checks each
 one (a code/ABI drift is refused), builds the abstract target from the schema (``jax.eval_shape(init_cache)``),
 restores into it, and verifies the checksum.  ``expect=`` (a scheme, a per-layer scheme tuple, or a cache) makes
 the restore refuse a cache whose per-layer schemas differ, naming every differing field (``check_compatible``).
+The manifest also carries ``manifest_sha256`` (its own fields), verified before any field is used; a manifest or
+Orbax metadata file that does not decode or restore raises :class:`CacheIntegrityError` ("corrupt artifact").
 Round trips are bit-exact (raw bytes, including FP8 codes and NaN payloads of invisible slots).
 """
 from __future__ import annotations
@@ -21,14 +23,45 @@ import numpy as np
 
 from kvquant_jax.cache.interface import CacheScheme, KVCache, init_cache
 from kvquant_jax.cache.schema import CacheSchema, Compatibility, IncompatibleSchemaError, check_compatible
+from kvquant_jax.integrity import MANIFEST_HASH, CorruptArtifactError, manifest_digest
 
 FORMAT = "kvquant_jax.kvcache"
 VERSION = 1
 MAGIC = b"KVQCACHE"
 
 
-class CacheIntegrityError(ValueError):
-    """A blob or checkpoint whose bytes do not match its checksum, or whose manifest is malformed."""
+class CacheIntegrityError(CorruptArtifactError):
+    """A blob or checkpoint whose bytes do not match its checksum, or whose manifest is malformed (a
+    :class:`~kvquant_jax.integrity.CorruptArtifactError`, hence a ``ValueError``)."""
+
+
+def _sign(man: dict[str, Any]) -> dict[str, Any]:
+    """Add ``manifest_sha256`` (the manifest alone, checked before any field is used; ``sha256`` below also covers
+    the array bytes)."""
+    man = dict(man)
+    man[MANIFEST_HASH] = manifest_digest({k: v for k, v in man.items() if k != "sha256"})
+    return man
+
+
+def _check_manifest(man: Any, what: str) -> dict[str, Any]:
+    if not isinstance(man, dict):
+        raise CacheIntegrityError(f"{what}: corrupt artifact: the manifest is not a JSON object")
+    if MANIFEST_HASH in man and man[MANIFEST_HASH] != manifest_digest(
+            {k: v for k, v in man.items() if k != "sha256"}):
+        raise CacheIntegrityError(f"{what}: corrupt artifact: the manifest does not match its {MANIFEST_HASH} "
+                                  "(a metadata field was edited or damaged)")
+    return man
+
+
+def _guard(what: str, fn):
+    """Library failures on damaged files / malformed manifest fields become a clear CacheIntegrityError."""
+    try:
+        return fn()
+    except (CacheIntegrityError, IncompatibleSchemaError):
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure to decode a cache artifact means a damaged artifact
+        raise CacheIntegrityError(f"{what}: corrupt artifact: its stored files could not be read "
+                                  f"({type(e).__name__}: {str(e)[:300]})") from None
 
 
 def _leaves(cache: KVCache) -> list[np.ndarray]:
@@ -115,7 +148,7 @@ def _assemble(abstract: KVCache, arrays) -> KVCache:
 # ----------------------------------------------------------------------------------------------------------------
 def to_bytes(cache: KVCache) -> bytes:
     """``MAGIC | u64 manifest length | manifest JSON (utf-8, with sha256) | raw array bytes in tree order``."""
-    man = manifest(cache)
+    man = _sign(manifest(cache))
     leaves = _leaves(cache)
     man["sha256"] = _digest(man, leaves)
     head = json.dumps(man, sort_keys=True).encode()
@@ -135,7 +168,8 @@ def from_bytes(blob: bytes, *, expect=None) -> KVCache:
         man = json.loads(blob[start:start + n].decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CacheIntegrityError(f"{what}: corrupt manifest ({e})") from None
-    per_layer, abstract, specs = _abstract(man, what)
+    man = _check_manifest(man, what)
+    per_layer, abstract, specs = _guard(what, lambda: _abstract(man, what))
     _check_expect([s.schema for s in per_layer], expect, what)
     arrays, off = [], start + n
     for spec in specs:
@@ -165,7 +199,7 @@ def save(path, cache: KVCache) -> None:
     """Orbax checkpoint at ``path`` (a new directory): item ``state`` (the arrays, keyed by tree order; zero-size
     arrays, which Orbax cannot store, are rebuilt from the layout) and item ``manifest`` (JSON)."""
     ocp, ck = _checkpointer()
-    man = manifest(cache)
+    man = _sign(manifest(cache))
     leaves = _leaves(cache)
     man["sha256"] = _digest(man, leaves)
     state = {f"a{i:04d}": jnp.asarray(a) for i, a in enumerate(leaves) if a.size}
@@ -178,12 +212,15 @@ def restore(path, *, expect=None) -> KVCache:
     Raises like :func:`from_bytes`."""
     ocp, ck = _checkpointer()
     what = f"cache checkpoint {path}"
-    man = ck.restore(str(path), args=ocp.args.Composite(manifest=ocp.args.JsonRestore()))["manifest"]
-    per_layer, abstract, specs = _abstract(man, what)
+    man = _guard(what, lambda: ck.restore(str(path), args=ocp.args.Composite(
+        manifest=ocp.args.JsonRestore()))["manifest"])
+    man = _check_manifest(man, what)
+    per_layer, abstract, specs = _guard(what, lambda: _abstract(man, what))
     _check_expect([s.schema for s in per_layer], expect, what)
     target = {f"a{i:04d}": jax.ShapeDtypeStruct(s.shape, s.dtype) for i, s in enumerate(specs)
               if int(np.prod(s.shape, dtype=np.int64))}
-    got = ck.restore(str(path), args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+    got = _guard(what, lambda: ck.restore(str(path), args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target)))["state"])
     arrays = [np.asarray(got[f"a{i:04d}"]) if f"a{i:04d}" in target else np.zeros(s.shape, s.dtype)
               for i, s in enumerate(specs)]
     if _digest(man, arrays) != man.get("sha256"):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import sys
 
+from kvquant_jax import validation as checks
+
 
 def add_parsers(sub) -> None:
     p = sub.add_parser("intactkv", help="IntactKV prefix artifacts: extract exact prefix K/V, calibrate them")
@@ -81,6 +83,7 @@ def cmd_extract(args) -> None:
     from kvquant_jax.cache.prefix import save_artifact
     from kvquant_jax.calibration.intactkv import bos_prefix, extract_prefix, system_prefix, template_hash
 
+    checks.new_dir(args.out)
     m = _load(args)
     tok = m.tokenizer
     ids = bos_prefix(tok) if args.prefix == "bos" else system_prefix(tok)
@@ -104,6 +107,21 @@ def _body_scheme(spec: str, cfg):
     return make_scheme(spec, **kw)
 
 
+def _check_calibrate(args) -> None:
+    """Every precondition of ``kvq intactkv calibrate`` that does not need the model (before it loads)."""
+    checks.existing_dir(args.artifact, "--artifact")
+    checks.new_dir(args.out)
+    checks.empty_or_missing_dir(args.checkpoint_dir, "--checkpoint-dir")
+    for flag in ("train_seqs", "heldout_seqs", "seq_len", "steps", "batch", "chunk", "eval_every"):
+        checks.check_int(getattr(args, flag), "--" + flag.replace("_", "-"), low=1)
+    checks.check_float(args.lr, "--lr", low=0.0, low_open=True)
+    spec = args.cache
+    if not (spec.startswith("static") or spec in ("int3", "int5", "int6", "int7")):
+        checks.scheme_arg(spec)
+    elif spec.startswith("static") and spec[len("static"):] not in ("", "2", "3", "4", "5", "6", "7", "8"):
+        raise ValueError(f"--cache: {spec!r}: expected static or staticN with N in 2..8")
+
+
 def cmd_calibrate(args) -> None:
     import dataclasses
 
@@ -112,6 +130,7 @@ def cmd_calibrate(args) -> None:
     from kvquant_jax.calibration.intactkv import IntactKVConfig, calibrate_intactkv
     from kvquant_jax.calibration.prefixquant import static_kv_scales
 
+    _check_calibrate(args)
     m = _load(args)
     cfg, tok = m.cfg, m.tokenizer
     art = load_artifact(args.artifact, expect=model_identity(cfg, tok.hash, compute_dtype=args.dtype))
@@ -142,6 +161,11 @@ def cmd_discover(args) -> None:
     from kvquant_jax.cache.prefix import save_artifact
     from kvquant_jax.calibration.prefixquant import discover_prefix, prefixquant_artifact
 
+    checks.new_dir(args.out)
+    checks.check_float(args.eta, "--eta", low=0.0, low_open=True)
+    checks.check_int(args.seqs, "--seqs", low=1)
+    checks.check_int(args.seq_len, "--seq-len", low=2)
+    checks.check_int(args.max_tokens, "--max-tokens", low=1)
     m = _load(args)
     cfg, tok = m.cfg, m.tokenizer
     seqs, corpus = _validation_windows(tok, cfg.bos_id, args.seqs, args.seq_len, with_bos=True)

@@ -43,12 +43,30 @@ from kvquant_jax.cache.schema import CacheSchema, require_compatible
 from kvquant_jax.calibration.fisher import KVActivations, collect, to_post_rope
 from kvquant_jax.calibration.kmeans import weighted_kmeans
 from kvquant_jax.models.config import LlamaConfig
+from kvquant_jax.validation import check_fields, read_mapping
 
 FORMAT = "kvquant_jax.kvquant_calibration/v1"
 CODEBOOKS = ("nuq", "uniform")
 WEIGHTINGS = ("fisher", "uniform")
 ARRAY_NAMES = ("k_scale", "k_zero", "k_lo", "k_hi", "k_codebook", "v_codebook", "fisher_k", "fisher_v",
                "sse_k", "sse_v", "sse_k_uniform", "sse_v_uniform", "k_outlier_rate")
+
+
+def _check_scheme_fields(c) -> None:
+    """The runtime scheme's fields, checked before any model is loaded (``KVQuantScheme`` checks them again)."""
+    from kvquant_jax.cache.kvquant import BITS, DTYPES
+
+    for name in ("k_bits", "v_bits"):
+        v = getattr(c, name)
+        if isinstance(v, bool) or v not in BITS:
+            raise ValueError(f"calibration: {name} must be one of {BITS}, got {v!r}")
+    for name in ("k_sparse_capacity", "v_outliers", "sink"):
+        v = getattr(c, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"calibration: {name} must be a non-negative int, got {v!r}")
+    for name in ("qparam_dtype", "sparse_dtype", "residual_dtype"):
+        if getattr(c, name) not in DTYPES:
+            raise ValueError(f"calibration: {name} must be one of {sorted(DTYPES)}, got {getattr(c, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +123,7 @@ class CalibrationConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"calibration: {name} must be a positive int, got {v!r}")
+        _check_scheme_fields(self)
         if self.seq_len <= self.sink + 1:
             raise ValueError(f"calibration: seq_len ({self.seq_len}) must exceed sink + 1 ({self.sink + 1})")
         if self.corpus is not None and "wiki.test" in str(self.corpus):
@@ -117,17 +136,19 @@ class CalibrationConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"calibration config: unknown keys {sorted(unknown)}; allowed: {sorted(known)}")
+        check_fields(cls, d, "calibration config")
         return cls(**d)
 
     @classmethod
     def from_file(cls, path) -> "CalibrationConfig":
-        import yaml
-
-        with open(path) as f:
-            d = yaml.safe_load(f) or {}
+        d = read_mapping(path, "calibration config")
+        d = d.get("calibration", d)
         if not isinstance(d, dict):
-            raise ValueError(f"calibration config {path}: expected a mapping, got {type(d).__name__}")
-        return cls.from_dict(d.get("calibration", d))
+            raise ValueError(f"calibration config {path}: calibration: expected a mapping, got {type(d).__name__}")
+        try:
+            return cls.from_dict(d)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def counts(self, head_dim: int) -> tuple[int, int]:
         ck, cv = default_outlier_counts(float(self.outlier_fraction), head_dim)
@@ -319,8 +340,8 @@ def calibrate(config: CalibrationConfig, *, progress: bool = False) -> KVQuantCa
     """End to end: load the model and the calibration corpus, collect K/V + Fisher, fit, return the artifact."""
     from kvquant_jax.models import load_model
 
+    corpus = load_calibration_corpus(config.corpus)      # first: a missing corpus fails before the model loads
     m = load_model(config.model, dtype=config.dtype, rope_pairing=config.rope_pairing)
-    corpus = load_calibration_corpus(config.corpus)
     ids = m.tokenizer.encode(corpus.text)
     rec = {"name": corpus.name, "source": corpus.source, "sha256": corpus.sha256, "split": "validation",
            "tokens": len(ids)}

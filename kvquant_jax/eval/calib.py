@@ -6,15 +6,25 @@ Artifact (``.npz``): ``k_amax, v_amax: float32 [L, Hkv]`` (observed ranges; the 
 full-precision model over calibration tokens (``data.calibration_*``, never the evaluation split), records
 ``max |K|`` and ``max |V|`` per layer and KV head (post-RoPE keys, as stored), and names the result
 ``observed:<corpus sha256[:12]>:<tokens>:<sha256 of the values[:12]>``.
+
+Integrity: files written by :func:`save_fp8_artifact` carry a signed ``manifest`` (``manifest_sha256`` over its
+canonical JSON, per-array sha256, the id); an unsigned ``observed:`` file must hash to its id's suffix; any other
+unsigned file (hand-made scales) is identified by its own bytes.  Damage raises ``CorruptArtifactError``.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+
+from kvquant_jax.integrity import CorruptArtifactError, array_sha256, check_arrays, guarded, parse_manifest, sign, \
+    verify
+
+FP8_FORMAT = "kvquant_jax.fp8_scales/v1"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -59,10 +69,13 @@ def load_fp8_artifact(path: str | Path, num_layers: int) -> Fp8Calibration:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"FP8 scale artifact not found: {path}")
-    with np.load(path, allow_pickle=False) as z:
-        d = {k: z[k] for k in z.files}
-    cal_id = str(d.pop("calibration_id")) if "calibration_id" in d else "sha256:" + hashlib.sha256(
-        path.read_bytes()).hexdigest()[:16]
+
+    def read():
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+
+    d = guarded("FP8 scale artifact", path, read)
+    cal_id = _verified_id(d, path)
     if {"k_amax", "v_amax"} <= set(d):
         kw = {"k_amax": d["k_amax"], "v_amax": d["v_amax"]}
     elif {"k_scale", "v_scale"} <= set(d):
@@ -97,6 +110,35 @@ def observe_fp8(params, cfg, ids: np.ndarray, tokens: int, corpus_sha256: str, s
                           source=f"observed on {n * seq_len} calibration tokens", k_amax=k_amax, v_amax=v_amax)
 
 
+def _verified_id(d: dict, path: Path) -> str:
+    """The calibration id of a loaded ``.npz`` (``d`` loses its non-array entries), after its integrity check:
+    a signed file's ``manifest`` (sha256 over its canonical JSON, per-array sha256, the id); an unsigned
+    ``observed:`` file's id must end with the sha256 prefix of its amax values; any other unsigned file is named by
+    its bytes (``<id>@sha256:<file sha256[:16]>``, or ``sha256:...`` without an id)."""
+    what = "FP8 scale artifact"
+    given = str(d.pop("calibration_id")) if "calibration_id" in d else None
+    if "manifest" in d:
+        man = verify(parse_manifest(str(d.pop("manifest")), what, path), what, path)
+        if man.get("format") != FP8_FORMAT or man.get("calibration_id") != given:
+            raise CorruptArtifactError(f"{what}: {path}: corrupt artifact: the manifest's format / calibration_id "
+                                       "do not match the file")
+        check_arrays(d, man.get("array_sha256", {}), what, path)
+        return given
+    if given is not None and given.startswith("observed:") and {"k_amax", "v_amax"} <= set(d):
+        digest = hashlib.sha256(np.asarray(d["k_amax"], np.float32).tobytes()
+                                + np.asarray(d["v_amax"], np.float32).tobytes()).hexdigest()[:12]
+        if given.split(":")[-1] != digest:
+            raise CorruptArtifactError(f"{what}: {path}: corrupt artifact: calibration_id {given!r} names values "
+                                       f"with sha256 {given.split(':')[-1]}, the stored values hash to {digest}")
+        return given
+    file_id = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return file_id if given is None else f"{given}@{file_id}"
+
+
 def save_fp8_artifact(cal: Fp8Calibration, path: str | Path) -> None:
-    arrays = {k: getattr(cal, k) for k in ("k_amax", "v_amax", "k_scale", "v_scale") if getattr(cal, k) is not None}
-    np.savez(path, calibration_id=np.asarray(cal.calibration_id), **arrays)
+    """``.npz`` of the arrays, ``calibration_id`` and a signed ``manifest`` (JSON string; see ``_verified_id``)."""
+    arrays = {k: np.asarray(getattr(cal, k)) for k in ("k_amax", "v_amax", "k_scale", "v_scale")
+              if getattr(cal, k) is not None}
+    man = sign({"format": FP8_FORMAT, "calibration_id": cal.calibration_id, "source": cal.source,
+                "array_sha256": {k: array_sha256(a) for k, a in arrays.items()}})
+    np.savez(path, calibration_id=np.asarray(cal.calibration_id), manifest=np.asarray(json.dumps(man)), **arrays)

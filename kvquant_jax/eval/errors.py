@@ -107,7 +107,10 @@ def layer_errors(scheme, state, q, k, v, probes, *, prefill: int):
     o_x = attend(qt[:, None], k_self, v_self, one, (kx, vx, valid))[:, 0]                  # [n, Hq, D]
     o_q = attend(qt[:, None], k_self, v_self, one, (kh, vh, valid))[:, 0]
     out_rel = jnp.linalg.norm(o_q - o_x, axis=-1) / jnp.maximum(jnp.linalg.norm(o_x, axis=-1), 1e-30)
+    sat_fn = getattr(scheme, "saturated_layer", None)      # FP8: finite values stored as +-max (cache.status)
+    sat = sat_fn(st, kb, vb, probes)[last] if sat_fn is not None else jnp.zeros((2,), jnp.int32)
     return {
+        "saturated": sat,                                                  # [2] K, V elements of rows [0, t_last)
         "k_nmse": k_rec[0], "k_nmse_by_pos": k_rec[1], "k_nmse_by_head": k_rec[2], "k_nmse_by_chan": k_rec[3],
         "k_max_abs": k_rec[4],
         "v_nmse": v_rec[0], "v_nmse_by_pos": v_rec[1], "v_nmse_by_head": v_rec[2], "v_nmse_by_chan": v_rec[3],
@@ -134,7 +137,8 @@ def kv_errors(params, cfg, tokens, policy, *, prefill: int, probes: int, positio
     """Reconstruction and attention errors of ``policy`` on one sequence ``tokens`` (int32 [T]); see module doc.
 
     Returns plain floats / lists: per-layer lists (``k_nmse``, ``v_nmse``, ``logit_rel_rms``, ``attn_tv``,
-    ``out_rel``), their layer means, and breakdowns averaged over layers (``*_by_pos``: rows ``[0, last probe)`` of the largest probe's
+    ``out_rel``), their layer means, ``k_saturated`` / ``v_saturated`` (elements of the largest probe's rows a
+    saturating scheme -- FP8 -- stored as +-max; ``saturated_by_layer`` ``[L][K, V]``), and breakdowns averaged over layers (``*_by_pos``: rows ``[0, last probe)`` of the largest probe's
     state, binned into ``position_bins``, ``*_by_head``, ``*_by_chan``, attention ``*_by_probe``)."""
     policy = as_policy(policy)
     tokens = np.asarray(tokens, np.int32).reshape(1, -1)
@@ -158,6 +162,9 @@ def kv_errors(params, cfg, tokens, policy, *, prefill: int, probes: int, positio
         res[name + "_by_pos"] = bin_means(stack[name + "_by_pos"].mean(axis=0)[: pr[-1]], position_bins)
         res[name + "_by_head"] = stack[name + "_by_head"].mean(axis=0).tolist()
         res[name + "_by_chan"] = stack[name + "_by_chan"].mean(axis=0).tolist()
+    sat = stack["saturated"].astype(np.int64)                             # [L, 2]
+    res["saturated_by_layer"] = sat.tolist()
+    res["k_saturated"], res["v_saturated"] = int(sat[:, 0].sum()), int(sat[:, 1].sum())
     for name in ("logit_rel_rms", "attn_tv", "out_rel"):
         a = stack[name]                                                    # [L, n, Hkv]
         res[name + "_by_layer"] = a.mean(axis=(1, 2)).tolist()

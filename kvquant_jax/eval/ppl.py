@@ -26,6 +26,8 @@ def segments(ids: list[int], seq_len: int, max_segments: int | None, *, bos_id: 
     step = seq_len if bos_id is None else seq_len - 1
     n = len(ids) // step
     if max_segments is not None:
+        if isinstance(max_segments, bool) or not isinstance(max_segments, int) or max_segments < 1:
+            raise ValueError(f"max_segments must be an integer >= 1 (or None for all), got {max_segments!r}")
         n = min(n, max_segments)
     if n == 0:
         raise ValueError(f"corpus has {len(ids)} tokens, fewer than one segment of {seq_len}")

@@ -1,7 +1,6 @@
 """``DIR/report.md`` and PNG plots from ``DIR/results.jsonl`` (only the rows of the current points are used)."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -9,16 +8,12 @@ from kvquant_jax.config import METRICS, Point, SchemeSpec
 
 
 def _load(path: Path) -> dict[str, dict]:
-    rows = {}
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                rows.setdefault(r["key"], r)
-    return rows
+    """Rows by key: lines that are not rows are skipped, duplicate keys keep their first row (reported on stderr)."""
+    import sys
+
+    from kvquant_jax.eval.runner import read_rows
+
+    return read_rows(path, log=lambda msg: print(f"[kvq] report: {msg}", file=sys.stderr))
 
 
 def _fmt(x, digits=3, signed=False) -> str:
@@ -197,6 +192,12 @@ def _error_tables(entries) -> list[str]:
                      f"{_fmt(v['v_nmse_by_pos'][0])} / {_fmt(v['v_nmse_by_pos'][-1])} | {ki} ({_fmt(kl[ki])}) | "
                      f"{vi} ({_fmt(vl[vi])}) | {_fmt(v['logit_rel_rms'])} | {_fmt(v['attn_tv'])} | "
                      f"{_fmt(v['out_rel'])} |")
+    sat = [(e["point"].label, v["k_saturated"], v["v_saturated"]) for e in have
+           if (v := e["kv_error"]["values"]).get("k_saturated", 0) + v.get("v_saturated", 0) > 0]
+    if sat:
+        lines += ["", "**Saturated values** (finite K/V beyond the FP8 range, stored as ±max × scale; counts over "
+                      "the kv_error rows of every layer): "
+                  + "; ".join(f"{label}: K {k}, V {v}" for label, k, v in sat)]
     return lines + [""]
 
 

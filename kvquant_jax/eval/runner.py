@@ -11,13 +11,17 @@
     seconds      wall time of the row
 
 Durability: each row is written whole with one ``write`` then ``flush`` + ``fsync``; a run stopped at any moment
-(Ctrl-C, kill) leaves every completed row intact, and at most a torn last line, which the next run truncates.
+(Ctrl-C, kill) leaves every completed row intact, and at most a torn last line.  Loading keeps every valid row
+and moves lines that do not parse (reported with their line numbers) to ``results.jsonl.rejected``; the file is only
+ever rewritten through write-new-then-rename.  One process at a time writes a directory (``DIR/.kvq.lock``, see
+:mod:`kvquant_jax.eval.lock`); a second ``kvq sweep`` on the same ``--out`` is refused naming the first one.
 Resume: rows whose key is already in the file are skipped (their baseline values are read back from the file),
 so an interrupted and resumed run writes the same rows in the same order as an uninterrupted one (the volatile
 fields are ``seconds`` and ``provenance.date``).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -32,6 +36,7 @@ from typing import Callable
 
 from kvquant_jax.config import METRICS, ExperimentConfig, LoadedConfig, Point, SchemeSpec
 from kvquant_jax.eval import metrics as M
+from kvquant_jax.eval.lock import output_lock
 
 VOLATILE = ("seconds", "provenance.date")
 # config blocks each metric depends on (besides model / cache / calibration / activation)
@@ -88,38 +93,83 @@ def environment() -> dict:
             **git_info()}
 
 
-class ResultsFile:
-    """Append-only JSONL with per-row fsync; loading truncates a torn last line."""
+def parse_rows(data: bytes, path="results.jsonl") -> tuple[dict[str, dict], list[tuple[int, str]], int]:
+    """``(rows by key, bad lines, duplicates)`` of the bytes of a ``results.jsonl``.  Every line that parses as a
+    JSON object with a string ``key`` is a row (the first row of a key wins; later ones count as duplicates);
+    any other non-blank line is bad: ``(line number, reason)``."""
+    rows: dict[str, dict] = {}
+    bad: list[tuple[int, str]] = []
+    dups = 0
+    for n, line in enumerate(data.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            bad.append((n, f"not JSON ({e.msg if hasattr(e, 'msg') else e})"))
+            continue
+        if not isinstance(row, dict) or not isinstance(row.get("key"), str):
+            bad.append((n, "a JSON value without a string 'key'"))
+            continue
+        if row["key"] in rows:
+            dups += 1
+        else:
+            rows[row["key"]] = row
+    return rows, bad, dups
 
-    def __init__(self, path: Path):
+
+def read_rows(path: Path, log: Callable[[str], None] | None = None) -> dict[str, dict]:
+    """The rows of ``path`` (see :func:`parse_rows`); bad lines and duplicates are reported through ``log``."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    rows, bad, dups = parse_rows(path.read_bytes(), path)
+    if log is not None:
+        for n, why in bad:
+            log(f"{path}:{n}: skipping a line that is not a results row: {why}")
+        if dups:
+            log(f"{path}: {dups} duplicate row(s) ignored (the first row of each key is used)")
+    return rows
+
+
+class ResultsFile:
+    """Append-only JSONL with per-row fsync.  Loading keeps every valid row; lines that do not parse (a torn last
+    line from a killed run, a damaged line anywhere) are reported with their line numbers and moved, byte for byte,
+    to ``results.jsonl.rejected`` (appended and fsync'd first), then the file is rewritten as its valid lines
+    through write-new-then-rename, so no completed row is ever lost."""
+
+    def __init__(self, path: Path, log: Callable[[str], None] | None = None):
         self.path = Path(path)
         self.rows: dict[str, dict] = {}
+        self.log = log or (lambda msg: print(f"[kvq] {msg}", file=sys.stderr))
         if self.path.exists():
             self._load()
 
     def _load(self) -> None:
         data = self.path.read_bytes()
-        good = 0
-        pos = 0
-        while True:
-            nl = data.find(b"\n", pos)
-            if nl < 0:
-                break
-            line = data[pos:nl]
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    break
-                self.rows.setdefault(row["key"], row)
-            pos = good = nl + 1
-        if good < len(data):
-            print(f"[kvq] {self.path}: dropping an incomplete last row ({len(data) - good} bytes) from an "
-                  f"interrupted run", file=sys.stderr)
-            with open(self.path, "r+b") as f:
-                f.truncate(good)
+        self.rows, bad, dups = parse_rows(data, self.path)
+        for n, why in bad:
+            self.log(f"{self.path}:{n}: skipping a line that is not a results row ({why}); moved to "
+                     f"{self.path.name}.rejected")
+        if dups:
+            self.log(f"{self.path}: {dups} duplicate row(s) (the first row of each key is used)")
+        if not bad and (not data or data.endswith(b"\n")):
+            return
+        lines = data.split(b"\n")
+        bad_n = {n for n, _ in bad}
+        rejected = self.path.with_name(self.path.name + ".rejected")
+        if bad_n:
+            with open(rejected, "ab") as f:
+                f.write(b"".join(lines[n - 1] + b"\n" for n in sorted(bad_n)))
                 f.flush()
                 os.fsync(f.fileno())
+        kept = b"".join(ln + b"\n" for n, ln in enumerate(lines, start=1) if ln.strip() and n not in bad_n)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
 
     def __contains__(self, key: str) -> bool:
         return key in self.rows
@@ -152,7 +202,16 @@ def run_points(points: list[Point], *, sweep_name: str, baseline: SchemeSpec, ou
                on_row: Callable[[dict], None] | None = None, log: Callable[[str], None] | None = None) -> RunSummary:
     """Compute every enabled metric of every point (plus the baselines deltas need), appending rows."""
     log = log or (lambda msg: print(f"[kvq] {msg}", file=sys.stderr))
-    results = ResultsFile(out_dir / "results.jsonl") if out_dir is not None else None
+    if out_dir is not None:
+        with output_lock(out_dir, "kvq sweep"):
+            return _run_points(points, sweep_name=sweep_name, baseline=baseline, out_dir=out_dir, metrics=metrics,
+                               progress=progress, on_row=on_row, log=log)
+    return _run_points(points, sweep_name=sweep_name, baseline=baseline, out_dir=out_dir, metrics=metrics,
+                       progress=progress, on_row=on_row, log=log)
+
+
+def _run_points(points, *, sweep_name, baseline, out_dir, metrics, progress, on_row, log) -> RunSummary:
+    results = ResultsFile(out_dir / "results.jsonl", log=log) if out_dir is not None else None
     session = M.Session(artifact_dir=out_dir, log=log)
     env = None
     memory: dict[str, dict] = {}
@@ -238,17 +297,18 @@ def run_sweep(loaded: LoadedConfig, out_dir: str | Path | None, *, metrics=None,
     points = loaded.points()
     name, baseline = sweep_name(loaded), sweep_baseline(loaded)
     out = Path(out_dir) if out_dir is not None else None
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        _write_manifest(out, loaded, points, command)
-    try:
-        summary = run_points(points, sweep_name=name, baseline=baseline, out_dir=out,
-                             metrics=tuple(metrics) if metrics else None, progress=progress, on_row=on_row, log=log)
-    finally:
-        if out is not None and report and (out / "results.jsonl").exists():
-            from kvquant_jax.eval.report import write_report
+    with output_lock(out, "kvq sweep") if out is not None else contextlib.nullcontext():
+        if out is not None:
+            _write_manifest(out, loaded, points, command)
+        try:
+            summary = run_points(points, sweep_name=name, baseline=baseline, out_dir=out,
+                                 metrics=tuple(metrics) if metrics else None, progress=progress, on_row=on_row,
+                                 log=log)
+        finally:
+            if out is not None and report and (out / "results.jsonl").exists():
+                from kvquant_jax.eval.report import write_report
 
-            write_report(out, points=points, sweep_name=name, baseline=baseline, command=command)
+                write_report(out, points=points, sweep_name=name, baseline=baseline, command=command)
     return summary
 
 
@@ -270,11 +330,13 @@ def prune(out_dir: str | Path, points: list[Point], baseline: SchemeSpec) -> int
     if not path.exists():
         return 0
     keep = planned_keys(points, baseline)
-    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    kept = [ln for ln in lines if json.loads(ln)["key"] in keep]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    with output_lock(out_dir, "kvq sweep --prune"):
+        ResultsFile(path)                      # moves lines that do not parse to results.jsonl.rejected
+        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        kept = [ln for ln in lines if json.loads(ln)["key"] in keep]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
+        os.replace(tmp, path)
     return len(lines) - len(kept)
 
 

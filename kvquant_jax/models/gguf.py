@@ -22,6 +22,59 @@ class GGUFError(ValueError):
     """A GGUF file that kvquant_jax cannot load (wrong architecture, unsupported tensor type, missing tensor)."""
 
 
+def _advice(path: Path) -> str:
+    from kvquant_jax.models.fetch import sha256_file
+
+    try:
+        sha = sha256_file(path)
+    except OSError:  # pragma: no cover
+        sha = "unreadable"
+    return (f"re-fetch or re-download the file (a known model: delete it and run `kvq fetch-model`, which verifies "
+            f"the published sha256); this copy has sha256 {sha}")
+
+
+def open_reader(path: str | Path):
+    """A ``gguf.GGUFReader`` of ``path`` whose header fields and tensor extents are bounds-checked against the
+    file size: a truncated or corrupt file raises :class:`GGUFError` "file truncated or corrupt: expected N bytes
+    for tensor T ..., file has M" (plus what to do) instead of an ``IndexError`` or a reshape error."""
+    import gguf
+
+    path = Path(path)
+    size = path.stat().st_size
+
+    class Short(Exception):
+        pass
+
+    class CheckedReader(gguf.GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            end = int(offset) + int(np.empty([], dtype=dtype).itemsize) * int(count)
+            if end > len(self.data):
+                raise Short(f"the header needs bytes up to offset {end}")
+            return super()._get(offset, dtype, count, override_order)
+
+        def _build_tensors(self, start_offs, fields):
+            for field in fields:
+                try:
+                    _n, name_data, _nd, dims, raw_dtype, offset_tensor = field.parts
+                    name = bytes(name_data).decode("utf-8", "replace")
+                    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_dtype[0]))]
+                    n_bytes = int(np.prod(dims.astype(np.float64))) * type_size // block
+                    start = int(start_offs) + int(offset_tensor[0])
+                except (ValueError, KeyError, TypeError, IndexError):
+                    continue            # leave odd layouts (another gguf version) to the reader itself
+                if start + n_bytes > size:
+                    raise Short(f"expected {n_bytes} bytes for tensor {name} at offset {start}")
+            return super()._build_tensors(start_offs, fields)
+
+    try:
+        return CheckedReader(str(path))
+    except Short as e:
+        raise GGUFError(f"{path}: file truncated or corrupt: {e}, file has {size} bytes; {_advice(path)}") from None
+    except Exception as e:
+        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); if it should be one, it is "
+                        f"corrupt: {_advice(path)}") from None
+
+
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
     if f is None:
@@ -97,15 +150,10 @@ def load_gguf(path: str | Path, *, rope_pairing: str = "half_split", sha256: str
     on a leading layer axis: ``attn_norm [L, H]``, ``wq [L, H, Hq*D]``, ``wk/wv [L, H, Hkv*D]``,
     ``wo [L, Hq*D, H]``, ``ffn_norm [L, H]``, ``w_gate/w_up [L, H, F]``, ``w_down [L, F, H]``.
     """
-    import gguf
-
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model file not found: {path}")
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:
-        raise GGUFError(f"{path}: not a readable GGUF file ({e})") from e
+    reader = open_reader(path)
     cfg = config_from_gguf(reader, rope_pairing=rope_pairing, name=path.stem, sha256=sha256)
     tensors = {t.name: t for t in reader.tensors}
 
@@ -143,9 +191,7 @@ def load_gguf(path: str | Path, *, rope_pairing: str = "half_split", sha256: str
 
 def tokenizer_metadata(path: str | Path) -> dict:
     """Vocabulary, merges, token types, special ids and chat template from the GGUF metadata."""
-    import gguf
-
-    return tokenizer_metadata_from_reader(gguf.GGUFReader(str(path)))
+    return tokenizer_metadata_from_reader(open_reader(path))
 
 
 def tokenizer_metadata_from_reader(reader) -> dict:

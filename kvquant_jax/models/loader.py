@@ -67,9 +67,7 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str = "fp32", r
         if not digest:
             digest = sha256_file(path)
         cache = _params_cache(path, digest, rope_pairing)
-        import gguf
-
-        reader = gguf.GGUFReader(str(path))
+        reader = gg.open_reader(path)
         cfg = gg.config_from_gguf(reader, rope_pairing=rope_pairing, name=path.stem, sha256=digest)
         if cache.exists():
             with np.load(cache) as z:

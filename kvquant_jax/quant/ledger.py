@@ -55,7 +55,7 @@ class LedgerShape:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             low = 0 if f.name == "length" else 1
-            if not isinstance(v, int) or v < low:
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"LedgerShape.{f.name} must be an int >= {low}, got {v!r}")
         if self.length > self.capacity:
             raise ValueError(f"LedgerShape: length {self.length} exceeds capacity {self.capacity}")

@@ -69,11 +69,16 @@ def test_blob_rejections():
         serialize.from_bytes(serialize.to_bytes(_filled("fp8_e4m3_calibrated_skip0")),
                              expect=tuple(dataclasses.replace(s, calibration_id="other") if hasattr(
                                  s, "calibration_id") else s for s in CASES["fp8_e4m3_calibrated_skip0"]))
-    # an edited manifest (schema changed, checksum kept) is refused
+    # an edited manifest (schema changed, checksum kept) is refused: first by the manifest's own hash (issue Q.8),
+    # and with that hash recomputed by the schema-vs-scheme check
     n = int.from_bytes(blob[8:16], "little")
     man = json.loads(blob[16:16 + n])
     man["runs"][0]["schema"]["rope_theta"] = 500000.0
     head = json.dumps(man, sort_keys=True).encode()
+    with pytest.raises(serialize.CacheIntegrityError, match="corrupt artifact.*manifest_sha256"):
+        serialize.from_bytes(blob[:8] + len(head).to_bytes(8, "little") + head + blob[16 + n:])
+    resigned = serialize._sign({k: v for k, v in man.items() if k != "manifest_sha256"})
+    head = json.dumps(resigned, sort_keys=True).encode()
     with pytest.raises(IncompatibleSchemaError, match="rope_theta"):
         serialize.from_bytes(blob[:8] + len(head).to_bytes(8, "little") + head + blob[16 + n:])
     man["runs"][0]["schema"]["rope_theta"] = 10000.0

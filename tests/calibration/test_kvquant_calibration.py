@@ -247,10 +247,34 @@ def test_artifact_mismatches_raise_naming_fields(calibration, tmp_path):
     man = json.loads((path / "manifest.json").read_text())
     man["arrays"]["k_scale"]["sha256"] = "0" * 64
     (path / "manifest.json").write_text(json.dumps(man))
-    with pytest.raises(ValueError, match="k_scale"):
+    with pytest.raises(ValueError, match="corrupt artifact"):
         KC.load(path)
     with pytest.raises(ValueError, match="no manifest.json"):
         KC.load(tmp_path)
+
+
+def test_metadata_edit_of_schema_and_rope_together_is_refused(calibration, tmp_path):
+    """Issue Q.8: the arrays' sha256 alone let a consistent edit of the schema and RoPE fields load and install."""
+    from kvquant_jax.integrity import CorruptArtifactError
+
+    path = KC.save(calibration, tmp_path / "art")
+    man = json.loads((path / "manifest.json").read_text())
+    assert man["manifest_sha256"] and man["schema"]["rope_theta"] == CFG.rope_theta
+    theta = CFG.rope_theta * 50
+    man["schema"]["rope_theta"] = theta
+    man["rope"]["theta"] = theta
+    man["scheme_config"]["rope_theta"] = theta
+    man["model"]["rope_theta"] = theta
+    (path / "manifest.json").write_text(json.dumps(man, indent=1, sort_keys=True))
+    with pytest.raises(CorruptArtifactError, match="corrupt artifact.*metadata field was edited"):
+        KC.load(path, expect_model=dataclasses.replace(CFG, rope_theta=theta))
+    # a byte flip in the manifest (invalid UTF-8) is a clear error too
+    path2 = KC.save(calibration, tmp_path / "art2")
+    raw = bytearray((path2 / "manifest.json").read_bytes())
+    raw[len(raw) // 2] ^= 0x80
+    (path2 / "manifest.json").write_bytes(bytes(raw))
+    with pytest.raises(CorruptArtifactError, match="corrupt artifact"):
+        KC.load(path2)
 
 
 def test_installed_calibration_serves_the_model(params, calibration):
