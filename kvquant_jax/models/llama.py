@@ -31,7 +31,7 @@ from kvquant_jax.cache.interface import KVCache
 from kvquant_jax.cache.ops import publish
 from kvquant_jax.models.config import LlamaConfig
 from kvquant_jax.models.prefill_attention import (ATTENTION_IMPLS, NEG_INF, attend, prefill_attention,  # noqa: F401
-                                                   resolve_prefill_impl)
+                                                   resolve_decode_impl, resolve_prefill_impl)
 from kvquant_jax.models.rope import apply_rope
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -196,8 +196,9 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
       num_new: int32 [B]: valid tokens per sequence (right padding beyond); default all T.
       attention_impl: "reference" (decode the stored history, one float32 softmax in JAX, every phase), "kernel"
         (decode steps, T == 1, go through ``kvquant_jax.attention.dispatch.decode_attention``, which reads packed
-        codes in place; prefill, T > 1, through cuDNN flash attention on GPU) or "auto" (the default: "kernel" on
-        GPU/TPU where a kernel serves the layout, the float32 reference on CPU, so CPU results are unchanged).
+        codes in place; prefill, T > 1, through cuDNN flash attention on GPU for bf16/fp16 models, the float32
+        reference for float32 ones) or "auto" (the default: "kernel" on GPU/TPU where a kernel serves the layout,
+        the float32 reference on CPU, so CPU results are unchanged).
       linear: optional ``linear(x, w, name)`` projection hook (None = float); a hashable policy object (e.g.
         ``kvquant_jax.models.w8a8.W8A8Policy``) so it can be a static jit argument. The hook sees ``x [B, T, K]``,
         so it can specialise on the phase (prefill T > 1, decode T == 1).
@@ -215,7 +216,8 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
         raise ValueError(f"params hold {num_param_layers(params)} layers, the cache {cache.num_layers}")
     lengths = cache.lengths
     positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    prefill_impl = resolve_prefill_impl(attention_impl)
+    prefill_impl = resolve_prefill_impl(attention_impl, dtype=params["embed"].dtype)
+    decode_impl = resolve_decode_impl(attention_impl)
     x = params["embed"][tokens]
     new_groups = []
     ok = jnp.bool_(True)
@@ -238,9 +240,9 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
                 view = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), gst)
             else:  # a long append may wrap residual rings onto slots still visible at the old lengths
                 view = st
-            if attention_impl != "reference" and t == 1:
+            if decode_impl != "reference" and t == 1:
                 a = decode_attention(q[:, 0], scheme, view, lengths, k[:, 0], v[:, 0],
-                                     impl=attention_impl)[:, None].astype(q.dtype)
+                                     impl=decode_impl)[:, None].astype(q.dtype)
             else:
                 a = prefill_attention(q, k, v, num_new, scheme.materialize_layer(view, lengths), impl=prefill_impl)
             x = finish_layer(cfg, x, lp, a, linear)

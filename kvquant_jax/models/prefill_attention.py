@@ -6,7 +6,7 @@ Both implementations compute ONE softmax over the history rows (``valid``) and t
 
 * :func:`attend` (reference): float32 scores ``[B, Hkv, G, T, C + T]`` materialized; exact (HIGHEST precision),
   the CPU and parity path; memory ``O(T * (C + T))`` per head, so it cannot serve long prompts.
-* :func:`prefill_attention_cudnn` (GPU): two cuDNN fused flash-attention calls, the causal current chunk and the
+* :func:`prefill_attention_cudnn` (GPU, bf16/fp16 models): two cuDNN fused flash-attention calls, the causal current chunk and the
   history (padding mask ``kv_seqlen = #valid``), each returning its float32 softmax statistics (log-sum-exp of the
   scaled logits); the two partial outputs merge exactly by their log-sum-exps. No ``[T, T]`` scores exist in HBM.
   Operands in the compute dtype (bf16/fp16; float32 inputs are rounded to bf16), float32 accumulation. Requires
@@ -58,11 +58,24 @@ def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
     return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
-def resolve_prefill_impl(attention_impl: str, platform: str | None = None) -> str:
-    """The prefill (T > 1) attention for a forward's ``attention_impl``: ``"cudnn"`` on GPU for "auto"/"kernel",
-    ``"reference"`` otherwise (CPU and TPU: the float32 reference)."""
+def resolve_decode_impl(attention_impl: str, platform: str | None = None) -> str:
+    """The decode (T == 1) path for a forward's ``attention_impl``: "auto" on CPU is the model's float32 reference
+    (materialize the stored history; exactly the CPU results before "auto" became the default), elsewhere the
+    dispatcher (``attention.dispatch.decode_attention``, kernels where they serve the layout)."""
+    platform = platform or jax.default_backend()
+    if attention_impl == "auto" and platform == "cpu":
+        return "reference"
+    return attention_impl
+
+
+def resolve_prefill_impl(attention_impl: str, platform: str | None = None, dtype=jnp.bfloat16) -> str:
+    """The prefill (T > 1) attention for a forward's ``attention_impl`` and compute ``dtype``: ``"cudnn"`` on GPU
+    for "auto"/"kernel" with bf16/fp16 activations; ``"reference"`` otherwise (CPU and TPU, and float32 models on
+    GPU, which keep float32 parity: cuDNN would round their operands to bf16)."""
     platform = platform or jax.default_backend()
     if attention_impl == "reference" or platform not in ("gpu", "cuda"):
+        return "reference"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return "reference"
     return "cudnn"
 

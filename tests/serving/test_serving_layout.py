@@ -156,6 +156,11 @@ def test_prefill_impl_resolution():
     assert pa.resolve_prefill_impl("auto", "gpu") == "cudnn"
     assert pa.resolve_prefill_impl("kernel", "gpu") == "cudnn"
     assert pa.resolve_prefill_impl("reference", "gpu") == "reference"
+    assert pa.resolve_prefill_impl("auto", "gpu", jnp.float32) == "reference"   # float32 parity kept
+    assert pa.resolve_prefill_impl("auto", "gpu", jnp.float16) == "cudnn"
+    assert pa.resolve_decode_impl("auto", "cpu") == "reference"
+    assert pa.resolve_decode_impl("auto", "gpu") == "auto"
+    assert pa.resolve_decode_impl("kernel", "cpu") == "kernel"
     with pytest.raises(ValueError, match="attention_impl"):
         forward(PARAMS, CFG, jnp.asarray(PROMPTS[:, :1]), _cache("fp32"), attention_impl="flash")
 
