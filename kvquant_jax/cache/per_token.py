@@ -19,9 +19,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvquant_jax.abi.regions import KVFormat, KVOperand, region
 from kvquant_jax.cache import _rows, checks
 from kvquant_jax.cache.interface import SchemeBase
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
+from kvquant_jax.quant.ledger import DTYPE_BYTES, packed_bytes
 from kvquant_jax.quant.packing import from_offset_binary, pack_bits, to_offset_binary, unpack_bits
 from kvquant_jax.quant.symmetric import dequantize_symmetric, quantize_symmetric_with_status
 
@@ -59,6 +61,8 @@ class PerTokenScheme(SchemeBase):
     """
 
     family = "per_token"
+    presets = {"int8": {"bits": 8}, "int4": {"bits": 4}, "int2": {"bits": 2}}
+    aliases = {"head_dim_group_size": ("group_size",)}
 
     bits: int = 8
     group_size: int = 0
@@ -133,6 +137,23 @@ class PerTokenScheme(SchemeBase):
     def layer_nbytes(self, state):
         return {"codes": _rows.nbytes(state.k_codes, state.v_codes),
                 "qparams": _rows.nbytes(state.k_scale, state.v_scale)}
+
+    def decode_regions(self, state, lengths):
+        """One region of packed symmetric codes with per-token scales (widths the kernel ABI packs: 1, 2, 4, 8;
+        other widths use the materialize view)."""
+        if self.bits not in (1, 2, 4, 8):
+            return super().decode_regions(state, lengths)
+        f = KVFormat(f"int{self.bits}", "token", "symmetric", self.group_size)
+        return [region(KVOperand(state.k_codes, state.k_scale, None, f),
+                       KVOperand(state.v_codes, state.v_scale, None, f), lengths)], 0
+
+    def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
+        gd = self.group_size or head_dim
+        out = {}
+        for t in "kv":
+            out[("codes", t)] = batch * heads * rows * packed_bytes(head_dim, self.bits)
+            out[("qparams", t)] = batch * heads * rows * (head_dim // gd) * DTYPE_BYTES[self.qparam_dtype]
+        return out
 
 
 def _packed_byte(code: int, bits: int) -> int:

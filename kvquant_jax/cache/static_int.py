@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvquant_jax.abi.regions import KVFormat, KVOperand, region
 from kvquant_jax.cache import _rows, checks
 from kvquant_jax.cache.interface import KVCache, SchemeBase, rows_finite
 from kvquant_jax.cache.per_token import QPARAM_DTYPES, PerTokenLayerState, PerTokenScheme, check_packable
@@ -56,6 +57,8 @@ class StaticIntScheme(SchemeBase):
     """
 
     family = "static_int"
+    presets = {"static_int8": {"bits": 8}, "static_int4": {"bits": 4}, "static_int2": {"bits": 2}}
+    aliases = {"axis": ("scale_axis",)}
     unbatched_fields = ("k_scale", "v_scale")
 
     bits: int = 4
@@ -128,6 +131,22 @@ class StaticIntScheme(SchemeBase):
         return {"codes": _rows.nbytes(state.k_codes, state.v_codes),
                 "qparams": _rows.nbytes(state.k_scale, state.v_scale)}
 
+    def decode_regions(self, state, lengths):
+        """One region of packed symmetric codes with the static per-head scales ``[Hkv]`` (widths 1, 2, 4, 8;
+        other widths use the materialize view)."""
+        if self.bits not in (1, 2, 4, 8):
+            return super().decode_regions(state, lengths)
+        f = KVFormat(f"int{self.bits}", "head", "symmetric")
+        return [region(KVOperand(state.k_codes, state.k_scale, None, f),
+                       KVOperand(state.v_codes, state.v_scale, None, f), lengths)], 0
+
+    def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
+        out = {}
+        for t in "kv":
+            out[("codes", t)] = batch * heads * rows * packed_length(head_dim, self.bits)
+            out[("qparams", t)] = heads * 4                               # float32 [Hkv] per tensor, unbatched
+        return out
+
 
 def load_static_scales(cache: KVCache, k_scales, v_scales) -> KVCache:
     """Set the per-layer scales of every static-INT layer of ``cache`` (plain, or the body of a prefix scheme).
@@ -169,6 +188,7 @@ class PerTokenAnyBitsScheme(PerTokenScheme):
     """Per-token symmetric INTb for any ``bits`` in 2..8 (same layout and semantics as ``PerTokenScheme``)."""
 
     family = "per_token_any"
+    presets = {"int3": {"bits": 3}, "int5": {"bits": 5}, "int6": {"bits": 6}, "int7": {"bits": 7}}
 
     def __post_init__(self):
         if not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
