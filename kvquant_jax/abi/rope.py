@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -42,8 +43,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float, pairing: str = 
 
 def pairing_permutation(head_dim: int, src: str, dst: str):
     """Index array ``p`` with ``x_dst = x_src[..., p]`` converting per-head channel order between conventions."""
-    import numpy as np
-
     half = head_dim // 2
     if src == dst:
         return np.arange(head_dim)

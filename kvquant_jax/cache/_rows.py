@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvquant_jax.quant._common import QuantStatus
+
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
@@ -128,8 +130,6 @@ def split_status(status: jax.Array):
     scales).  Every other flag (non-finite input, overflowing scale, non-finite min/offset) is *hard*: the append
     reports ``ok = False`` for that sequence and nothing is published.
     """
-    from kvquant_jax.quant._common import QuantStatus
-
     narrow_bits = int(QuantStatus.SCALE_UNDERFLOW | QuantStatus.SCALE_SUBNORMAL)
     narrow = (status & jnp.int32(narrow_bits)) != 0
     hard = (status & jnp.int32(~narrow_bits)) != 0

@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvquant_jax.cache import _rows
-from kvquant_jax.cache._rows import DTYPES, valid_rows  # noqa: F401  (re-exported)
 from kvquant_jax.abi.regions import dense_operand, region
+from kvquant_jax.cache import _rows
+from kvquant_jax.cache import checks
+from kvquant_jax.cache._rows import DTYPES, valid_rows  # noqa: F401  (re-exported)
 from kvquant_jax.cache.interface import SchemeBase
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
 from kvquant_jax.quant.ledger import DTYPE_BYTES
@@ -78,8 +79,6 @@ class FullPrecisionScheme(SchemeBase):
         return k, v, valid
 
     def validate_layer(self, state, lengths):
-        from kvquant_jax.cache import checks
-
         checks.finite_rows("full-precision K", state.k, lengths)
         checks.finite_rows("full-precision V", state.v, lengths)
 

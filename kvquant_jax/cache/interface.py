@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from kvquant_jax.abi.regions import Region, dense_operand, region
@@ -297,8 +298,6 @@ def init_cache(schemes: CacheScheme | tuple[CacheScheme, ...] | list, *, num_lay
 
 def check_room(cache: KVCache, num_new) -> None:
     """Host-side capacity check: raise before any work if ``lengths + num_new`` would exceed capacity."""
-    import numpy as np
-
     lengths = np.asarray(jax.device_get(cache.lengths))
     need = lengths + np.asarray(num_new)
     if (need > cache.capacity).any():

@@ -42,6 +42,8 @@ from kvquant_jax.cache.kvquant import (KVQuantScheme, default_outlier_counts, lo
 from kvquant_jax.cache.schema import CacheSchema, require_compatible
 from kvquant_jax.calibration.fisher import KVActivations, collect, to_post_rope
 from kvquant_jax.calibration.kmeans import weighted_kmeans
+from kvquant_jax.data import load_corpus
+from kvquant_jax.models import load_model
 from kvquant_jax.models.config import LlamaConfig
 
 FORMAT = "kvquant_jax.kvquant_calibration/v1"
@@ -307,8 +309,6 @@ def calibrate_loaded(params, cfg: LlamaConfig, token_ids, config: CalibrationCon
 
 def load_calibration_corpus(spec: str | None):
     """The calibration text (WikiText-2 VALIDATION by default; the test split is refused)."""
-    from kvquant_jax.data import load_corpus
-
     corpus = load_corpus(spec, split="validation", fallback=False)
     if "wiki.test" in corpus.source:
         raise ValueError(f"calibration corpus {corpus.source} is the WikiText-2 test split")
@@ -317,8 +317,6 @@ def load_calibration_corpus(spec: str | None):
 
 def calibrate(config: CalibrationConfig, *, progress: bool = False) -> KVQuantCalibration:
     """End to end: load the model and the calibration corpus, collect K/V + Fisher, fit, return the artifact."""
-    from kvquant_jax.models import load_model
-
     m = load_model(config.model, dtype=config.dtype, rope_pairing=config.rope_pairing)
     corpus = load_calibration_corpus(config.corpus)
     ids = m.tokenizer.encode(corpus.text)

@@ -6,6 +6,8 @@ import math
 from pathlib import Path
 
 from kvquant_jax.config import METRICS, Point, SchemeSpec
+from kvquant_jax.eval.metrics import DELTA_FIELDS, baseline_config
+from kvquant_jax.eval.runner import row_key
 
 
 def _load(path: Path) -> dict[str, dict]:
@@ -33,9 +35,6 @@ def _fmt(x, digits=3, signed=False) -> str:
 
 def collect(rows: dict, points: list[Point], baseline: SchemeSpec) -> list[dict]:
     """Per point: ``{"point": Point, <metric>: row or None, "baseline_<metric>": row}``."""
-    from kvquant_jax.eval.metrics import DELTA_FIELDS, baseline_config
-    from kvquant_jax.eval.runner import row_key
-
     out = []
     for p in points:
         e = {"point": p}
