@@ -68,7 +68,7 @@ from jax.experimental import pallas as pl
 
 from kvquant_jax.abi.reference import decode_attention_jnp, dequantize_operand
 from kvquant_jax.abi.regions import KVFormat, Region, check_query
-from pallas_kernels.backend import default_interpret, platform
+from pallas_kernels.backend import platform, resolve
 
 __all__ = ["decode_attention", "decode_attention_reference", "KernelConfig", "default_config", "PRECISIONS",
            "kernel_unsupported"]
@@ -700,12 +700,7 @@ def _combine(parts):
 
 
 def _resolve(backend, interpret):
-    if backend is None:
-        backend = "tpu" if platform() == "tpu" else "gpu"
-    if backend not in ("gpu", "tpu"):
-        raise ValueError(f"backend must be None, 'gpu' or 'tpu', got {backend!r}")
-    if interpret is None:
-        interpret = default_interpret()
+    backend, interpret = resolve(backend, interpret)
     if backend == "tpu" and platform() != "tpu" and not interpret:
         raise ValueError("backend='tpu' needs a TPU or interpret=True")
     if backend == "gpu" and platform() != "gpu" and not interpret:

@@ -26,13 +26,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvquant_jax.cache import _rows
-from kvquant_jax.cache._rows import DTYPES
+from kvquant_jax.cache import _rows, checks
 from kvquant_jax.cache.interface import SchemeBase
 from kvquant_jax.cache.kivi import KIVIScheme, kivi_frontiers
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
 from kvquant_jax.quant.affine import dequantize_affine, quantize_affine_with_status
-from kvquant_jax.quant.ledger import DTYPE_BYTES, packed_bytes
+from kvquant_jax.quant.dtypes import DTYPE_BYTES, DTYPES
+from kvquant_jax.quant.ledger import packed_bytes
 
 AXES = ("channel", "token")
 
@@ -71,9 +71,7 @@ class AxisAblationScheme(SchemeBase):
     residual_dtype: str = "fp16"
 
     def __post_init__(self):
-        for name in ("k_axis", "v_axis"):
-            if getattr(self, name) not in AXES:
-                raise ValueError(f"axis_ablation: {name} must be one of {AXES}, got {getattr(self, name)!r}")
+        checks.choice("axis_ablation", self, ("k_axis", "v_axis"), AXES)
         # every other field has KIVI's meaning and constraints (bits, G | R, dtypes, RoPE identity)
         KIVIScheme(k_bits=self.k_bits, v_bits=self.v_bits, group_size=self.group_size,
                    v_group_size=self.token_group_size, residual=self.residual, qparam_dtype=self.qparam_dtype,

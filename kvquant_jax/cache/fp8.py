@@ -149,13 +149,8 @@ class FP8Scheme(SchemeBase):
 
     def validate_layer(self, state, lengths):
         for name, codes, scale in (("K", state.k, state.k_scale), ("V", state.v, state.v_scale)):
-            s = np.asarray(scale, np.float64)
-            if not (np.isfinite(s).all() and (s >= np.finfo(np.float32).tiny).all()):
-                raise ValueError(f"fp8 {name} scale must be finite, positive and normal, got {s}")
-            if self.scale_axis == "tensor" and s.size and not (s == s.reshape(-1)[0]).all():
-                raise ValueError(f"fp8 {name}: a per-tensor scale differs between heads: {s}")
-            if self.scales == "uncalibrated" and not (s == 1).all():
-                raise ValueError(f"fp8 {name}: uncalibrated scales must be 1.0, got {s}")
+            checks.static_scales(f"fp8 {name}", scale, per_tensor=self.scale_axis == "tensor",
+                                 uncalibrated=self.scales == "uncalibrated")
             checks.finite_rows(f"fp8 {name} codes", codes, lengths)
 
     def layer_nbytes(self, state):

@@ -10,10 +10,10 @@ from flax import struct
 from kvquant_jax.abi.regions import dense_operand, region
 from kvquant_jax.cache import _rows
 from kvquant_jax.cache import checks
-from kvquant_jax.cache._rows import DTYPES, valid_rows  # noqa: F401  (re-exported)
+from kvquant_jax.cache._rows import valid_rows  # noqa: F401  (re-exported)
 from kvquant_jax.cache.interface import SchemeBase
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
-from kvquant_jax.quant.ledger import DTYPE_BYTES
+from kvquant_jax.quant.dtypes import DTYPE_BYTES, DTYPES
 
 
 @struct.dataclass

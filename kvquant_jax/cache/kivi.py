@@ -53,11 +53,11 @@ from flax import struct
 from kvquant_jax.abi.reference import dequantize_operand
 from kvquant_jax.abi.regions import KVFormat, KVOperand, Region, dense_operand, region
 from kvquant_jax.cache import _rows, checks
-from kvquant_jax.cache._rows import DTYPES
 from kvquant_jax.cache.interface import SchemeBase, rows_finite
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
 from kvquant_jax.quant.affine import dequantize_affine, quantize_affine_with_status
-from kvquant_jax.quant.ledger import DTYPE_BYTES, packed_bytes
+from kvquant_jax.quant.dtypes import DTYPE_BYTES, DTYPES
+from kvquant_jax.quant.ledger import packed_bytes
 from kvquant_jax.quant.packing import pack_bits, unpack_bits
 
 RULES = ("kivi", "synchronized")
@@ -125,9 +125,7 @@ class KIVIScheme(SchemeBase):
     residual_dtype: str = "fp16"
 
     def __post_init__(self):
-        for name in ("k_bits", "v_bits"):
-            if getattr(self, name) not in (1, 2, 4, 8):
-                raise ValueError(f"kivi: {name} must be 1, 2, 4 or 8, got {getattr(self, name)!r}")
+        checks.choice("kivi", self, ("k_bits", "v_bits"), (1, 2, 4, 8), listing="1, 2, 4 or 8")
         if self.group_size < 1:
             raise ValueError(f"kivi: group_size must be >= 1, got {self.group_size}")
         if self.v_group_size < 0:
@@ -135,11 +133,8 @@ class KIVIScheme(SchemeBase):
         if self.residual < 0 or self.residual % self.group_size:
             raise ValueError(f"kivi: residual ({self.residual}) must be a non-negative multiple of group_size "
                              f"({self.group_size})")
-        if self.residual_rule not in RULES:
-            raise ValueError(f"kivi: residual_rule must be one of {RULES}, got {self.residual_rule!r}")
-        for name in ("qparam_dtype", "residual_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"kivi: {name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
+        checks.choice("kivi", self, "residual_rule", RULES)
+        checks.choice("kivi", self, ("qparam_dtype", "residual_dtype"), sorted(DTYPES))
         self._check_identity()
 
     # ----- static description -----

@@ -32,18 +32,9 @@ counted by :func:`key_outlier_overflow` for monitoring.
 Sink (0x07E): positions ``p < sink`` are kept unquantized in ``residual_dtype`` (keys in the stored stage) and the
 calibration excluded them from every statistic.  Their code rows exist but are never read.
 
-Layout (``layout_version`` 1; head-major ``[B, Hkv, C, ...]``, row ``i`` = logical position ``i``)
-------------------------------------------------------------------------------------------------
-    k_codes   uint8 [B, Hkv, C, D*b_k/8]     codes packed along D (kvquant_jax.quant.packing stream layout)
-    k_sp_idx  uint8 [B, Hkv, C, cap_k]       outlier channels, ascending; 255 = unused slot (so D <= 255)
-    k_sp_val  sparse_dtype [B, Hkv, C, cap_k] full pre-RoPE values (0 in unused slots)
-    v_codes   uint8 [B, Hkv, C, D*b_v/8]
-    v_scale, v_offset  qparam_dtype [B, Hkv, C, 1]
-    v_sp_idx, v_sp_val [B, Hkv, C, v_outliers]   as for keys
-    k_sink, v_sink     residual_dtype [B, Hkv, sink, D]
-    pos       int32 [B, C]                   logical position of every row (the RoPE angle of a pre-RoPE key)
-    k_scale, k_zero    float32 [Hkv, D]      calibrated per-channel state (unbatched: shared by all sequences)
-    k_codebook float32 [2**b_k], v_codebook float32 [2**b_v]   per-layer signposts (unbatched)
+Layout: :class:`kvquant_jax.abi.kvquant.KVQuantLayerState` (the kernel ABI; ``layout_version`` 1, head-major
+``[B, Hkv, C, ...]``): packed codes, sparse (uint8 index, value) slots with 255 = unused, per-row V scale / offset,
+sink rows, per-row positions, and the unbatched calibrated ``k_scale, k_zero [Hkv, D]`` and codebooks.
 
 The calibrated arrays are part of the layer state, so every layer of a stacked group carries its own values and
 the cache stays one pytree.  :func:`load_calibration` writes them (from a
@@ -68,13 +59,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvquant_jax.cache import _rows, checks
-from kvquant_jax.cache._rows import DTYPES
 from kvquant_jax.cache.interface import KVCache, SchemeBase, layer_state, rows_finite
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat, require_compatible
 from kvquant_jax.abi import kvquant as abi
 from kvquant_jax.abi.kvquant import UNUSED, KVQuantFormat, KVQuantLayerState
 from kvquant_jax.abi.rope import apply_rope
-from kvquant_jax.quant.ledger import DTYPE_BYTES, packed_bytes
+from kvquant_jax.quant.dtypes import DTYPE_BYTES, DTYPES
+from kvquant_jax.quant.ledger import packed_bytes
 from kvquant_jax.quant.nuq import nuq_encode, quantize_nuq_with_status
 from kvquant_jax.quant.packing import pack_bits
 from kvquant_jax.quant.sparse import SparseOutliers, magnitude_thresholds, split_dense_sparse
@@ -189,17 +180,9 @@ class KVQuantScheme(SchemeBase):
     key_stage: str = dataclasses.field(default="pre_rope", kw_only=True)
 
     def __post_init__(self):
-        for name in ("k_bits", "v_bits"):
-            val = getattr(self, name)
-            if isinstance(val, bool) or val not in BITS:
-                raise ValueError(f"kvquant: {name} must be one of {BITS}, got {val!r}")
-        for name in ("k_sparse_capacity", "v_outliers", "sink"):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, int) or val < 0:
-                raise ValueError(f"kvquant: {name} must be a non-negative int, got {val!r}")
-        for name in ("qparam_dtype", "sparse_dtype", "residual_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"kvquant: {name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
+        checks.choice("kvquant", self, ("k_bits", "v_bits"), BITS, no_bool=True)
+        checks.ints_at_least("kvquant", self, ("k_sparse_capacity", "v_outliers", "sink"), 0)
+        checks.choice("kvquant", self, ("qparam_dtype", "sparse_dtype", "residual_dtype"), sorted(DTYPES))
         if not self.calibration_id:
             raise ValueError("kvquant: calibration_id must name the calibration artifact (or be 'uncalibrated')")
         self._check_identity()

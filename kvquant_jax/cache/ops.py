@@ -43,6 +43,7 @@ import numpy as np
 
 from kvquant_jax.cache._rows import host
 from kvquant_jax.cache.interface import KVCache, check_room, init_cache
+from kvquant_jax.quant.tracing import is_tracer
 
 
 class TruncationNeedsRowsError(ValueError):
@@ -68,13 +69,6 @@ class TruncationNeedsRowsError(ValueError):
 # --------------------------------------------------------------------------------------------------------------
 # argument plumbing
 # --------------------------------------------------------------------------------------------------------------
-_TRACER = getattr(jax.core, "Tracer", None) or __import__("jax._src.core", fromlist=["Tracer"]).Tracer
-
-
-def _is_tracer(x) -> bool:
-    return any(isinstance(a, _TRACER) for a in jax.tree.leaves(x))
-
-
 def _as_num_new(cache: KVCache, num_new) -> jax.Array:
     n = jnp.asarray(num_new, jnp.int32)
     return jnp.broadcast_to(n, (cache.batch,)) if n.ndim == 0 else n
@@ -170,7 +164,7 @@ def append(cache: KVCache, layer_kv: Sequence, num_new) -> KVCache:
     valid row (naming the layer and tensor); and after the jitted core (whose result is then dropped) when a
     quantizer rejected a finite row.  The argument cache is never modified.  Under ``jit`` use :func:`try_append`.
     """
-    if _is_tracer((cache, layer_kv, num_new)):
+    if is_tracer((cache, layer_kv, num_new)):
         raise TypeError("ops.append raises on bad input and cannot run under jit; use ops.try_append there")
     pairs = _layer_pairs(cache, layer_kv, "append")
     t = int(np.shape(pairs[0][0])[1])
@@ -219,7 +213,7 @@ def fork(cache: KVCache, parent_index_per_child) -> KVCache:
     idx = jnp.asarray(parent_index_per_child, jnp.int32)
     if idx.ndim != 1 or idx.shape[0] < 1:
         raise ValueError(f"fork: parent_index_per_child must be a non-empty 1-D index array, got shape {idx.shape}")
-    if not _is_tracer(idx):
+    if not is_tracer(idx):
         h = host(idx)
         if (h < 0).any() or (h >= cache.batch).any():
             raise ValueError(f"fork: parent indices {h.tolist()} out of range [0, {cache.batch})")

@@ -19,15 +19,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvquant_jax.abi.regions import KVFormat, KVOperand, region
 from kvquant_jax.cache import _rows, checks
 from kvquant_jax.cache.interface import SchemeBase
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
-from kvquant_jax.quant.ledger import DTYPE_BYTES, packed_bytes
+from kvquant_jax.quant.dtypes import DTYPE_BYTES, DTYPES
+from kvquant_jax.quant.ledger import packed_bytes
 from kvquant_jax.quant.packing import from_offset_binary, pack_bits, to_offset_binary, unpack_bits
 from kvquant_jax.quant.symmetric import dequantize_symmetric, quantize_symmetric_with_status
 
-QPARAM_DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16, "fp32": jnp.float32}
+QPARAM_DTYPES = DTYPES          # qparam storage names (the one table, kvquant_jax.quant.dtypes)
 
 
 @struct.dataclass
@@ -135,17 +135,12 @@ class PerTokenScheme(SchemeBase):
             checks.positive_normal(f"per_token {name} scale", scale, lengths)
 
     def layer_nbytes(self, state):
-        return {"codes": _rows.nbytes(state.k_codes, state.v_codes),
-                "qparams": _rows.nbytes(state.k_scale, state.v_scale)}
+        return _rows.packed_layer_nbytes(state)
 
     def decode_regions(self, state, lengths):
-        """One region of packed symmetric codes with per-token scales (widths the kernel ABI packs: 1, 2, 4, 8;
-        other widths use the materialize view)."""
-        if self.bits not in (1, 2, 4, 8):
-            return super().decode_regions(state, lengths)
-        f = KVFormat(f"int{self.bits}", "token", "symmetric", self.group_size)
-        return [region(KVOperand(state.k_codes, state.k_scale, None, f),
-                       KVOperand(state.v_codes, state.v_scale, None, f), lengths)], 0
+        """One region of packed symmetric codes with per-token scales (the materialize view for odd widths)."""
+        return (_rows.packed_decode_regions(state, lengths, self.bits, "token", self.group_size)
+                or super().decode_regions(state, lengths))
 
     def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
         gd = self.group_size or head_dim

@@ -48,10 +48,9 @@ from flax import struct
 
 from kvquant_jax.abi.regions import dense_operand, region
 from kvquant_jax.cache import _rows, checks
-from kvquant_jax.cache._rows import DTYPES
 from kvquant_jax.cache.interface import CacheScheme, KVCache, init_cache
 from kvquant_jax.cache.schema import Compatibility, IncompatibleSchemaError, check_compatible
-from kvquant_jax.quant.ledger import DTYPE_BYTES
+from kvquant_jax.quant.dtypes import DTYPE_BYTES, DTYPES
 
 LAYOUT = "prefix_rows/v1"   # k, v: [L, Hkv, P, D]; keys post-RoPE at positions 0..P-1
 KINDS = ("intactkv-extracted", "intactkv-calibrated", "prefixquant")

@@ -25,7 +25,8 @@ from kvquant_jax.abi.regions import KVFormat, KVOperand, region
 from kvquant_jax.cache import _rows, checks
 from kvquant_jax.cache.interface import SchemeBase
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
-from kvquant_jax.quant.ledger import DTYPE_BYTES, packed_bytes
+from kvquant_jax.quant.dtypes import DTYPE_BYTES
+from kvquant_jax.quant.ledger import packed_bytes
 from kvquant_jax.quant.packing import pack_bits, unpack_bits
 from kvquant_jax.quant.qserve import dequantize_qserve, quantize_qserve_with_status
 

@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvquant_jax.abi.regions import KVFormat, KVOperand, region
 from kvquant_jax.cache import _rows, checks
 from kvquant_jax.cache.interface import KVCache, SchemeBase, rows_finite
 from kvquant_jax.cache.per_token import QPARAM_DTYPES, PerTokenLayerState, PerTokenScheme, check_packable
@@ -117,28 +116,18 @@ class StaticIntScheme(SchemeBase):
     def validate_layer(self, state, lengths):
         half = 2 ** (self.bits - 1)
         for name, codes, scale in (("K", state.k_codes, state.k_scale), ("V", state.v_codes, state.v_scale)):
-            s = np.asarray(scale, np.float64)
-            if not (np.isfinite(s).all() and (s >= np.finfo(np.float32).tiny).all()):
-                raise ValueError(f"static_int {name} scale must be finite, positive and normal, got {s}")
-            if self.scale_axis == "tensor" and s.size and not (s == s.reshape(-1)[0]).all():
-                raise ValueError(f"static_int {name}: a per-tensor scale differs between heads: {s}")
-            if self.calibration_id == "uncalibrated" and not (s == 1).all():
-                raise ValueError(f"static_int {name}: uncalibrated scales must be 1.0, got {s}")
+            checks.static_scales(f"static_int {name}", scale, per_tensor=self.scale_axis == "tensor",
+                                 uncalibrated=self.calibration_id == "uncalibrated")
             u = unpack_bits(codes, self.bits, axis=-1)
             checks.codes_in_range(f"static_int {name} codes", u, lengths, half - self.qmax, half + self.qmax)
 
     def layer_nbytes(self, state):
-        return {"codes": _rows.nbytes(state.k_codes, state.v_codes),
-                "qparams": _rows.nbytes(state.k_scale, state.v_scale)}
+        return _rows.packed_layer_nbytes(state)
 
     def decode_regions(self, state, lengths):
-        """One region of packed symmetric codes with the static per-head scales ``[Hkv]`` (widths 1, 2, 4, 8;
-        other widths use the materialize view)."""
-        if self.bits not in (1, 2, 4, 8):
-            return super().decode_regions(state, lengths)
-        f = KVFormat(f"int{self.bits}", "head", "symmetric")
-        return [region(KVOperand(state.k_codes, state.k_scale, None, f),
-                       KVOperand(state.v_codes, state.v_scale, None, f), lengths)], 0
+        """One region of packed symmetric codes with static per-head scales (the materialize view for odd widths)."""
+        return (_rows.packed_decode_regions(state, lengths, self.bits, "head")
+                or super().decode_regions(state, lengths))
 
     def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
         out = {}

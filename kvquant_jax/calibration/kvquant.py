@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from kvquant_jax.cache import checks
 from kvquant_jax.artifact import read_artifact, write_artifact
 from kvquant_jax.cache.kvquant import (KVQuantScheme, default_outlier_counts, load_calibration, normalize_keys,
                                        normalize_values)
@@ -95,18 +96,14 @@ class CalibrationConfig:
     residual_dtype: str = "fp16"
 
     def __post_init__(self):
-        if self.codebook not in CODEBOOKS:
-            raise ValueError(f"calibration: codebook must be one of {CODEBOOKS}, got {self.codebook!r}")
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"calibration: weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
-        if self.key_stage not in ("pre_rope", "post_rope"):
-            raise ValueError(f"calibration: key_stage must be 'pre_rope' or 'post_rope', got {self.key_stage!r}")
+        checks.choice("calibration", self, "codebook", CODEBOOKS)
+        checks.choice("calibration", self, "weighting", WEIGHTINGS)
+        checks.choice("calibration", self, "key_stage", ("pre_rope", "post_rope"),
+                      listing="'pre_rope' or 'post_rope'")
         if not 0.0 <= float(self.outlier_fraction) < 0.5:
             raise ValueError(f"calibration: outlier_fraction must lie in [0, 0.5), got {self.outlier_fraction!r}")
-        for name in ("num_samples", "seq_len", "batch_size", "kmeans_n_init", "kmeans_max_iter"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"calibration: {name} must be a positive int, got {v!r}")
+        checks.ints_at_least("calibration", self, ("num_samples", "seq_len", "batch_size", "kmeans_n_init",
+                                                   "kmeans_max_iter"), 1)
         if self.seq_len <= self.sink + 1:
             raise ValueError(f"calibration: seq_len ({self.seq_len}) must exceed sink + 1 ({self.sink + 1})")
         if self.corpus is not None and "wiki.test" in str(self.corpus):

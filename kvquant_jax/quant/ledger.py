@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvquant_jax.quant.dtypes import DTYPE_BYTES  # noqa: F401  (re-exported: the byte table of the ledger)
+
 CATEGORIES = ("codes", "qparams", "residual", "sparse", "sink_prefix", "metadata", "padding")
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "e4m3": 1, "e5m2": 1, "none": 0}
 MIB = 1024 * 1024
 
 
