@@ -30,8 +30,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvquant_jax.attention.reference import decode_attention_jnp, decode_attention_reference  # noqa: E402
-from kvquant_jax.attention.regions import KVFormat, KVOperand, Region  # noqa: E402
+from kvquant_jax.abi.reference import decode_attention_jnp, decode_attention_reference  # noqa: E402
+from kvquant_jax.abi.regions import KVFormat, KVOperand, Region  # noqa: E402
 from kvquant_jax.attention.synthetic import PRESETS, kivi_formats, random_region  # noqa: E402
 from pallas_kernels.decode_attention import KernelConfig, decode_attention  # noqa: E402
 

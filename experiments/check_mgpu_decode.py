@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode_attention as bench  # noqa: E402
 from bench_decode_attention import (baseline_fns, device_region, hbm_copy_tbps, n_sets_for, rel_err,  # noqa: E402
                                     time_program)
-from kvquant_jax.attention.reference import decode_attention_jnp, decode_attention_reference  # noqa: E402
+from kvquant_jax.abi.reference import decode_attention_jnp, decode_attention_reference  # noqa: E402
 from kvquant_jax.attention.synthetic import PRESETS, random_region  # noqa: E402
 from pallas_kernels.decode_attention import decode_attention as triton_decode  # noqa: E402
 from pallas_kernels.decode_attention_mgpu import (MgpuConfig, _spec_for, decode_attention_mgpu,  # noqa: E402

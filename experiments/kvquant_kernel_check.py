@@ -28,8 +28,8 @@ CONFIGS = [("half_split", 4, 4, 2, 1, 1, "pre_rope"), ("interleaved", 3, 2, 0, 0
 def main() -> int:
     interpret = default_interpret()
     print(f"jax {jax.__version__}, devices {jax.devices()}, interpret={interpret}", flush=True)
-    kern = jax.jit(decode_attention_kvquant, static_argnames=("scheme", "interpret", "block_t", "num_splits"))
-    ref = jax.jit(decode_attention_kvquant_reference, static_argnames=("scheme",))
+    kern = jax.jit(decode_attention_kvquant, static_argnames=("fmt", "interpret", "block_t", "num_splits"))
+    ref = jax.jit(decode_attention_kvquant_reference, static_argnames=("fmt",))
     b, h, g, d, c = 4, 8, 4, 128, 2048
     rng = np.random.default_rng(0)
     failed = 0
@@ -45,23 +45,23 @@ def main() -> int:
         q = jnp.asarray(rng.normal(0, 1, (b, h * g, d)).astype(np.float32))
         kn = jnp.asarray(rng.normal(0, 1, (b, h, d)).astype(np.float32))
         vn = jnp.asarray(rng.normal(0, 1, (b, h, d)).astype(np.float32))
-        r = ref(q, sch, st, cache.lengths, kn, vn).block_until_ready()
+        r = ref(q, sch.kernel_format, st, cache.lengths, kn, vn).block_until_ready()
         for bt, ns in ((64, 4), (128, 8)):
             label = f"{pairing} k{kb}v{vb} cap{ck}/{cv} sink{sink} {stage} bt{bt} ns{ns}"
             try:
                 t0 = time.perf_counter()
-                o = kern(q, sch, st, cache.lengths, kn, vn, interpret=interpret, block_t=bt,
+                o = kern(q, sch.kernel_format, st, cache.lengths, kn, vn, interpret=interpret, block_t=bt,
                          num_splits=ns).block_until_ready()
                 tc = time.perf_counter() - t0
                 err = float(jnp.max(jnp.abs(o - r)) / jnp.max(jnp.abs(r)))
                 ts, tr = [], []
                 for _ in range(20):
                     t0 = time.perf_counter()
-                    kern(q, sch, st, cache.lengths, kn, vn, interpret=interpret, block_t=bt,
+                    kern(q, sch.kernel_format, st, cache.lengths, kn, vn, interpret=interpret, block_t=bt,
                          num_splits=ns).block_until_ready()
                     ts.append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
-                    ref(q, sch, st, cache.lengths, kn, vn).block_until_ready()
+                    ref(q, sch.kernel_format, st, cache.lengths, kn, vn).block_until_ready()
                     tr.append(time.perf_counter() - t0)
                 print(f"{label}: rel err {err:.2e}, compile {tc:.1f} s, kernel median {np.median(ts) * 1e3:.3f} ms, "
                       f"plain-JAX twin median {np.median(tr) * 1e3:.3f} ms", flush=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from kvquant_jax.integrity import CorruptArtifactError, array_sha256, check_arrays, guarded, parse_manifest, sign, \
@@ -44,7 +45,6 @@ def write_artifact(path, arrays: dict, manifest: dict, what: str) -> Path:
 def read_artifact(path, fmt: str, what: str) -> tuple[dict, dict[str, np.ndarray]]:
     """``(manifest, {name: np.ndarray})`` of an artifact of format ``fmt``. Raises ``ValueError`` naming the
     problem for a folder without a manifest or with another format."""
-    import jax
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()

@@ -37,9 +37,13 @@ import json
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
+
+from kvquant_jax.cache.registry import make_scheme, normalize_spec
+from kvquant_jax.calibration.smoothquant import SITES
+from kvquant_jax.models.w8a8 import LINEARS, W8A8Policy
 
 
 class ConfigError(ValueError):
@@ -91,8 +95,8 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SchemeSpec:
-    """A cache scheme spec: a registry name plus overrides (``kvquant_jax.cache.registry.make_scheme``), or an
-    evaluation-only scheme name (``kvquant_jax.eval.policy.EVAL_SCHEMES``)."""
+    """A cache scheme spec: a registry name plus overrides (``kvquant_jax.cache.registry.make_scheme``; the
+    evaluation-only axis ablation ``kivi_axes`` is registered there like any other scheme)."""
 
     name: str
     options: tuple = ()          # sorted ((key, value), ...); lists frozen to tuples
@@ -170,8 +174,6 @@ class ActivationConfig:
         """The :class:`~kvquant_jax.models.w8a8.W8A8Policy` of this block (None when not enabled)."""
         if not self.enabled:
             return None
-        from kvquant_jax.models.w8a8 import W8A8Policy
-
         return W8A8Policy(linears=self.linears, prefill=self.prefill, decode=self.decode, impl=self.impl,
                           act_qparam_dtype=self.act_qparam_dtype, float_layers=self.float_layers,
                           fuse_norm=self.fuse_norm)
@@ -439,9 +441,7 @@ def parse_overrides(items) -> list[tuple[str, Any]]:
 
 def _scheme_as_mapping(v: Any) -> Any:
     if isinstance(v, str):
-        from kvquant_jax.cache.registry import _normalize
-
-        return _normalize(v)
+        return normalize_spec(v)
     return v
 
 
@@ -488,10 +488,8 @@ def _scheme_spec(v: Any, key: str, origins: _Origins) -> SchemeSpec:
     if isinstance(v, SchemeSpec):
         return v
     if isinstance(v, str):
-        from kvquant_jax.cache.registry import _normalize
-
         try:
-            v = _normalize(v)
+            v = normalize_spec(v)
         except (ValueError, TypeError) as e:
             raise origins.error(key, str(e)) from None
     if not isinstance(v, dict):
@@ -728,9 +726,6 @@ def _check(cfg: ExperimentConfig, origins: _Origins) -> None:
         raise origins.error("activation.smooth_attention_alpha", f"must be in [0, 1], got {a.smooth_attention_alpha}")
     if not a.act_symmetric:
         raise origins.error("activation.act_symmetric", "only symmetric per-token INT8 activations are implemented")
-    from kvquant_jax.calibration.smoothquant import SITES
-    from kvquant_jax.models.w8a8 import LINEARS
-
     for i, n in enumerate(a.linears):
         if n not in LINEARS + ("lm_head",):
             raise origins.error(f"activation.linears[{i}]", f"unknown linear {n!r}; allowed {list(LINEARS)} + "
@@ -745,9 +740,66 @@ def _check(cfg: ExperimentConfig, origins: _Origins) -> None:
         raise origins.error("calibration.fp8_scales", f"expected 'observe' or a .npz path, got "
                                                       f"{cfg.calibration.fp8_scales!r}")
     # schemes: every spec must construct (catches e.g. KIVI residual not a multiple of the group size)
-    from kvquant_jax.eval.policy import check_specs
-
     check_specs(cfg, origins.error)
+
+
+# schemes built from a calibration artifact: name -> (the config key naming the artifact, runtime options allowed)
+ARTIFACT_SCHEMES: dict[str, tuple[str, frozenset]] = {
+    "kvquant": ("calibration.kvquant", frozenset({"k_sparse_capacity", "kernel_family"})),
+}
+
+
+def _is_fp8_calibrated(spec: dict) -> bool:
+    return str(spec.get("name", "")).startswith("fp8") and spec.get("scales", spec.get("scale")) == "calibrated"
+
+
+def needs_artifact_scales(spec: dict) -> bool:
+    """An FP8 spec with calibrated scales and no explicit ``k_scales``: its scales come from
+    ``calibration.fp8_scales``."""
+    return _is_fp8_calibrated(spec) and not spec.get("k_scales")
+
+
+def _specs(cfg) -> list[tuple[str, dict]]:
+    out = [("cache.scheme", cfg.cache.scheme.to_spec())]
+    out += [(f"cache.layers[{i}].scheme", r.scheme.to_spec()) for i, r in enumerate(cfg.cache.layers)]
+    if cfg.sweep is not None:
+        out.append(("sweep.baseline", cfg.sweep.baseline.to_spec()))
+    return out
+
+
+def needs_kvquant_artifact(cfg) -> bool:
+    return any(spec["name"] == "kvquant" for key, spec in _specs(cfg) if key != "sweep.baseline")
+
+
+def needs_fp8_artifact(cfg) -> bool:
+    """Some cache spec of ``cfg`` is FP8 with calibrated scales that come from ``calibration.fp8_scales``."""
+    return any(needs_artifact_scales(spec) for key, spec in _specs(cfg) if key != "sweep.baseline")
+
+
+def check_specs(cfg, error: Callable[[str, str], Exception]) -> None:
+    """Construct every scheme spec of an ``ExperimentConfig``; raise ``error(key, message)`` on the first bad one."""
+    for key, spec in _specs(cfg):
+        if spec["name"] in ARTIFACT_SCHEMES:
+            art_key, allowed = ARTIFACT_SCHEMES[spec["name"]]
+            if getattr(cfg.calibration, art_key.split(".")[1]) is None:
+                raise error(key, f"{spec['name']} is built from a calibration artifact: set {art_key}")
+            bad = sorted(set(spec) - {"name"} - allowed)
+            if bad:
+                raise error(key, f"{spec['name']}: {bad} are fixed by the calibration artifact; only "
+                                 f"{sorted(allowed)} may be set here")
+            continue
+        if needs_artifact_scales(spec):
+            if cfg.calibration.fp8_scales is None:
+                raise error(key, "fp8 scales='calibrated' needs calibration.fp8_scales (a scale artifact .npz, or "
+                                 "'observe') or explicit k_scales / v_scales")
+            spec = dict(spec, calibration_id=spec.get("calibration_id") or "pending")
+        try:
+            make_scheme(spec)
+        except (ValueError, TypeError) as e:
+            raise error(key, str(e)) from None
+    for i, r in enumerate(cfg.cache.layers):
+        if any(x < 0 for x in r.layers):
+            raise error(f"cache.layers[{i}].layers", f"negative layer index in {list(r.layers)}")
 
 
 PATH_KEYS = ("data.corpus", "data.calibration_corpus", "calibration.fp8_scales", "calibration.kvquant",

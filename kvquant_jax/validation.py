@@ -15,6 +15,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from kvquant_jax.cache.registry import make_policy, make_scheme
+
 
 def _fail(where: str, key: str, msg: str) -> ValueError:
     return ValueError(f"{where}: {key}: {msg}" if where else f"{key}: {msg}")
@@ -50,8 +54,6 @@ def check_float(v: Any, key: str, where: str = "", *, low: float | None = None, 
 def read_mapping(path, what: str) -> dict:
     """The top-level mapping of a YAML (or ``.json``) file; ``ValueError`` naming the file for a missing, empty,
     unreadable or invalid file or a non-mapping top level."""
-    import yaml
-
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"{what} {p}: file not found" if not p.exists() else f"{what} {p}: not a file")
@@ -130,8 +132,6 @@ def ledger_config(path) -> dict:
     elif spec is not None and not isinstance(spec, str):
         raise _fail(where, "cache", f"expected a scheme name or mapping, got {spec!r}")
     if spec is not None:
-        from kvquant_jax.cache.registry import make_policy
-
         try:
             make_policy(spec, d.get("num_layers", 32), rope_theta=float(d.get("rope_theta", 10000.0)),
                         rope_pairing=d.get("rope_pairing", "half_split"))
@@ -146,8 +146,6 @@ def scheme_arg(spec, flag: str = "--cache") -> None:
     """Build the scheme once with default RoPE settings so a bad ``--cache`` fails before the model loads."""
     if spec is None:
         return
-    from kvquant_jax.cache.registry import make_scheme
-
     try:
         make_scheme(spec)
     except (ValueError, TypeError) as e:

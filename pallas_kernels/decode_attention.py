@@ -1,7 +1,7 @@
 """Pallas decode attention that reads quantized KV codes + qparams where they lie (design notes 0x03, 0x06C, 0x09D).
 
 One new query token per sequence (``q: [B, Hq, D]``) attends over a list of regions
-(:mod:`kvquant_jax.attention.regions`: explicit arrays in the physical layouts of docs/architecture.md, live rows
+(:mod:`kvquant_jax.abi.regions`: explicit arrays in the physical layouts of docs/architecture.md, live rows
 ``[start[b], end[b])``) plus, optionally, the exact K/V of the token the forward just produced (``k_new, v_new:
 [B, Hkv, D]``).  All of it is ONE softmax: every region yields split-K partials ``(acc, m, l)`` that a combine step
 merges with the usual max/sum rescaling, so the result equals the softmax over the concatenated keys.
@@ -66,9 +66,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kvquant_jax.attention.reference import decode_attention_jnp, dequantize_operand
-from kvquant_jax.attention.regions import KVFormat, Region, check_query
-from pallas_kernels.backend import default_interpret, platform
+from kvquant_jax.abi.reference import decode_attention_jnp, dequantize_operand
+from kvquant_jax.abi.regions import KVFormat, Region, check_query
+from pallas_kernels.backend import platform, resolve
 
 __all__ = ["decode_attention", "decode_attention_reference", "KernelConfig", "default_config", "PRECISIONS",
            "kernel_unsupported"]
@@ -700,12 +700,7 @@ def _combine(parts):
 
 
 def _resolve(backend, interpret):
-    if backend is None:
-        backend = "tpu" if platform() == "tpu" else "gpu"
-    if backend not in ("gpu", "tpu"):
-        raise ValueError(f"backend must be None, 'gpu' or 'tpu', got {backend!r}")
-    if interpret is None:
-        interpret = default_interpret()
+    backend, interpret = resolve(backend, interpret)
     if backend == "tpu" and platform() != "tpu" and not interpret:
         raise ValueError("backend='tpu' needs a TPU or interpret=True")
     if backend == "gpu" and platform() != "gpu" and not interpret:
@@ -721,7 +716,7 @@ def decode_attention(q, regions: Sequence[Region] = (), *, k_new=None, v_new=Non
 
     Args:
       q: ``[B, Hq, D]`` query of the new token (Hq a multiple of Hkv; head h reads KV head ``h // (Hq/Hkv)``).
-      regions: :class:`~kvquant_jax.attention.regions.Region` list (position-disjoint).
+      regions: :class:`~kvquant_jax.abi.regions.Region` list (position-disjoint).
       k_new, v_new: optional ``[B, Hkv, D]`` exact K/V of the current token (always live).
       sm_scale: logit scale, default ``1/sqrt(D)``.
       backend: ``"gpu"`` (Pallas Triton; the interpreted kernel on CPU), ``"tpu"`` (Mosaic), None = by platform.

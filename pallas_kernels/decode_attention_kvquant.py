@@ -1,7 +1,8 @@
 """Pallas decode attention over a KVQuant layer: LUT decode, sparse correction and RoPE inside the kernel.
 
 One new query token per sequence (``q: [B, Hq, D]``, already rotated at its own position by the model) attends
-over a :mod:`kvquant_jax.cache.kvquant` layer state read where it lies, plus the exact current token
+over a KVQuant layer (:mod:`kvquant_jax.abi.kvquant`: the arrays plus a static :class:`KVQuantFormat`) read where
+it lies, plus the exact current token
 (``k_new, v_new: [B, Hkv, D]``), under ONE softmax (design notes 0x07B pseudocode, 0x07F):
 
     for each cached row n in [sink, length):
@@ -34,7 +35,8 @@ the body lowers to Pallas Triton (checked on an H200, see docs/results/kvquant/)
 Backend: the Pallas Triton-style loop kernel (grid ``(B, Hkv, num_splits)``, a ``fori_loop`` over blocks), run
 with ``interpret=True`` where no GPU exists (:func:`pallas_kernels.backend.default_interpret`); validated in the
 interpreter against a float64 NumPy oracle (tests/kernels/test_decode_attention_kvquant.py).
-:func:`decode_attention_kvquant_reference` is the plain-JAX twin (materialize the layer, one softmax).
+:func:`decode_attention_kvquant_reference` is the plain-JAX twin (``abi.kvquant.materialize``, one softmax).
+Neither reads a scheme class or the model: the format says everything (``KVQuantScheme.kernel_format``).
 """
 from __future__ import annotations
 
@@ -49,8 +51,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kvquant_jax.cache.kvquant import KVQuantScheme
-from kvquant_jax.models.rope import apply_rope
+from kvquant_jax.abi import kvquant as abi
+from kvquant_jax.abi.kvquant import KVQuantFormat, KVQuantLayerState
 from pallas_kernels.backend import default_interpret
 
 __all__ = ["decode_attention_kvquant", "decode_attention_kvquant_reference", "channel_maps"]
@@ -241,9 +243,10 @@ def _dense_partial(q4, k, v, valid):
     return acc[:, :, None], m[:, :, None], jnp.sum(p, axis=-1)[:, :, None]
 
 
-def _check(q, scheme, state, lengths, k_new, v_new):
-    if not isinstance(scheme, KVQuantScheme):
-        raise ValueError(f"decode_attention_kvquant needs a KVQuantScheme, got {type(scheme).__name__}")
+def _check(q, fmt, state, lengths, k_new, v_new):
+    if not isinstance(fmt, KVQuantFormat):
+        raise ValueError("decode_attention_kvquant needs a KVQuantScheme's static format (KVQuantFormat, "
+                         f"scheme.kernel_format), got {type(fmt).__name__}")
     if q.ndim != 3:
         raise ValueError(f"q must be [B, Hq, D] (one new token), got shape {q.shape}")
     b, hq, d = q.shape
@@ -262,23 +265,24 @@ def _check(q, scheme, state, lengths, k_new, v_new):
     return b, hq, hkv, d, cap
 
 
-def decode_attention_kvquant(q, scheme: KVQuantScheme, state, lengths, k_new=None, v_new=None, *,
+def decode_attention_kvquant(q, fmt: KVQuantFormat, state: KVQuantLayerState, lengths, k_new=None, v_new=None, *,
                              sm_scale: float | None = None, interpret: Any = None, block_t: int = 64,
                              num_splits: int = 1):
     """Attention of one new token over a KVQuant layer (+ the exact current token), ONE softmax.
 
     Args:
       q: ``[B, Hq, D]`` query, post-RoPE (rotated once at its position).
-      scheme, state: the layer's :class:`~kvquant_jax.cache.kvquant.KVQuantScheme` and (unstacked) state.
+      fmt, state: the layer's static :class:`~kvquant_jax.abi.kvquant.KVQuantFormat` and its (unstacked)
+        :class:`~kvquant_jax.abi.kvquant.KVQuantLayerState` arrays.
       lengths: int ``[B]`` committed rows (history = positions ``[0, lengths)``).
       k_new, v_new: optional ``[B, Hkv, D]`` exact post-RoPE K/V of the current token.
       sm_scale: logit scale (default ``1/sqrt(D)``).  interpret: None -> interpreter unless on GPU.
       block_t: rows per kernel block (the largest power of two <= it dividing the capacity).
       num_splits: split-K programs per (sequence, KV head).
-    Returns ``[B, Hq, D]`` in ``q.dtype``.  Raises ``ValueError`` for mismatched shapes, a non-KVQuant scheme or
+    Returns ``[B, Hq, D]`` in ``q.dtype``.  Raises ``ValueError`` for mismatched shapes, a non-KVQuant format or
     ``D`` not a multiple of 16.
     """
-    b, hq, hkv, d, cap = _check(q, scheme, state, lengths, k_new, v_new)
+    b, hq, hkv, d, cap = _check(q, fmt, state, lengths, k_new, v_new)
     g = hq // hkv
     if interpret is None:
         interpret = default_interpret()
@@ -290,13 +294,13 @@ def decode_attention_kvquant(q, scheme: KVQuantScheme, state, lengths, k_new=Non
     mp = max(8, -(-g // 8) * 8)
     bt = _pick_block(cap, block_t)
     ns = max(1, min(num_splits, cap // bt))
-    rope = scheme.rope_pairing if scheme.key_stage == "pre_rope" else "none"
-    sp = _Spec(d=d, mp=mp, bt=bt, ns=ns, kb=scheme.k_bits, vb=scheme.v_bits, ck=scheme.k_sparse_capacity,
-               cv=scheme.v_outliers, rope=rope)
+    rope = fmt.rope
+    sp = _Spec(d=d, mp=mp, bt=bt, ns=ns, kb=fmt.k_bits, vb=fmt.v_bits, ck=fmt.k_sparse_capacity,
+               cv=fmt.v_outliers, rope=rope)
     ca, cb, cv = channel_maps(d, rope)
     qp = jnp.pad(q4, ((0, 0), (0, 0), (0, mp - g), (0, 0)))
-    freq = _inv_freq(d, scheme.rope_theta, scheme.rope_pairing)[ca][None]             # [1, D/2]
-    start = jnp.minimum(jnp.int32(scheme.sink), lengths)
+    freq = _inv_freq(d, fmt.rope_theta, rope if rope != "none" else "half_split")[ca][None]      # [1, D/2]
+    start = jnp.minimum(jnp.int32(fmt.sink), lengths)
     st = state
 
     def dummy(x):      # Pallas cannot take zero-size operands: a one-slot never-matching stand-in
@@ -314,12 +318,12 @@ def decode_attention_kvquant(q, scheme: KVQuantScheme, state, lengths, k_new=Non
       jnp.asarray(np.stack([ca, cb]), jnp.int32), jnp.asarray(cv[None], jnp.int32))
     acc = o[..., np.argsort(cv)][:, :, :, :g]                                           # [B, Hkv, S, G, D]
     parts = [(acc, m[:, :, :, :g, 0], l[:, :, :, :g, 0])]
-    if scheme.sink:
-        n = min(scheme.sink, cap)
+    if fmt.sink:
+        n = min(fmt.sink, cap)
         ks = st.k_sink[:, :, :n].astype(_F32)
         pos = st.pos[:, :n]
-        if scheme.key_stage == "pre_rope":
-            ks = jnp.swapaxes(apply_rope(jnp.swapaxes(ks, 1, 2), pos, scheme.rope_theta, scheme.rope_pairing), 1, 2)
+        if rope != "none":
+            ks = abi.rotate_keys(ks, pos, fmt.rope_theta, rope)
         valid = jnp.arange(n, dtype=jnp.int32)[None, :] < lengths[:, None]
         parts.append(_dense_partial(q4, ks, st.v_sink[:, :, :n].astype(_F32), valid))
     if k_new is not None:
@@ -328,17 +332,18 @@ def decode_attention_kvquant(q, scheme: KVQuantScheme, state, lengths, k_new=Non
     return _combine(parts).reshape(b, hq, d).astype(q.dtype)
 
 
-def decode_attention_kvquant_reference(q, scheme: KVQuantScheme, state, lengths, k_new=None, v_new=None, *,
+def decode_attention_kvquant_reference(q, fmt: KVQuantFormat, state: KVQuantLayerState, lengths, k_new=None,
+                                       v_new=None, *,
                                        sm_scale: float | None = None, interpret: Any = None, block_t: int = 64,
                                        num_splits: int = 1):
     """Plain-JAX twin of :func:`decode_attention_kvquant` (same signature; kernel-only arguments ignored):
-    ``scheme.materialize_layer`` (post-RoPE keys) and one float32 softmax with the current token."""
+    :func:`kvquant_jax.abi.kvquant.materialize` (post-RoPE keys) and one float32 softmax with the current token."""
     del interpret, block_t, num_splits
-    b, hq, hkv, d, cap = _check(q, scheme, state, lengths, k_new, v_new)
+    b, hq, hkv, d, cap = _check(q, fmt, state, lengths, k_new, v_new)
     g = hq // hkv
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
     q4 = q.astype(_F32).reshape(b, hkv, g, d) * scale
-    k, v, valid = scheme.materialize_layer(state, lengths.astype(jnp.int32))
+    k, v, valid = abi.materialize(fmt, state, lengths.astype(jnp.int32))
     parts = [_dense_partial(q4, k, v, valid)]
     if k_new is not None:
         parts.append(_dense_partial(q4, k_new.astype(_F32)[:, :, None], v_new.astype(_F32)[:, :, None],

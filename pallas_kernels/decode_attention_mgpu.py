@@ -54,7 +54,7 @@ The Mosaic GPU path wants each operand in the form its wgmma fragment reads::
     logit_scale       f32 [B*Hkv]     sm_scale * K per-head scale (fp8, 1 otherwise) * log2(e)
     v_head_scale      f32 [B*Hkv] or None (fp8 V per-head scale, applied to the partial outputs)
 
-:func:`prepare_region` converts a layout_version-1 :class:`~kvquant_jax.attention.regions.Region` (offset-binary
+:func:`prepare_region` converts a layout_version-1 :class:`~kvquant_jax.abi.regions.Region` (offset-binary
 ``uint8`` codes packed little-endian along D, ``[B, Hkv, T, D*bits/8]``, scales ``[B, Hkv, T, 1]``) into it;
 :func:`unprepare_codes` is the inverse for the codes (used by the CPU round-trip tests).  A cache that stores the
 mgpu layout natively pays the transposed V append (one strided column write per token) instead of the conversion.
@@ -95,10 +95,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax import lax
+from jax.experimental import pallas as pl
 
-from kvquant_jax.attention.reference import decode_attention_reference as _oracle_f64
-from kvquant_jax.attention.reference import unpack_codes
-from kvquant_jax.attention.regions import KVFormat, Region, check_query
+from kvquant_jax.abi.reference import decode_attention_reference as _oracle_f64
+from kvquant_jax.abi.reference import unpack_codes
+from kvquant_jax.abi.regions import KVFormat, Region, check_query
+from pallas_kernels.decode_attention import _combine, _dense_partial
 
 __all__ = ["MgpuConfig", "MgpuOperands", "prepare_region", "unprepare_codes", "mgpu_unsupported",
            "decode_attention_mgpu", "decode_attention_mgpu_prepared", "decode_attention_mgpu_partials",
@@ -305,7 +307,6 @@ def _mgpu_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec):
     """Launch.  ``start, end, lscale``: [BH]; ``q``: [BH, QS, N, D] (MMA dtype); ``k``: [BH, T, D]; ``v``: [BH, D, T] or
     [BH, T, D]; ``ks, vs``: f32 [BH, T] or None.  Returns ``o [BH, S, D, N], m [BH, S, N], l [BH, S, N]`` f32
     (``m`` in log2 units)."""
-    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     bh = q.shape[0]
@@ -576,7 +577,6 @@ def decode_attention_mgpu_prepared(q, ops: MgpuOperands, *, k_new=None, v_new=No
     ``q``: ``[B, Hq, D]``; ``k_new, v_new``: optional ``[B, Hkv, D]``.  Returns ``[B, Hq, D]`` in ``out_dtype``
     (default ``q.dtype``).
     """
-    from pallas_kernels.decode_attention import _combine, _dense_partial
 
     b, hq, d = q.shape
     hkv = ops.num_kv_heads
@@ -620,5 +620,5 @@ def decode_attention_mgpu_reference(q, region: Region, *, k_new=None, v_new=None
 
 def decode_attention_mgpu_reference_f64(q, region: Region, *, k_new=None, v_new=None,
                                         sm_scale: float | None = None) -> np.ndarray:
-    """The float64 NumPy oracle (``kvquant_jax.attention.reference``) on the same layout-v1 inputs."""
+    """The float64 NumPy oracle (``kvquant_jax.abi.reference``) on the same layout-v1 inputs."""
     return _oracle_f64(q, [region], k_new=k_new, v_new=v_new, sm_scale=sm_scale)

@@ -61,12 +61,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backend import default_interpret, platform
+from kvquant_jax.quant.tracing import Tracer as _Tracer
+from pallas_kernels.backend import resolve
 
-try:  # public alias on JAX 0.10; fall back to the internal class if a later JAX drops the alias
-    from jax.core import Tracer as _Tracer
-except ImportError:  # pragma: no cover
-    from jax._src.core import Tracer as _Tracer
 
 __all__ = [
     "STATUS_FTZ_UNSAFE",
@@ -413,12 +410,7 @@ def rmsnorm_quantize(
     x, weight, eps, qdtype = _validate(x, weight, eps, qparam_dtype)
     one_pass = ONE_PASS_DEFAULT if one_pass is None else bool(one_pass)
     reload = bool(reload)
-    if backend is None:
-        backend = "tpu" if platform() == "tpu" else "gpu"
-    if backend not in ("gpu", "tpu"):
-        raise ValueError(f"rmsnorm_quantize: backend must be None, 'gpu' or 'tpu', got {backend!r}")
-    if interpret is None:
-        interpret = default_interpret()
+    backend, interpret = resolve(backend, interpret, "rmsnorm_quantize: ")
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if reload and (backend == "tpu" or num_programs):

@@ -62,15 +62,13 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backend import default_interpret, platform
+from kvquant_jax.quant.tracing import Tracer as _Tracer
+from pallas_kernels.backend import platform, resolve
 
-try:  # public alias on JAX 0.10; fall back to the internal class if a later JAX drops the alias
-    from jax.core import Tracer as _Tracer
-except ImportError:  # pragma: no cover
-    from jax._src.core import Tracer as _Tracer
 
 __all__ = [
     "GemmConfig",
+    "GemmOptions",
     "default_config",
     "pack_int4",
     "unpack_int4",
@@ -274,14 +272,9 @@ def _nibble_planes(p):
     return (p & 15).astype(jnp.int8) - 8, (p >> 4).astype(jnp.int8) - 8
 
 
-def _gpu_kernel(*refs, m, n, nk, bm, bn, bk, w4, w4_planes, has_bias, has_zp, num_m, num_n, group_m, out_dtype):
-    """W4A8 decodes: "interleave" unpacks the weight tile to int8 [bn, bk] in K order (join + reshape) and runs one
-    dot; "planes" keeps the nibble planes apart and splits the activation tile (viewed as int16 pairs) into even/odd
-    k by shifts, then runs two dots of K = bk/2 (no register interleave)."""
-    from jax.experimental.pallas import triton as plt
-
+def _split_refs(refs, has_bias: bool, has_zp: bool):
+    """Kernel refs in call order -> ``((x, w, sx, sw, bias | None, zx | None, wsum | None), output refs)``."""
     refs = list(refs)
-    x_ref, w_ref, sx_ref, sw_ref = refs[:4]
     pos = 4
     bias_ref = zx_ref = wsum_ref = None
     if has_bias:
@@ -290,7 +283,17 @@ def _gpu_kernel(*refs, m, n, nk, bm, bn, bk, w4, w4_planes, has_bias, has_zp, nu
     if has_zp:
         zx_ref, wsum_ref = refs[pos], refs[pos + 1]
         pos += 2
-    o_ref = refs[pos]
+    return (*refs[:4], bias_ref, zx_ref, wsum_ref), refs[pos:]
+
+
+def _gpu_kernel(*refs, m, n, nk, bm, bn, bk, w4, w4_planes, has_bias, has_zp, num_m, num_n, group_m, out_dtype):
+    """W4A8 decodes: "interleave" unpacks the weight tile to int8 [bn, bk] in K order (join + reshape) and runs one
+    dot; "planes" keeps the nibble planes apart and splits the activation tile (viewed as int16 pairs) into even/odd
+    k by shifts, then runs two dots of K = bk/2 (no register interleave)."""
+    from jax.experimental.pallas import triton as plt
+
+    (x_ref, w_ref, sx_ref, sw_ref, bias_ref, zx_ref, wsum_ref), rest = _split_refs(refs, has_bias, has_zp)
+    o_ref = rest[0]
 
     pid_m, pid_n = _swizzle(pl.program_id(0), num_m, num_n, group_m)
     mask_m = m % bm != 0
@@ -422,17 +425,8 @@ def _gpu_call(x_q, sx, w, sw, bias, zx, wsum, out_dtype, cfg: GemmConfig, interp
 # TPU (Mosaic) kernel
 # --------------------------------------------------------------------------------------------------------------
 def _tpu_kernel(*refs, w4, has_bias, has_zp, out_dtype):
-    refs = list(refs)
-    x_ref, w_ref, sx_ref, sw_ref = refs[:4]
-    pos = 4
-    bias_ref = zx_ref = wsum_ref = None
-    if has_bias:
-        bias_ref = refs[pos]
-        pos += 1
-    if has_zp:
-        zx_ref, wsum_ref = refs[pos], refs[pos + 1]
-        pos += 2
-    o_ref, acc_ref = refs[pos], refs[pos + 1]
+    (x_ref, w_ref, sx_ref, sw_ref, bias_ref, zx_ref, wsum_ref), rest = _split_refs(refs, has_bias, has_zp)
+    o_ref, acc_ref = rest[0], rest[1]
     kstep = pl.program_id(2)
 
     @pl.when(kstep == 0)
@@ -507,32 +501,39 @@ def _tpu_call(x_q, sx, w, sw, bias, zx, wsum, out_dtype, cfg: GemmConfig, interp
 # --------------------------------------------------------------------------------------------------------------
 # Public wrappers
 # --------------------------------------------------------------------------------------------------------------
-def _resolve_backend(backend):
-    if backend is None:
-        backend = "tpu" if platform() == "tpu" else "gpu"
-    if backend not in ("gpu", "tpu"):
-        raise ValueError(f"backend must be None, 'gpu' or 'tpu', got {backend!r}")
-    return backend
+@dataclasses.dataclass(frozen=True)
+class GemmOptions:
+    """Per-call options of :func:`w8a8_matmul` / :func:`w4a8_matmul` (passed as keywords): tile overrides of
+    :func:`default_config` (None: the default), the W4A8 decode mode (W4A8 only), ``backend`` (None: the platform's;
+    "gpu" = Pallas Triton, "tpu" = Mosaic) and ``interpret`` (None: interpreter unless on a GPU / TPU)."""
+
+    block_m: int | None = None
+    block_n: int | None = None
+    block_k: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    w4_mode: str | None = None
+    backend: str | None = None
+    interpret: Any = None
 
 
-def _matmul(x_q, x_scale, w, w_scale, bias, x_zero_point, w_sum, out_dtype, block_m, block_n, block_k,
-            num_warps, num_stages, backend, interpret, w4, w4_mode=None):
+def _matmul(x_q, x_scale, w, w_scale, bias, x_zero_point, w_sum, out_dtype, opts: GemmOptions, w4: bool):
+    if opts.w4_mode is not None and not w4:
+        raise TypeError("w8a8_matmul() got an unexpected keyword argument 'w4_mode' (W4A8 only)")
     x_q, x_scale, w, w_scale, bias, x_zero_point, w_sum, out_dtype, (m, n, k) = _validate(
         x_q, x_scale, w, w_scale, bias, x_zero_point, w_sum, out_dtype, w4=w4)
-    backend = _resolve_backend(backend)
-    if interpret is None:
-        interpret = default_interpret()
+    backend, interpret = resolve(opts.backend, opts.interpret)
     if backend == "tpu" and platform() != "tpu" and not interpret:
         raise ValueError("backend='tpu' needs a TPU or interpret=True")
     cfg = default_config(m, n, k, backend=backend, w4=w4)
     cfg = dataclasses.replace(
         cfg,
-        block_m=block_m or cfg.block_m,
-        block_n=block_n or cfg.block_n,
-        block_k=block_k or cfg.block_k,
-        num_warps=num_warps or cfg.num_warps,
-        num_stages=num_stages or cfg.num_stages,
-        w4_mode=w4_mode or cfg.w4_mode,
+        block_m=opts.block_m or cfg.block_m,
+        block_n=opts.block_n or cfg.block_n,
+        block_k=opts.block_k or cfg.block_k,
+        num_warps=opts.num_warps or cfg.num_warps,
+        num_stages=opts.num_stages or cfg.num_stages,
+        w4_mode=opts.w4_mode or cfg.w4_mode,
     )
     sx = x_scale.astype(jnp.float32)
     sw = w_scale.astype(jnp.float32)
@@ -543,51 +544,24 @@ def _matmul(x_q, x_scale, w, w_scale, bias, x_zero_point, w_sum, out_dtype, bloc
     return call(x_q, sx, w, sw, bias, x_zero_point, w_sum, out_dtype, cfg, interpret, w4)
 
 
-def w8a8_matmul(
-    x_q: jax.Array,
-    x_scale: jax.Array,
-    w_q: jax.Array,
-    w_scale: jax.Array,
-    bias: jax.Array | None = None,
-    *,
-    x_zero_point: jax.Array | None = None,
-    w_sum: jax.Array | None = None,
-    out_dtype: Any = jnp.bfloat16,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    backend: str | None = None,
-    interpret: Any = None,
-) -> jax.Array:
-    """y[M, N] = s_x[m] * s_w[n] * sum_k (x_q[m,k] - z_x[m]) * w_q[n,k] + bias[n]  (w_q is [N, K])."""
-    return _matmul(x_q, x_scale, w_q, w_scale, bias, x_zero_point, w_sum, out_dtype, block_m, block_n, block_k,
-                   num_warps, num_stages, backend, interpret, w4=False)
+def w8a8_matmul(x_q: jax.Array, x_scale: jax.Array, w_q: jax.Array, w_scale: jax.Array, bias: jax.Array | None = None,
+                *, x_zero_point: jax.Array | None = None, w_sum: jax.Array | None = None,
+                out_dtype: Any = jnp.bfloat16, **options) -> jax.Array:
+    """y[M, N] = s_x[m] * s_w[n] * sum_k (x_q[m,k] - z_x[m]) * w_q[n,k] + bias[n]  (w_q is [N, K]).
+
+    ``options``: the fields of :class:`GemmOptions` (``block_m``, ``block_n``, ``block_k``, ``num_warps``,
+    ``num_stages``, ``backend``, ``interpret``)."""
+    return _matmul(x_q, x_scale, w_q, w_scale, bias, x_zero_point, w_sum, out_dtype, GemmOptions(**options),
+                   w4=False)
 
 
-def w4a8_matmul(
-    x_q: jax.Array,
-    x_scale: jax.Array,
-    w_packed: jax.Array,
-    w_scale: jax.Array,
-    bias: jax.Array | None = None,
-    *,
-    x_zero_point: jax.Array | None = None,
-    w_sum: jax.Array | None = None,
-    out_dtype: Any = jnp.bfloat16,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    w4_mode: str | None = None,
-    backend: str | None = None,
-    interpret: Any = None,
-) -> jax.Array:
-    """As :func:`w8a8_matmul` with ``w_packed: uint8 [N, K // 2]`` (offset-binary int4 nibbles, see module doc)."""
-    return _matmul(x_q, x_scale, w_packed, w_scale, bias, x_zero_point, w_sum, out_dtype, block_m, block_n,
-                   block_k, num_warps, num_stages, backend, interpret, w4=True, w4_mode=w4_mode)
+def w4a8_matmul(x_q: jax.Array, x_scale: jax.Array, w_packed: jax.Array, w_scale: jax.Array,
+                bias: jax.Array | None = None, *, x_zero_point: jax.Array | None = None,
+                w_sum: jax.Array | None = None, out_dtype: Any = jnp.bfloat16, **options) -> jax.Array:
+    """As :func:`w8a8_matmul` with ``w_packed: uint8 [N, K // 2]`` (offset-binary int4 nibbles, see module doc);
+    ``options`` also takes ``w4_mode``."""
+    return _matmul(x_q, x_scale, w_packed, w_scale, bias, x_zero_point, w_sum, out_dtype, GemmOptions(**options),
+                   w4=True)
 
 
 def _reference(x_q, x_scale, w, w_scale, bias, x_zero_point, w_sum, out_dtype, w4):

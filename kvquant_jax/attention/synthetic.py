@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import jax.numpy as jnp
 
-from kvquant_jax.attention.regions import KVFormat, KVOperand, PAYLOAD_DTYPES, Region
+from kvquant_jax.abi.regions import KVFormat, KVOperand, PAYLOAD_DTYPES, Region
 
 # Named format pairs (K, V) used by tests and the benchmark.
 PRESETS = {

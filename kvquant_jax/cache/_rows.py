@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+from kvquant_jax.abi.regions import INT_PAYLOADS, KVFormat, KVOperand, region
+from kvquant_jax.quant._common import QuantStatus
+
 
 
 def head_major(x: jax.Array) -> jax.Array:
@@ -128,8 +130,6 @@ def split_status(status: jax.Array):
     scales).  Every other flag (non-finite input, overflowing scale, non-finite min/offset) is *hard*: the append
     reports ``ok = False`` for that sequence and nothing is published.
     """
-    from kvquant_jax.quant._common import QuantStatus
-
     narrow_bits = int(QuantStatus.SCALE_UNDERFLOW | QuantStatus.SCALE_SUBNORMAL)
     narrow = (status & jnp.int32(narrow_bits)) != 0
     hard = (status & jnp.int32(~narrow_bits)) != 0
@@ -156,3 +156,20 @@ def materialize_packed(state, lengths, bits: int, decode):
     k = jnp.where(m, decode(state.k_codes, state.k_scale, head_dim), jnp.float32(0))
     v = jnp.where(m, decode(state.v_codes, state.v_scale, head_dim), jnp.float32(0))
     return k, v, valid
+
+
+def packed_decode_regions(state, lengths, bits: int, scale: str, group: int = 0):
+    """``([region], 0)``: one region over a layer whose K and V are ``k_codes / k_scale`` and ``v_codes / v_scale``
+    of symmetric ``bits``-bit codes with ``scale`` ("token" or "head") qparams, read in place; None for widths the
+    kernel ABI does not pack (``abi.regions.INT_PAYLOADS``: the scheme then uses its materialize view)."""
+    payload = f"int{bits}"
+    if payload not in INT_PAYLOADS:
+        return None
+    fmt = KVFormat(payload, scale, "symmetric", group)
+    k = KVOperand(state.k_codes, state.k_scale, None, fmt)
+    return [region(k, KVOperand(state.v_codes, state.v_scale, None, fmt), lengths)], 0
+
+
+def packed_layer_nbytes(state) -> dict[str, int]:
+    """Ledger categories of a layer whose K and V are ``k_codes / k_scale`` and ``v_codes / v_scale``."""
+    return {"codes": nbytes(state.k_codes, state.v_codes), "qparams": nbytes(state.k_scale, state.v_scale)}

@@ -70,3 +70,34 @@ def unpack_codes(packed, bits: int) -> np.ndarray:
     n = stream.shape[-1] // bits
     stream = stream[..., : n * bits].reshape(p.shape[:-1] + (n, bits)).astype(np.int64)
     return (stream << np.arange(bits)).sum(axis=-1)
+
+
+def static_scales(what: str, scale, *, per_tensor: bool, uncalibrated: bool) -> None:
+    """A per-layer scale set ``float32 [Hkv]`` (FP8 / static-INT scales, no batch axis) is finite, positive and
+    normal; equal over heads when ``per_tensor``; all 1.0 when ``uncalibrated``."""
+    s = np.asarray(scale, np.float64)
+    if not (np.isfinite(s).all() and (s >= np.finfo(np.float32).tiny).all()):
+        raise ValueError(f"{what} scale must be finite, positive and normal, got {s}")
+    if per_tensor and s.size and not (s == s.reshape(-1)[0]).all():
+        raise ValueError(f"{what}: a per-tensor scale differs between heads: {s}")
+    if uncalibrated and not (s == 1).all():
+        raise ValueError(f"{what}: uncalibrated scales must be 1.0, got {s}")
+
+
+# ----- static fields (construction-time checks of frozen scheme / config dataclasses) -----
+def choice(what: str, obj, names, choices, *, listing: str | None = None, no_bool: bool = False) -> None:
+    """Each field ``names`` of ``obj`` is one of ``choices`` (``no_bool``: and not a bool, since True == 1);
+    raises ``ValueError("{what}: {name} must be {listing or 'one of ' + choices}, got {value!r}")``."""
+    for name in (names,) if isinstance(names, str) else names:
+        v = getattr(obj, name)
+        if (no_bool and isinstance(v, bool)) or v not in choices:
+            raise ValueError(f"{what}: {name} must be {listing or f'one of {choices}'}, got {v!r}")
+
+
+def ints_at_least(what: str, obj, names, low: int) -> None:
+    """Each field ``names`` of ``obj`` is an int (not a bool) ``>= low`` (0: "non-negative", 1: "positive")."""
+    kind = {0: "a non-negative int", 1: "a positive int"}.get(low, f"an int >= {low}")
+    for name in names:
+        v = getattr(obj, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{what}: {name} must be {kind}, got {v!r}")

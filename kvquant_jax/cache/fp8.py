@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvquant_jax.abi.regions import KVFormat, KVOperand, region
 from kvquant_jax.cache import _rows, checks
 from kvquant_jax.cache._scales import layer_scale_table
 from kvquant_jax.cache.interface import KVCache, SchemeBase, rows_finite
@@ -63,6 +64,8 @@ class FP8Scheme(SchemeBase):
     """
 
     family = "fp8"
+    presets = {"fp8_e4m3": {"fmt": "e4m3"}, "fp8_e5m2": {"fmt": "e5m2"}}
+    aliases = {"format": ("fmt",), "axis": ("scale_axis",), "scale": ("scales",)}
     unbatched_fields = ("k_scale", "v_scale")
 
     fmt: str = "e4m3"
@@ -158,17 +161,25 @@ class FP8Scheme(SchemeBase):
 
     def validate_layer(self, state, lengths):
         for name, codes, scale in (("K", state.k, state.k_scale), ("V", state.v, state.v_scale)):
-            s = np.asarray(scale, np.float64)
-            if not (np.isfinite(s).all() and (s >= np.finfo(np.float32).tiny).all()):
-                raise ValueError(f"fp8 {name} scale must be finite, positive and normal, got {s}")
-            if self.scale_axis == "tensor" and s.size and not (s == s.reshape(-1)[0]).all():
-                raise ValueError(f"fp8 {name}: a per-tensor scale differs between heads: {s}")
-            if self.scales == "uncalibrated" and not (s == 1).all():
-                raise ValueError(f"fp8 {name}: uncalibrated scales must be 1.0, got {s}")
+            checks.static_scales(f"fp8 {name}", scale, per_tensor=self.scale_axis == "tensor",
+                                 uncalibrated=self.scales == "uncalibrated")
             checks.finite_rows(f"fp8 {name} codes", codes, lengths)
 
     def layer_nbytes(self, state):
         return {"codes": _rows.nbytes(state.k, state.v), "qparams": _rows.nbytes(state.k_scale, state.v_scale)}
+
+    def decode_regions(self, state, lengths):
+        """One region: float8 rows with the per-head scales ``[Hkv]``."""
+        f = KVFormat(self.fmt, "head")
+        return [region(KVOperand(state.k, state.k_scale, None, f), KVOperand(state.v, state.v_scale, None, f),
+                       lengths)], 0
+
+    def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
+        out = {}
+        for t in "kv":
+            out[("codes", t)] = batch * heads * rows * head_dim
+            out[("qparams", t)] = heads * 4                               # float32 [Hkv] per tensor, unbatched
+        return out
 
 
 def load_scales(cache: KVCache, k_scales, v_scales) -> KVCache:

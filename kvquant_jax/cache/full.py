@@ -7,10 +7,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvquant_jax.abi.regions import dense_operand, region
 from kvquant_jax.cache import _rows
-from kvquant_jax.cache._rows import DTYPES, valid_rows  # noqa: F401  (re-exported)
+from kvquant_jax.cache import checks
+from kvquant_jax.cache._rows import valid_rows  # noqa: F401  (re-exported)
 from kvquant_jax.cache.interface import SchemeBase
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
+from kvquant_jax.quant.dtypes import DTYPE_BYTES, DTYPES
 
 
 @struct.dataclass
@@ -37,6 +40,7 @@ class FullPrecisionScheme(SchemeBase):
     """Store K and V unquantized in ``dtype`` ("fp32", "bf16" or "fp16")."""
 
     family = "full"
+    presets = {"fp32": {"dtype": "fp32"}, "bf16": {"dtype": "bf16"}, "fp16": {"dtype": "fp16"}}
 
     dtype: str = "fp32"
 
@@ -75,10 +79,16 @@ class FullPrecisionScheme(SchemeBase):
         return k, v, valid
 
     def validate_layer(self, state, lengths):
-        from kvquant_jax.cache import checks
-
         checks.finite_rows("full-precision K", state.k, lengths)
         checks.finite_rows("full-precision V", state.v, lengths)
 
     def layer_nbytes(self, state):
         return {"residual": _rows.nbytes(state.k, state.v)}
+
+    def decode_regions(self, state, lengths):
+        """One dense region, rows ``[0, len)`` read in place."""
+        return [region(dense_operand(state.k), dense_operand(state.v), lengths)], 0
+
+    def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
+        n = batch * heads * rows * head_dim * DTYPE_BYTES[self.dtype]
+        return {("residual", "k"): n, ("residual", "v"): n}

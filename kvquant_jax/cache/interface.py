@@ -28,8 +28,10 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
+from kvquant_jax.abi.regions import Region, dense_operand, region
 from kvquant_jax.cache.schema import CacheSchema
 
 LayerState = Any  # a flax.struct.dataclass pytree with [B, Hkv, C, ...] arrays
@@ -88,6 +90,13 @@ class CacheScheme(abc.ABC):
 
     #: family name used by the registry / serialization (``schema.scheme``).
     family: ClassVar[str] = ""
+    #: registry names this class answers to: ``name -> constructor arguments`` (``cache.registry.NAMES``).
+    presets: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: friendly spec keys -> the constructor fields they set (``{"bits": ("k_bits", "v_bits")}``).
+    aliases: ClassVar[dict[str, tuple[str, ...]]] = {}
+    #: constructor fields that are themselves schemes (a spec there is built by the registry, a ``config()``
+    #: there is rebuilt by ``scheme_from_config``): the prefix wrapper's ``body``.
+    nested_fields: ClassVar[tuple[str, ...]] = ()
     #: state fields WITHOUT a batch axis (shared by every sequence, e.g. FP8 scales ``[Hkv]``): fork/reorder
     #: leave them alone.  Every other field is ``[B, ...]`` (``[L_g, B, ...]`` stacked).
     unbatched_fields: ClassVar[tuple[str, ...]] = ()
@@ -129,6 +138,44 @@ class CacheScheme(abc.ABC):
         full-precision region the state at ``new_lengths`` needs.  Default: nothing to restore."""
         del new_lengths, k, v, start
         return state
+
+    # ----- consumers: decode attention and the byte ledger (a scheme owns how it is read and counted) -----
+
+    #: True when :meth:`decode_regions` / :meth:`materialize_layer` return POST-RoPE keys although the schema's
+    #: ``key_stage`` is "pre_rope" (the scheme rotates stored keys at their positions: KVQuant).  A pre-RoPE scheme
+    #: without it cannot be attended by ``attention.dispatch`` (the model would have to rotate decoded keys).
+    rotates_stored_keys: ClassVar[bool] = False
+
+    def decode_regions(self, state: LayerState, lengths: jax.Array) -> tuple[list[Region], int]:
+        """The layer read in place for one decode step: ``(regions, tail_rows)``.
+
+        ``regions``: position-disjoint :class:`~kvquant_jax.abi.regions.Region` s (arrays in the documented
+        physical layouts plus static formats) whose live rows are exactly positions ``[0, lengths[b])``, keys
+        post-RoPE; ``regions[0]`` is the large one a kernel streams, later ones are small dense regions attended in
+        plain JAX.  ``tail_rows``: static row count of those small regions (0: none).  ``lengths``: int32 ``[B]``.
+        Default: the :meth:`materialize_layer` view as one dense float32 region (correct for any scheme, but it
+        decodes the whole layer: a scheme with a kernel-readable layout overrides this).
+        """
+        k, v, _ = self.materialize_layer(state, lengths)
+        return [region(dense_operand(k), dense_operand(v), lengths)], 0
+
+    def fused_decode_operand(self, state: LayerState) -> tuple[Any, Any] | None:
+        """``(static_format, arrays)`` for a format-specific fused decode kernel (``attention.dispatch`` routes by
+        the format's type, e.g. :class:`~kvquant_jax.abi.kvquant.KVQuantFormat`), or None (default): the layer
+        is served through :meth:`decode_regions`."""
+        del state
+        return None
+
+    def ledger_layer(self, batch: int, heads: int, head_dim: int, rows: int, *, logical: bool,
+                     capacity: int) -> dict[tuple[str, str], int]:
+        """Bytes of ONE layer by ``(category, "k" | "v")`` from the static description alone (no arrays).
+
+        ``rows`` = the length T for the logical view (every sequence holds T rows), the capacity C for the
+        physical one; categories are those of :mod:`kvquant_jax.quant.ledger`.  The physical view must equal
+        :meth:`layer_nbytes` of an allocation of that shape (tested for every registered family)."""
+        del batch, heads, head_dim, rows, logical, capacity
+        raise ValueError(f"ledger: no byte formula for scheme family {self.family or self.schema.scheme!r} "
+                         "(give the scheme a ledger_layer method, see kvquant_jax.quant.ledger)")
 
     def config(self) -> dict[str, Any]:
         """Plain-JSON constructor arguments plus ``family``: ``registry.scheme_from_config`` rebuilds the scheme."""
@@ -258,8 +305,6 @@ def init_cache(schemes: CacheScheme | tuple[CacheScheme, ...] | list, *, num_lay
 
 def check_room(cache: KVCache, num_new) -> None:
     """Host-side capacity check: raise before any work if ``lengths + num_new`` would exceed capacity."""
-    import numpy as np
-
     lengths = np.asarray(jax.device_get(cache.lengths))
     need = lengths + np.asarray(num_new)
     if (need > cache.capacity).any():

@@ -50,11 +50,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvquant_jax.abi.reference import dequantize_operand
+from kvquant_jax.abi.regions import KVFormat, KVOperand, Region, dense_operand, region
 from kvquant_jax.cache import _rows, checks
-from kvquant_jax.cache._rows import DTYPES
 from kvquant_jax.cache.interface import SchemeBase, rows_finite
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
 from kvquant_jax.quant.affine import dequantize_affine, quantize_affine_with_status
+from kvquant_jax.quant.dtypes import DTYPE_BYTES, DTYPES
+from kvquant_jax.quant.ledger import packed_bytes
 from kvquant_jax.quant.packing import pack_bits, unpack_bits
 
 RULES = ("kivi", "synchronized")
@@ -73,7 +76,7 @@ class KIVILayerState:
 
 
 def kivi_ring_sizes(rule: str, residual: int, group: int) -> tuple[int, int]:
-    """``(S_k, S_v)`` ring slots for a closure rule (shared with the byte ledger)."""
+    """``(S_k, S_v)`` ring slots for a closure rule."""
     if rule == "kivi":
         return (residual, residual + 1) if residual else (group, 0)
     return (residual + 1, residual + 1) if residual else (group, group)
@@ -107,6 +110,9 @@ class KIVIScheme(SchemeBase):
     """
 
     family = "kivi"
+    presets = {"kivi2": {"k_bits": 2, "v_bits": 2}, "kivi4": {"k_bits": 4, "v_bits": 4}}
+    aliases = {"bits": ("k_bits", "v_bits"), "rule": ("residual_rule",), "k_group_size": ("group_size",),
+               "residual_length": ("residual",)}
     ring_fields = ("k_res", "v_res")
 
     k_bits: int = 2
@@ -119,9 +125,7 @@ class KIVIScheme(SchemeBase):
     residual_dtype: str = "fp16"
 
     def __post_init__(self):
-        for name in ("k_bits", "v_bits"):
-            if getattr(self, name) not in (1, 2, 4, 8):
-                raise ValueError(f"kivi: {name} must be 1, 2, 4 or 8, got {getattr(self, name)!r}")
+        checks.choice("kivi", self, ("k_bits", "v_bits"), (1, 2, 4, 8), listing="1, 2, 4 or 8")
         if self.group_size < 1:
             raise ValueError(f"kivi: group_size must be >= 1, got {self.group_size}")
         if self.v_group_size < 0:
@@ -129,11 +133,8 @@ class KIVIScheme(SchemeBase):
         if self.residual < 0 or self.residual % self.group_size:
             raise ValueError(f"kivi: residual ({self.residual}) must be a non-negative multiple of group_size "
                              f"({self.group_size})")
-        if self.residual_rule not in RULES:
-            raise ValueError(f"kivi: residual_rule must be one of {RULES}, got {self.residual_rule!r}")
-        for name in ("qparam_dtype", "residual_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"kivi: {name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
+        checks.choice("kivi", self, "residual_rule", RULES)
+        checks.choice("kivi", self, ("qparam_dtype", "residual_dtype"), sorted(DTYPES))
         self._check_identity()
 
     # ----- static description -----
@@ -309,3 +310,64 @@ class KIVIScheme(SchemeBase):
         return {"codes": _rows.nbytes(state.k_codes, state.v_codes),
                 "qparams": _rows.nbytes(state.k_scale, state.k_min, state.v_scale, state.v_min),
                 "residual": _rows.nbytes(state.k_res, state.v_res)}
+
+    def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
+        """K and V counted at their own frontiers (0x04B): codes / qparams of closed rows and groups, residual rows
+        still full precision (logical) or the ring slots (physical)."""
+        b, h, d, g = batch, heads, head_dim, self.group_size
+        gd = self.v_group_size or d
+        rb, qb = DTYPE_BYTES[self.residual_dtype], DTYPE_BYTES[self.qparam_dtype]
+        s_k, s_v = self.ring_sizes
+        if logical:
+            fk, fv = (int(f) for f in self.frontiers(rows))
+            k_groups, res_k, res_v = fk // g, rows - fk, rows - fv
+        else:
+            fk = fv = rows
+            k_groups, res_k, res_v = capacity // g, s_k, s_v
+        return {("codes", "k"): b * h * fk * packed_bytes(d, self.k_bits),
+                ("codes", "v"): b * h * fv * packed_bytes(d, self.v_bits),
+                ("qparams", "k"): b * h * k_groups * d * 2 * qb,                        # (scale, min) pairs
+                ("qparams", "v"): b * h * fv * (d // gd) * 2 * qb,
+                ("residual", "k"): b * h * res_k * d * rb,
+                ("residual", "v"): b * h * res_v * d * rb}
+
+    # ----- decode attention -----
+    def decode_regions(self, state, lengths):
+        """The quantized region ``[0, min(fk, fv))`` (K per-channel groups, V per-token) read by the kernel, plus a
+        small dense *tail* ``[min(fk, fv), len)`` (at most ``max(S_k, S_v)`` rows) gathered from the residual rings
+        and, for positions whose K is already closed but whose V is still in the rolling tail (``[fv, fk)`` under
+        the official rule), decoded from the K codes.  The tail is attended in plain JAX, same softmax."""
+        st, g = state, self.group_size
+        cap = st.k_codes.shape[2]
+        d = st.k_res.shape[-1]
+        s_k, s_v = self.ring_sizes
+        fk, fv = self.frontiers(lengths)
+        lo = jnp.minimum(fk, fv)
+        kq = KVFormat(f"int{self.k_bits}", "channel", "min", g)
+        vq = KVFormat(f"int{self.v_bits}", "token", "min", self.v_group_size)
+        rows = (cap // g) * g
+        k_codes, v_codes, v_scale, v_min = st.k_codes, st.v_codes, st.v_scale, st.v_min
+        if rows != cap:   # capacity % G: the last partial group never closes; keep whole groups only
+            k_codes, v_codes = k_codes[:, :, :rows], v_codes[:, :, :rows]
+            v_scale, v_min = v_scale[:, :, :rows], v_min[:, :, :rows]
+        main = Region(k=KVOperand(k_codes, st.k_scale, st.k_min, kq), v=KVOperand(v_codes, v_scale, v_min, vq),
+                      start=jnp.zeros_like(lo), end=lo)
+
+        nt = max(s_k, s_v, 1)
+        pos = lo[:, None] + _rows.arange_rows(nt)[None, :]                                # [B, Nt]
+        row = jnp.minimum(pos, cap - 1)
+        grp = jnp.minimum(pos // g, st.k_scale.shape[2] - 1)
+        k_codes_t = KVOperand(_rows.take_rows(st.k_codes, row), _rows.take_rows(st.k_scale, grp),
+                              _rows.take_rows(st.k_min, grp), KVFormat(kq.payload, "channel", "min", 1))
+        v_codes_t = KVOperand(_rows.take_rows(st.v_codes, row), _rows.take_rows(st.v_scale, row),
+                              _rows.take_rows(st.v_min, row), vq)
+        k_t = dequantize_operand(k_codes_t, d, jnp, jnp.float32)
+        v_t = dequantize_operand(v_codes_t, d, jnp, jnp.float32)
+        if s_k:
+            k_t = jnp.where((pos >= fk[:, None])[:, None, :, None],
+                            _rows.take_rows(st.k_res, pos % s_k).astype(jnp.float32), k_t)
+        if s_v:
+            v_t = jnp.where((pos >= fv[:, None])[:, None, :, None],
+                            _rows.take_rows(st.v_res, pos % s_v).astype(jnp.float32), v_t)
+        tail = region(dense_operand(k_t), dense_operand(v_t), lengths - lo)
+        return [main, tail], nt

@@ -32,18 +32,9 @@ counted by :func:`key_outlier_overflow` for monitoring.
 Sink (0x07E): positions ``p < sink`` are kept unquantized in ``residual_dtype`` (keys in the stored stage) and the
 calibration excluded them from every statistic.  Their code rows exist but are never read.
 
-Layout (``layout_version`` 1; head-major ``[B, Hkv, C, ...]``, row ``i`` = logical position ``i``)
-------------------------------------------------------------------------------------------------
-    k_codes   uint8 [B, Hkv, C, D*b_k/8]     codes packed along D (kvquant_jax.quant.packing stream layout)
-    k_sp_idx  uint8 [B, Hkv, C, cap_k]       outlier channels, ascending; 255 = unused slot (so D <= 255)
-    k_sp_val  sparse_dtype [B, Hkv, C, cap_k] full pre-RoPE values (0 in unused slots)
-    v_codes   uint8 [B, Hkv, C, D*b_v/8]
-    v_scale, v_offset  qparam_dtype [B, Hkv, C, 1]
-    v_sp_idx, v_sp_val [B, Hkv, C, v_outliers]   as for keys
-    k_sink, v_sink     residual_dtype [B, Hkv, sink, D]
-    pos       int32 [B, C]                   logical position of every row (the RoPE angle of a pre-RoPE key)
-    k_scale, k_zero    float32 [Hkv, D]      calibrated per-channel state (unbatched: shared by all sequences)
-    k_codebook float32 [2**b_k], v_codebook float32 [2**b_v]   per-layer signposts (unbatched)
+Layout: :class:`kvquant_jax.abi.kvquant.KVQuantLayerState` (the kernel ABI; ``layout_version`` 1, head-major
+``[B, Hkv, C, ...]``): packed codes, sparse (uint8 index, value) slots with 255 = unused, per-row V scale / offset,
+sink rows, per-row positions, and the unbatched calibrated ``k_scale, k_zero [Hkv, D]`` and codebooks.
 
 The calibrated arrays are part of the layer state, so every layer of a stacked group carries its own values and
 the cache stays one pytree.  :func:`load_calibration` writes them (from a
@@ -66,41 +57,21 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from kvquant_jax.cache import _rows, checks
-from kvquant_jax.cache._rows import DTYPES
 from kvquant_jax.cache.interface import KVCache, SchemeBase, layer_state, rows_finite
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat, require_compatible
-from kvquant_jax.models.rope import apply_rope
-from kvquant_jax.quant.nuq import dequantize_nuq, nuq_decode, nuq_encode, quantize_nuq_with_status
-from kvquant_jax.quant.packing import pack_bits, unpack_bits
-from kvquant_jax.quant.sparse import SparseOutliers, magnitude_thresholds, merge_dense_sparse, split_dense_sparse
+from kvquant_jax.abi import kvquant as abi
+from kvquant_jax.abi.kvquant import UNUSED, KVQuantFormat, KVQuantLayerState
+from kvquant_jax.abi.rope import apply_rope
+from kvquant_jax.quant.dtypes import DTYPE_BYTES, DTYPES
+from kvquant_jax.quant.ledger import packed_bytes
+from kvquant_jax.quant.nuq import nuq_encode, quantize_nuq_with_status
+from kvquant_jax.quant.packing import pack_bits
+from kvquant_jax.quant.sparse import SparseOutliers, magnitude_thresholds, split_dense_sparse
 
-UNUSED = 255                      # sparse index of an unused slot
 BITS = (1, 2, 3, 4)               # code widths the kernel's 8-codes-per-chunk unpacking supports
 CALIBRATED_FIELDS = ("k_scale", "k_zero", "k_codebook", "v_codebook")
-
-
-@struct.dataclass
-class KVQuantLayerState:
-    """See the module docstring for shapes and meaning."""
-
-    k_codes: jax.Array
-    k_sp_idx: jax.Array
-    k_sp_val: jax.Array
-    v_codes: jax.Array
-    v_scale: jax.Array
-    v_offset: jax.Array
-    v_sp_idx: jax.Array
-    v_sp_val: jax.Array
-    k_sink: jax.Array
-    v_sink: jax.Array
-    pos: jax.Array
-    k_scale: jax.Array
-    k_zero: jax.Array
-    k_codebook: jax.Array
-    v_codebook: jax.Array
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -155,14 +126,6 @@ def normalize_values(v, v_outliers: int, qparam_dtype: str = "fp16"):
     return jnp.where(mask & ok, x, 0.0), mask & ok
 
 
-def _sparse_from(indices_u8, values) -> SparseOutliers:
-    """Stored (uint8 index, value) slots -> :class:`SparseOutliers` (int32 indices, -1 unused)."""
-    idx = indices_u8.astype(jnp.int32)
-    used = idx != UNUSED
-    z = jnp.zeros(idx.shape[:-1], jnp.int32)
-    return SparseOutliers(jnp.where(used, idx, -1), jnp.where(used, values.astype(jnp.float32), 0.0), z, z)
-
-
 def _store_sparse(sparse: SparseOutliers | None, x, dtype):
     """:class:`SparseOutliers` of ``x [..., D]`` -> (uint8 indices with 255 unused, values of ``x`` in ``dtype``)."""
     idx = sparse.indices
@@ -178,12 +141,6 @@ def key_outlier_overflow(k_pre, k_zero, k_scale, capacity: int):
     x = normalize_keys(k_pre, k_zero, k_scale)
     n = jnp.sum(jnp.abs(x) > 1.0, axis=-1, dtype=jnp.int32)
     return jnp.maximum(n - capacity, 0)
-
-
-def _rotate(k_bhcd, pos_bc, theta, pairing, inverse=False):
-    """RoPE of head-major keys ``[B, H, C, D]`` at per-row positions ``[B, C]``."""
-    k = jnp.swapaxes(k_bhcd, 1, 2)
-    return jnp.swapaxes(apply_rope(k, pos_bc, theta, pairing, inverse=inverse), 1, 2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -206,7 +163,10 @@ class KVQuantScheme(SchemeBase):
     """
 
     family = "kvquant"
+    presets = {"kvquant": {}}        # uncalibrated until load_calibration (configs build it from the artifact)
+    aliases = {"bits": ("k_bits", "v_bits")}
     unbatched_fields = CALIBRATED_FIELDS
+    rotates_stored_keys = True          # materialize / decode_regions rotate pre-RoPE keys at their positions
 
     k_bits: int = 4
     v_bits: int = 4
@@ -220,17 +180,9 @@ class KVQuantScheme(SchemeBase):
     key_stage: str = dataclasses.field(default="pre_rope", kw_only=True)
 
     def __post_init__(self):
-        for name in ("k_bits", "v_bits"):
-            val = getattr(self, name)
-            if isinstance(val, bool) or val not in BITS:
-                raise ValueError(f"kvquant: {name} must be one of {BITS}, got {val!r}")
-        for name in ("k_sparse_capacity", "v_outliers", "sink"):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, int) or val < 0:
-                raise ValueError(f"kvquant: {name} must be a non-negative int, got {val!r}")
-        for name in ("qparam_dtype", "sparse_dtype", "residual_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"kvquant: {name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
+        checks.choice("kvquant", self, ("k_bits", "v_bits"), BITS, no_bool=True)
+        checks.ints_at_least("kvquant", self, ("k_sparse_capacity", "v_outliers", "sink"), 0)
+        checks.choice("kvquant", self, ("qparam_dtype", "sparse_dtype", "residual_dtype"), sorted(DTYPES))
         if not self.calibration_id:
             raise ValueError("kvquant: calibration_id must name the calibration artifact (or be 'uncalibrated')")
         self._check_identity()
@@ -258,6 +210,14 @@ class KVQuantScheme(SchemeBase):
     @property
     def schema(self) -> CacheSchema:
         return self._schema(runtime=True)
+
+    @property
+    def kernel_format(self) -> KVQuantFormat:
+        """The static format a consumer of this layer's arrays needs (:mod:`kvquant_jax.abi.kvquant`)."""
+        return KVQuantFormat(k_bits=self.k_bits, v_bits=self.v_bits, k_sparse_capacity=self.k_sparse_capacity,
+                             v_outliers=self.v_outliers, sink=self.sink,
+                             rope=self.rope_pairing if self.key_stage == "pre_rope" else "none",
+                             rope_theta=float(self.rope_theta))
 
     def calibration_schema(self) -> CacheSchema:
         """The schema fields a calibration artifact is bound to: :attr:`schema` without the runtime-only choices
@@ -365,32 +325,11 @@ class KVQuantScheme(SchemeBase):
 
         float32 ``[B, Hkv, C, D]`` twice, bool ``[B, C]``, int32 ``[B, C]``; rows at or past ``lengths`` are zero.
         """
-        d = state.k_sink.shape[-1]
-        capacity = state.k_codes.shape[2]
-        k = (nuq_decode(unpack_bits(state.k_codes, self.k_bits, axis=-1, count=d), state.k_codebook)
-             * state.k_scale[None, :, None, :] + state.k_zero[None, :, None, :])
-        v = dequantize_nuq(unpack_bits(state.v_codes, self.v_bits, axis=-1, count=d), state.v_scale,
-                           state.v_offset, state.v_codebook, axis=-1)
-        if self.k_sparse_capacity:
-            k = merge_dense_sparse(k, _sparse_from(state.k_sp_idx, state.k_sp_val))
-        if self.v_outliers:
-            v = merge_dense_sparse(v, _sparse_from(state.v_sp_idx, state.v_sp_val))
-        if self.sink:
-            n = min(self.sink, capacity)
-            in_sink = (_rows.arange_rows(capacity) < n)[None, None, :, None]
-            pad = [(0, 0), (0, 0), (0, capacity - n), (0, 0)]
-            k = jnp.where(in_sink, jnp.pad(state.k_sink[:, :, :n].astype(jnp.float32), pad), k)
-            v = jnp.where(in_sink, jnp.pad(state.v_sink[:, :, :n].astype(jnp.float32), pad), v)
-        valid = _rows.valid_rows(lengths, capacity)
-        m = valid[:, None, :, None]
-        return jnp.where(m, k, 0.0), jnp.where(m, v, 0.0), valid, jnp.where(valid, state.pos, 0)
+        return abi.decode_stored(self.kernel_format, state, lengths)
 
     def materialize_layer(self, state, lengths):
         """POST-RoPE keys (decoded pre-RoPE keys rotated at their stored positions), values, valid rows."""
-        k, v, valid, pos = self.decode_stored(state, lengths)
-        if self.key_stage == "pre_rope":
-            k = jnp.where(valid[:, None, :, None], _rotate(k, pos, self.rope_theta, self.rope_pairing), 0.0)
-        return k, v, valid
+        return abi.materialize(self.kernel_format, state, lengths)
 
     # ----- checks and bytes -----
     def validate_layer(self, state, lengths):
@@ -429,6 +368,26 @@ class KVQuantScheme(SchemeBase):
         if self.sink:
             checks.finite_rows("kvquant K sink", state.k_sink, np.minimum(lengths, self.sink))
             checks.finite_rows("kvquant V sink", state.v_sink, np.minimum(lengths, self.sink))
+
+    def fused_decode_operand(self, state):
+        """``(KVQuantFormat, state)``: the fused LUT + sparse + in-kernel RoPE decode kernel reads the layer as is
+        (``pallas_kernels.decode_attention_kvquant``)."""
+        return self.kernel_format, state
+
+    def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
+        """Row-wise codes / V qparams / sparse slots / positions for ``rows`` rows; the calibrated per-channel
+        state, the codebooks and the ``sink`` rows are allocated whole (so logical == physical at T == C)."""
+        b, h, d = batch, heads, head_dim
+        sd, rd, qd = (DTYPE_BYTES[x] for x in (self.sparse_dtype, self.residual_dtype, self.qparam_dtype))
+        return {("codes", "k"): b * h * rows * packed_bytes(d, self.k_bits),
+                ("codes", "v"): b * h * rows * packed_bytes(d, self.v_bits),
+                ("qparams", "k"): 2 * h * d * 4 + 4 * 2 ** self.k_bits,        # scale, zero [Hkv, D]; codebook
+                ("qparams", "v"): 2 * b * h * rows * qd + 4 * 2 ** self.v_bits,  # scale, offset [.., 1]; codebook
+                ("sparse", "k"): b * h * rows * self.k_sparse_capacity * (1 + sd),
+                ("sparse", "v"): b * h * rows * self.v_outliers * (1 + sd),
+                ("sink_prefix", "k"): b * h * self.sink * d * rd,
+                ("sink_prefix", "v"): b * h * self.sink * d * rd,
+                ("metadata", "k"): b * rows * 4}                                  # pos: int32 [B, C]
 
     def layer_nbytes(self, state):
         return {"codes": _rows.nbytes(state.k_codes, state.v_codes),

@@ -45,6 +45,7 @@ import numpy as np
 
 from kvquant_jax.cache._rows import host
 from kvquant_jax.cache.interface import KVCache, check_room, init_cache
+from kvquant_jax.quant.tracing import is_tracer
 
 
 class TruncationNeedsRowsError(ValueError):
@@ -70,13 +71,6 @@ class TruncationNeedsRowsError(ValueError):
 # --------------------------------------------------------------------------------------------------------------
 # argument plumbing
 # --------------------------------------------------------------------------------------------------------------
-_TRACER = getattr(jax.core, "Tracer", None) or __import__("jax._src.core", fromlist=["Tracer"]).Tracer
-
-
-def _is_tracer(x) -> bool:
-    return any(isinstance(a, _TRACER) for a in jax.tree.leaves(x))
-
-
 def _as_num_new(cache: KVCache, num_new) -> jax.Array:
     n = jnp.asarray(num_new, jnp.int32)
     return jnp.broadcast_to(n, (cache.batch,)) if n.ndim == 0 else n
@@ -172,7 +166,7 @@ def append(cache: KVCache, layer_kv: Sequence, num_new) -> KVCache:
     valid row (naming the layer and tensor); and after the jitted core (whose result is then dropped) when a
     quantizer rejected a finite row.  The argument cache is never modified.  Under ``jit`` use :func:`try_append`.
     """
-    if _is_tracer((cache, layer_kv, num_new)):
+    if is_tracer((cache, layer_kv, num_new)):
         raise TypeError("ops.append raises on bad input and cannot run under jit; use ops.try_append there")
     pairs = _layer_pairs(cache, layer_kv, "append")
     t = int(np.shape(pairs[0][0])[1])
@@ -214,7 +208,7 @@ def _gather_batch(scheme, state, index):
 
 def _parent_index(cache: KVCache, parent_index_per_child, what: str) -> jax.Array:
     """int32 ``[N]`` of an integer index array; a float / bool dtype (static, even under jit) raises."""
-    dt = jnp.result_type(parent_index_per_child) if _is_tracer(parent_index_per_child) else \
+    dt = jnp.result_type(parent_index_per_child) if is_tracer(parent_index_per_child) else \
         np.asarray(parent_index_per_child).dtype
     shape = tuple(np.shape(parent_index_per_child))
     if len(shape) != 1 or shape[0] < 1:
@@ -233,7 +227,7 @@ def fork(cache: KVCache, parent_index_per_child) -> KVCache:
     for an index outside ``[0, batch)`` and ``TypeError`` for a non-integer index array.  Under ``jit`` use
     :func:`try_fork` (as :func:`append` / :func:`try_append`).
     """
-    if _is_tracer((cache, parent_index_per_child)):
+    if is_tracer((cache, parent_index_per_child)):
         raise TypeError("ops.fork raises on bad indices and cannot run under jit; use ops.try_fork there")
     idx = _parent_index(cache, parent_index_per_child, "fork")
     h = host(idx)

@@ -22,10 +22,12 @@ from flax import struct
 from kvquant_jax.cache import _rows, checks
 from kvquant_jax.cache.interface import SchemeBase
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
+from kvquant_jax.quant.dtypes import DTYPE_BYTES, DTYPES
+from kvquant_jax.quant.ledger import packed_bytes
 from kvquant_jax.quant.packing import from_offset_binary, pack_bits, to_offset_binary, unpack_bits
 from kvquant_jax.quant.symmetric import dequantize_symmetric, quantize_symmetric_with_status
 
-QPARAM_DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16, "fp32": jnp.float32}
+QPARAM_DTYPES = DTYPES          # qparam storage names (the one table, kvquant_jax.quant.dtypes)
 
 
 @struct.dataclass
@@ -59,6 +61,8 @@ class PerTokenScheme(SchemeBase):
     """
 
     family = "per_token"
+    presets = {"int8": {"bits": 8}, "int4": {"bits": 4}, "int2": {"bits": 2}}
+    aliases = {"head_dim_group_size": ("group_size",)}
 
     bits: int = 8
     group_size: int = 0
@@ -131,8 +135,20 @@ class PerTokenScheme(SchemeBase):
             checks.positive_normal(f"per_token {name} scale", scale, lengths)
 
     def layer_nbytes(self, state):
-        return {"codes": _rows.nbytes(state.k_codes, state.v_codes),
-                "qparams": _rows.nbytes(state.k_scale, state.v_scale)}
+        return _rows.packed_layer_nbytes(state)
+
+    def decode_regions(self, state, lengths):
+        """One region of packed symmetric codes with per-token scales (the materialize view for odd widths)."""
+        return (_rows.packed_decode_regions(state, lengths, self.bits, "token", self.group_size)
+                or super().decode_regions(state, lengths))
+
+    def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
+        gd = self.group_size or head_dim
+        out = {}
+        for t in "kv":
+            out[("codes", t)] = batch * heads * rows * packed_bytes(head_dim, self.bits)
+            out[("qparams", t)] = batch * heads * rows * (head_dim // gd) * DTYPE_BYTES[self.qparam_dtype]
+        return out
 
 
 def _packed_byte(code: int, bits: int) -> int:

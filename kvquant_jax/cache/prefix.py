@@ -46,11 +46,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvquant_jax.abi.regions import dense_operand, region
 from kvquant_jax.cache import _rows, checks
-from kvquant_jax.cache._rows import DTYPES
 from kvquant_jax.cache.interface import CacheScheme, KVCache, init_cache
 from kvquant_jax.cache.schema import Compatibility, IncompatibleSchemaError, check_compatible
 from kvquant_jax.integrity import CorruptArtifactError, guarded, parse_manifest, sign, verify
+from kvquant_jax.quant.dtypes import DTYPE_BYTES, DTYPES
 
 LAYOUT = "prefix_rows/v1"   # k, v: [L, Hkv, P, D]; keys post-RoPE at positions 0..P-1
 KINDS = ("intactkv-extracted", "intactkv-calibrated", "prefixquant")
@@ -333,6 +334,10 @@ class PrefixScheme(CacheScheme):
     """
 
     family: ClassVar[str] = "prefix"
+    #: ``{"name": "prefix", "body": <any scheme spec>, "prefix_len": P, ...}``; the bare name: one fp32 row
+    presets: ClassVar[dict] = {"prefix": {"body": "fp32", "prefix_len": 1}}
+    aliases: ClassVar[dict] = {"prefix_length": ("prefix_len",)}
+    nested_fields: ClassVar[tuple] = ("body",)
 
     body: CacheScheme
     prefix_len: int
@@ -363,6 +368,10 @@ class PrefixScheme(CacheScheme):
     @property
     def ring_fields(self):  # type: ignore[override]
         return tuple(self.body.ring_fields)
+
+    @property
+    def rotates_stored_keys(self):  # type: ignore[override]
+        return self.body.rotates_stored_keys
 
     @property
     def schema(self):
@@ -422,6 +431,26 @@ class PrefixScheme(CacheScheme):
         pk, pv, body = split_state(state)
         out = dict(self.body.layer_nbytes(body))
         out["sink_prefix"] = out.get("sink_prefix", 0) + _rows.nbytes(pk, pv)
+        return out
+
+    def decode_regions(self, state, lengths):
+        """The body scheme's regions at ``lengths - P`` plus the ``P`` immutable full-precision prefix rows as a
+        small dense region (attended in plain JAX, same softmax)."""
+        pk, pv, body = split_state(state)
+        full = (lengths.shape[0],) + pk.shape[1:]
+        sink = region(dense_operand(jnp.broadcast_to(pk, full)), dense_operand(jnp.broadcast_to(pv, full)),
+                      jnp.minimum(lengths, self.prefix_len))
+        body_regions, tail_rows = self.body.decode_regions(body, self.body_lengths(lengths))
+        return body_regions + [sink], max(tail_rows, self.prefix_len)
+
+    def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
+        """The body's bytes for its own ``C - P`` rows (at ``T - P`` for the logical view) plus the prefix rows."""
+        p = self.prefix_len
+        body_rows = max(rows - p, 0) if logical else capacity - p
+        out = dict(self.body.ledger_layer(batch, heads, head_dim, body_rows, logical=logical, capacity=capacity - p))
+        n = (1 if self.shared else batch) * heads * p * head_dim * DTYPE_BYTES[self.prefix_dtype]
+        for t in "kv":
+            out[("sink_prefix", t)] = out.get(("sink_prefix", t), 0) + n
         return out
 
     def rebuild_start(self, old_lengths, new_lengths):

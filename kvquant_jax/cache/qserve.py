@@ -21,9 +21,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvquant_jax.abi.regions import KVFormat, KVOperand, region
 from kvquant_jax.cache import _rows, checks
 from kvquant_jax.cache.interface import SchemeBase
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
+from kvquant_jax.quant.dtypes import DTYPE_BYTES
+from kvquant_jax.quant.ledger import packed_bytes
 from kvquant_jax.quant.packing import pack_bits, unpack_bits
 from kvquant_jax.quant.qserve import dequantize_qserve, quantize_qserve_with_status
 
@@ -45,6 +48,7 @@ class QServeScheme(SchemeBase):
     """QServe KV4: unsigned INT4 codes with fp16 scale + floating fp16 offset per (token, head)."""
 
     family = "qserve"
+    presets = {"qserve4": {}}
 
     def __post_init__(self):
         self._check_identity()
@@ -107,3 +111,17 @@ class QServeScheme(SchemeBase):
     def layer_nbytes(self, state):
         return {"codes": _rows.nbytes(state.k_codes, state.v_codes),
                 "qparams": _rows.nbytes(state.k_scale, state.k_offset, state.v_scale, state.v_offset)}
+
+    def decode_regions(self, state, lengths):
+        """One region: INT4 codes, per-(token, head) scale and floating offset passed as ``[B, Hkv, C, 1]``."""
+        f = KVFormat("int4", "token", "offset")
+        return [region(KVOperand(state.k_codes, state.k_scale[..., None], state.k_offset[..., None], f),
+                       KVOperand(state.v_codes, state.v_scale[..., None], state.v_offset[..., None], f),
+                       lengths)], 0
+
+    def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
+        out = {}
+        for t in "kv":
+            out[("codes", t)] = batch * heads * rows * packed_bytes(head_dim, BITS)
+            out[("qparams", t)] = 2 * batch * heads * rows * DTYPE_BYTES["fp16"]          # (scale, offset)
+        return out

@@ -1,14 +1,20 @@
-"""Scheme names and specs -> :class:`CacheScheme` objects (the config / CLI entry point).
+"""Scheme names and specs -> :class:`CacheScheme` objects: the ONE registry (config, CLI, serialization, eval).
+
+The registry is built from the scheme classes in :data:`SCHEME_CLASSES`: each class declares its ``family``
+(serialization), its ``presets`` (names) and its ``aliases`` (friendly override keys), so adding a scheme is one
+new file plus one entry here (docs/architecture.md, "Adding a scheme").
 
 ``make_scheme(spec, *, rope_theta, rope_pairing)`` where ``spec`` is
 
-* a name: "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "qserve4", "kivi2", "kivi4";
+* a name (:data:`NAMES`): "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "int3"...,
+  "static_int4", "qserve4", "kivi2", "kivi4", "kvquant", "kivi_axes" (the simulated axis ablation), "prefix";
 * a name with inline overrides: ``"kivi2:residual=64,residual_rule=synchronized"``;
 * a dict ``{"name": "kivi2", "residual": 64, ...}`` (``"scheme"`` is accepted for ``"name"``).
 
-Override keys are the scheme's constructor fields plus the aliases below; an unknown key raises ``ValueError``
-naming it and listing the allowed ones.  ``make_policy`` adds mixed per-layer policies (``full_precision_first``,
-``full_precision_last``, ``full_precision_layers``, ``full_precision_dtype``).
+Override keys are the scheme's constructor fields plus its aliases; an unknown key raises ``ValueError`` naming it
+and listing the allowed ones.  A nested scheme field (the prefix wrapper's ``body``) takes any spec:
+``{"name": "prefix", "prefix_len": 4, "body": "int4"}``.  ``make_policy`` adds mixed per-layer policies
+(``full_precision_first``, ``full_precision_last``, ``full_precision_layers``, ``full_precision_dtype``).
 """
 from __future__ import annotations
 
@@ -16,42 +22,51 @@ import dataclasses
 import json
 from typing import Any
 
+import yaml
+
 from kvquant_jax.cache import mixed
+from kvquant_jax.cache.axis_ablation import AxisAblationScheme
 from kvquant_jax.cache.fp8 import FP8Scheme
 from kvquant_jax.cache.full import FullPrecisionScheme
 from kvquant_jax.cache.interface import CacheScheme
 from kvquant_jax.cache.kivi import KIVIScheme
+from kvquant_jax.cache.kvquant import KVQuantScheme
 from kvquant_jax.cache.per_token import PerTokenScheme
+from kvquant_jax.cache.prefix import PrefixScheme
 from kvquant_jax.cache.qserve import QServeScheme
+from kvquant_jax.cache.static_int import PerTokenAnyBitsScheme, StaticIntScheme
+from kvquant_jax.quant.ledger import LedgerShape, ledger_table
 
-FAMILIES: dict[str, type] = {
-    "full": FullPrecisionScheme, "fp8": FP8Scheme, "per_token": PerTokenScheme, "qserve": QServeScheme,
-    "kivi": KIVIScheme,
-}
+#: every registered scheme class (one entry per family)
+SCHEME_CLASSES: tuple[type, ...] = (FullPrecisionScheme, FP8Scheme, PerTokenScheme, PerTokenAnyBitsScheme,
+                                    StaticIntScheme, QServeScheme, KIVIScheme, KVQuantScheme, PrefixScheme,
+                                    AxisAblationScheme)
 
-NAMES: dict[str, tuple[type, dict[str, Any]]] = {
-    "fp32": (FullPrecisionScheme, {"dtype": "fp32"}),
-    "bf16": (FullPrecisionScheme, {"dtype": "bf16"}),
-    "fp16": (FullPrecisionScheme, {"dtype": "fp16"}),
-    "fp8_e4m3": (FP8Scheme, {"fmt": "e4m3"}),
-    "fp8_e5m2": (FP8Scheme, {"fmt": "e5m2"}),
-    "int8": (PerTokenScheme, {"bits": 8}),
-    "int4": (PerTokenScheme, {"bits": 4}),
-    "int2": (PerTokenScheme, {"bits": 2}),
-    "qserve4": (QServeScheme, {}),
-    "kivi2": (KIVIScheme, {"k_bits": 2, "v_bits": 2}),
-    "kivi4": (KIVIScheme, {"k_bits": 4, "v_bits": 4}),
-}
 
-# friendly aliases -> field names (per family)
-ALIASES: dict[type, dict[str, tuple[str, ...]]] = {
-    KIVIScheme: {"bits": ("k_bits", "v_bits"), "rule": ("residual_rule",), "k_group_size": ("group_size",),
-                 "residual_length": ("residual",)},
-    FP8Scheme: {"format": ("fmt",), "axis": ("scale_axis",), "scale": ("scales",)},
-    PerTokenScheme: {"head_dim_group_size": ("group_size",)},
-    FullPrecisionScheme: {},
-    QServeScheme: {},
-}
+def _families(classes) -> dict[str, type]:
+    out: dict[str, type] = {}
+    for cls in classes:
+        if not cls.family or cls.family in out:
+            raise TypeError(f"registry: {cls.__name__} needs a unique family name, got {cls.family!r}")
+        out[cls.family] = cls
+    return out
+
+
+def _names(classes) -> dict[str, tuple[type, dict[str, Any]]]:
+    out: dict[str, tuple[type, dict[str, Any]]] = {}
+    for cls in classes:
+        for name, kwargs in cls.presets.items():
+            if name in out:
+                raise TypeError(f"registry: preset {name!r} is declared by {out[name][0].__name__} and "
+                                f"{cls.__name__}")
+            out[name] = (cls, dict(kwargs))
+    return out
+
+
+FAMILIES: dict[str, type] = _families(SCHEME_CLASSES)
+NAMES: dict[str, tuple[type, dict[str, Any]]] = _names(SCHEME_CLASSES)
+# friendly aliases -> field names (per class)
+ALIASES: dict[type, dict[str, tuple[str, ...]]] = {cls: dict(cls.aliases) for cls in SCHEME_CLASSES}
 
 POLICY_KEYS = ("full_precision_first", "full_precision_last", "full_precision_layers", "full_precision_dtype")
 
@@ -70,7 +85,8 @@ def _parse_inline(spec: str) -> dict[str, Any]:
     return out
 
 
-def _normalize(spec) -> dict[str, Any]:
+def normalize_spec(spec) -> dict[str, Any]:
+    """A spec (name, inline "name:k=v,...", or mapping with "name" / "scheme") as a mapping with "name"."""
     if isinstance(spec, CacheScheme):
         raise TypeError("make_scheme: already a CacheScheme")
     if isinstance(spec, str):
@@ -85,10 +101,14 @@ def _normalize(spec) -> dict[str, Any]:
     raise TypeError(f"cache spec must be a str or dict, got {type(spec).__name__}")
 
 
+def _rope_fields(cls) -> bool:
+    return "rope_theta" in {f.name for f in dataclasses.fields(cls)}
+
+
 def make_scheme(spec, *, rope_theta: float = 10000.0, rope_pairing: str = "half_split") -> CacheScheme:
     """Build one scheme from a name / inline string / dict (see module doc).  Raises ``ValueError`` naming an
     unknown scheme name or override key."""
-    d = _normalize(spec)
+    d = normalize_spec(spec)
     name = d.pop("name")
     if name not in NAMES:
         raise ValueError(f"unknown cache scheme {name!r}; known: {sorted(NAMES)}")
@@ -96,7 +116,8 @@ def make_scheme(spec, *, rope_theta: float = 10000.0, rope_pairing: str = "half_
     fields = {f.name for f in dataclasses.fields(cls)}
     aliases = ALIASES.get(cls, {})
     kwargs: dict[str, Any] = dict(base)
-    kwargs.update(rope_theta=rope_theta, rope_pairing=rope_pairing)
+    if _rope_fields(cls):
+        kwargs.update(rope_theta=rope_theta, rope_pairing=rope_pairing)
     for key, val in d.items():
         if key in aliases:
             for f in aliases[key]:
@@ -109,6 +130,9 @@ def make_scheme(spec, *, rope_theta: float = 10000.0, rope_pairing: str = "half_
     for f in ("k_scales", "v_scales"):
         if f in kwargs:
             kwargs[f] = tuple(kwargs[f]) if isinstance(kwargs[f], (list, tuple)) else (kwargs[f],)
+    for f in cls.nested_fields:
+        if f in kwargs and not isinstance(kwargs[f], CacheScheme):
+            kwargs[f] = make_scheme(kwargs[f], rope_theta=rope_theta, rope_pairing=rope_pairing)
     try:
         return cls(**kwargs)
     except TypeError as e:
@@ -119,7 +143,7 @@ def make_policy(spec, num_layers: int, *, rope_theta: float = 10000.0,
                 rope_pairing: str = "half_split") -> tuple[CacheScheme, ...]:
     """A per-layer policy: a scheme spec plus optional ``full_precision_first`` / ``full_precision_last`` /
     ``full_precision_layers`` (list) / ``full_precision_dtype`` keys (dict specs only)."""
-    d = _normalize(spec)
+    d = normalize_spec(spec)
     pol = {k: d.pop(k) for k in POLICY_KEYS if k in d}
     scheme = make_scheme(d, rope_theta=rope_theta, rope_pairing=rope_pairing)
     if not pol:
@@ -131,7 +155,8 @@ def make_policy(spec, num_layers: int, *, rope_theta: float = 10000.0,
 
 
 def scheme_from_config(config: dict[str, Any]) -> CacheScheme:
-    """Inverse of ``scheme.config()`` (used by serialization)."""
+    """Inverse of ``scheme.config()`` (used by serialization), for every family in :data:`FAMILIES` (nested
+    scheme fields recurse)."""
     d = dict(config)
     family = d.pop("family", None)
     if family not in FAMILIES:
@@ -141,7 +166,8 @@ def scheme_from_config(config: dict[str, Any]) -> CacheScheme:
     unknown = set(d) - fields
     if unknown:
         raise ValueError(f"scheme config for {family!r} has unknown fields {sorted(unknown)}")
-    d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+    d = {k: scheme_from_config(v) if k in cls.nested_fields else tuple(v) if isinstance(v, list) else v
+         for k, v in d.items()}
     return cls(**d)
 
 
@@ -152,8 +178,6 @@ def ledger_from_config(config) -> str:
     with the ``make_policy`` keys) and the shape ``num_layers, batch, num_kv_heads, head_dim, length, capacity``
     (defaults: the design notes' GQA example, L=32, B=1, Hkv=8, d=128, T=C=4096).
     """
-    from kvquant_jax.quant.ledger import LedgerShape, ledger_table
-
     if isinstance(config, str) and not config.endswith((".yaml", ".yml", ".json")):
         cfg: dict[str, Any] = {"cache": config}
     elif isinstance(config, str):
@@ -161,8 +185,6 @@ def ledger_from_config(config) -> str:
             if config.endswith(".json"):
                 cfg = json.load(f)
             else:
-                import yaml
-
                 cfg = yaml.safe_load(f)
     else:
         cfg = dict(config)

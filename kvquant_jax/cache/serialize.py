@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvquant_jax.cache.interface import CacheScheme, KVCache, init_cache
+from kvquant_jax.cache.registry import scheme_from_config
 from kvquant_jax.cache.schema import CacheSchema, Compatibility, IncompatibleSchemaError, check_compatible
 from kvquant_jax.integrity import MANIFEST_HASH, CorruptArtifactError, manifest_digest
 
@@ -114,8 +115,6 @@ def _check_expect(schemas: list[CacheSchema], expect, what: str) -> None:
 
 def _abstract(man: dict[str, Any], what: str):
     """Schemes and the abstract cache rebuilt from a manifest (schema-checked)."""
-    from kvquant_jax.cache.registry import scheme_from_config
-
     if man.get("format") != FORMAT or man.get("version") != VERSION:
         raise CacheIntegrityError(f"{what}: not a {FORMAT} v{VERSION} manifest "
                                   f"(format={man.get('format')!r}, version={man.get('version')!r})")

@@ -56,6 +56,8 @@ class StaticIntScheme(SchemeBase):
     """
 
     family = "static_int"
+    presets = {"static_int8": {"bits": 8}, "static_int4": {"bits": 4}, "static_int2": {"bits": 2}}
+    aliases = {"axis": ("scale_axis",)}
     unbatched_fields = ("k_scale", "v_scale")
 
     bits: int = 4
@@ -114,19 +116,25 @@ class StaticIntScheme(SchemeBase):
     def validate_layer(self, state, lengths):
         half = 2 ** (self.bits - 1)
         for name, codes, scale in (("K", state.k_codes, state.k_scale), ("V", state.v_codes, state.v_scale)):
-            s = np.asarray(scale, np.float64)
-            if not (np.isfinite(s).all() and (s >= np.finfo(np.float32).tiny).all()):
-                raise ValueError(f"static_int {name} scale must be finite, positive and normal, got {s}")
-            if self.scale_axis == "tensor" and s.size and not (s == s.reshape(-1)[0]).all():
-                raise ValueError(f"static_int {name}: a per-tensor scale differs between heads: {s}")
-            if self.calibration_id == "uncalibrated" and not (s == 1).all():
-                raise ValueError(f"static_int {name}: uncalibrated scales must be 1.0, got {s}")
+            checks.static_scales(f"static_int {name}", scale, per_tensor=self.scale_axis == "tensor",
+                                 uncalibrated=self.calibration_id == "uncalibrated")
             u = unpack_bits(codes, self.bits, axis=-1)
             checks.codes_in_range(f"static_int {name} codes", u, lengths, half - self.qmax, half + self.qmax)
 
     def layer_nbytes(self, state):
-        return {"codes": _rows.nbytes(state.k_codes, state.v_codes),
-                "qparams": _rows.nbytes(state.k_scale, state.v_scale)}
+        return _rows.packed_layer_nbytes(state)
+
+    def decode_regions(self, state, lengths):
+        """One region of packed symmetric codes with static per-head scales (the materialize view for odd widths)."""
+        return (_rows.packed_decode_regions(state, lengths, self.bits, "head")
+                or super().decode_regions(state, lengths))
+
+    def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
+        out = {}
+        for t in "kv":
+            out[("codes", t)] = batch * heads * rows * packed_length(head_dim, self.bits)
+            out[("qparams", t)] = heads * 4                               # float32 [Hkv] per tensor, unbatched
+        return out
 
 
 def load_static_scales(cache: KVCache, k_scales, v_scales) -> KVCache:
@@ -169,6 +177,7 @@ class PerTokenAnyBitsScheme(PerTokenScheme):
     """Per-token symmetric INTb for any ``bits`` in 2..8 (same layout and semantics as ``PerTokenScheme``)."""
 
     family = "per_token_any"
+    presets = {"int3": {"bits": 3}, "int5": {"bits": 5}, "int6": {"bits": 6}, "int7": {"bits": 7}}
 
     def __post_init__(self):
         if not isinstance(self.bits, int) or not 2 <= self.bits <= 8:

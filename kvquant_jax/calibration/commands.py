@@ -4,10 +4,21 @@ Calibration text is always the WikiText-2 VALIDATION split (``load_corpus(None, 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
+import numpy as np
+
 from kvquant_jax import validation as checks
+from kvquant_jax.cache.prefix import load_artifact, model_identity, save_artifact
+from kvquant_jax.cache.registry import make_scheme
+from kvquant_jax.cache.static_int import StaticIntScheme, per_token_int
+from kvquant_jax.calibration.intactkv import (IntactKVConfig, bos_prefix, calibrate_intactkv, extract_prefix,
+                                              system_prefix, template_hash)
+from kvquant_jax.calibration.prefixquant import discover_prefix, prefixquant_artifact, static_kv_scales
+from kvquant_jax.data import load_corpus
+from kvquant_jax.models import load_model
 
 
 def add_parsers(sub) -> None:
@@ -53,17 +64,11 @@ def _model_args(p) -> None:
 
 
 def _load(args):
-    from kvquant_jax.models import load_model
-
     return load_model(args.model, dtype=args.dtype, rope_pairing=args.rope_pairing, verbose=True)
 
 
 def _validation_windows(tok, bos_id, n, length, *, with_bos):
     """``n`` disjoint validation windows of ``length`` tokens (BOS first when ``with_bos``) and the corpus."""
-    import numpy as np
-
-    from kvquant_jax.data import load_corpus
-
     corpus = load_corpus(None, split="validation", fallback=False)
     ids = tok.encode(corpus.text)
     body = length - 1 if with_bos else length
@@ -80,9 +85,6 @@ def _print(d) -> None:
 
 
 def cmd_extract(args) -> None:
-    from kvquant_jax.cache.prefix import save_artifact
-    from kvquant_jax.calibration.intactkv import bos_prefix, extract_prefix, system_prefix, template_hash
-
     checks.new_dir(args.out)
     m = _load(args)
     tok = m.tokenizer
@@ -96,9 +98,6 @@ def cmd_extract(args) -> None:
 
 
 def _body_scheme(spec: str, cfg):
-    from kvquant_jax.cache.registry import make_scheme
-    from kvquant_jax.cache.static_int import StaticIntScheme, per_token_int
-
     kw = dict(rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
     if spec.startswith("static"):
         return StaticIntScheme(bits=int(spec[len("static"):] or 4), calibration_id="pending", **kw)
@@ -123,13 +122,6 @@ def _check_calibrate(args) -> None:
 
 
 def cmd_calibrate(args) -> None:
-    import dataclasses
-
-    from kvquant_jax.cache.prefix import load_artifact, model_identity, save_artifact
-    from kvquant_jax.cache.static_int import StaticIntScheme
-    from kvquant_jax.calibration.intactkv import IntactKVConfig, calibrate_intactkv
-    from kvquant_jax.calibration.prefixquant import static_kv_scales
-
     _check_calibrate(args)
     m = _load(args)
     cfg, tok = m.cfg, m.tokenizer
@@ -158,9 +150,6 @@ def cmd_calibrate(args) -> None:
 
 
 def cmd_discover(args) -> None:
-    from kvquant_jax.cache.prefix import save_artifact
-    from kvquant_jax.calibration.prefixquant import discover_prefix, prefixquant_artifact
-
     checks.new_dir(args.out)
     checks.check_float(args.eta, "--eta", low=0.0, low_open=True)
     checks.check_int(args.seqs, "--seqs", low=1)

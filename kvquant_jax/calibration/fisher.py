@@ -19,9 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvquant_jax.eval.ppl import token_nll
 from kvquant_jax.models.config import LlamaConfig
-from kvquant_jax.models.llama import attend, decoder_layer, logits_from_hidden
+from kvquant_jax.models.llama import attend, decoder_layer, logits_from_hidden, token_nll
 from kvquant_jax.models.rope import apply_rope
 
 

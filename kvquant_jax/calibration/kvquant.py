@@ -36,12 +36,16 @@ from typing import Any
 import jax
 import numpy as np
 
+from kvquant_jax.cache import checks
 from kvquant_jax.artifact import read_artifact, write_artifact
+from kvquant_jax.cache.kvquant import BITS, DTYPES
 from kvquant_jax.cache.kvquant import (KVQuantScheme, default_outlier_counts, load_calibration, normalize_keys,
                                        normalize_values)
 from kvquant_jax.cache.schema import CacheSchema, require_compatible
 from kvquant_jax.calibration.fisher import KVActivations, collect, to_post_rope
 from kvquant_jax.calibration.kmeans import weighted_kmeans
+from kvquant_jax.data import load_corpus
+from kvquant_jax.models import load_model
 from kvquant_jax.models.config import LlamaConfig
 from kvquant_jax.validation import check_fields, read_mapping
 
@@ -54,8 +58,6 @@ ARRAY_NAMES = ("k_scale", "k_zero", "k_lo", "k_hi", "k_codebook", "v_codebook", 
 
 def _check_scheme_fields(c) -> None:
     """The runtime scheme's fields, checked before any model is loaded (``KVQuantScheme`` checks them again)."""
-    from kvquant_jax.cache.kvquant import BITS, DTYPES
-
     for name in ("k_bits", "v_bits"):
         v = getattr(c, name)
         if isinstance(v, bool) or v not in BITS:
@@ -111,18 +113,14 @@ class CalibrationConfig:
     residual_dtype: str = "fp16"
 
     def __post_init__(self):
-        if self.codebook not in CODEBOOKS:
-            raise ValueError(f"calibration: codebook must be one of {CODEBOOKS}, got {self.codebook!r}")
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"calibration: weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
-        if self.key_stage not in ("pre_rope", "post_rope"):
-            raise ValueError(f"calibration: key_stage must be 'pre_rope' or 'post_rope', got {self.key_stage!r}")
+        checks.choice("calibration", self, "codebook", CODEBOOKS)
+        checks.choice("calibration", self, "weighting", WEIGHTINGS)
+        checks.choice("calibration", self, "key_stage", ("pre_rope", "post_rope"),
+                      listing="'pre_rope' or 'post_rope'")
         if not 0.0 <= float(self.outlier_fraction) < 0.5:
             raise ValueError(f"calibration: outlier_fraction must lie in [0, 0.5), got {self.outlier_fraction!r}")
-        for name in ("num_samples", "seq_len", "batch_size", "kmeans_n_init", "kmeans_max_iter"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"calibration: {name} must be a positive int, got {v!r}")
+        checks.ints_at_least("calibration", self, ("num_samples", "seq_len", "batch_size", "kmeans_n_init",
+                                                   "kmeans_max_iter"), 1)
         _check_scheme_fields(self)
         if self.seq_len <= self.sink + 1:
             raise ValueError(f"calibration: seq_len ({self.seq_len}) must exceed sink + 1 ({self.sink + 1})")
@@ -328,8 +326,6 @@ def calibrate_loaded(params, cfg: LlamaConfig, token_ids, config: CalibrationCon
 
 def load_calibration_corpus(spec: str | None):
     """The calibration text (WikiText-2 VALIDATION by default; the test split is refused)."""
-    from kvquant_jax.data import load_corpus
-
     corpus = load_corpus(spec, split="validation", fallback=False)
     if "wiki.test" in corpus.source:
         raise ValueError(f"calibration corpus {corpus.source} is the WikiText-2 test split")
@@ -338,8 +334,6 @@ def load_calibration_corpus(spec: str | None):
 
 def calibrate(config: CalibrationConfig, *, progress: bool = False) -> KVQuantCalibration:
     """End to end: load the model and the calibration corpus, collect K/V + Fisher, fit, return the artifact."""
-    from kvquant_jax.models import load_model
-
     corpus = load_calibration_corpus(config.corpus)      # first: a missing corpus fails before the model loads
     m = load_model(config.model, dtype=config.dtype, rope_pairing=config.rope_pairing)
     ids = m.tokenizer.encode(corpus.text)

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvquant_jax.data import load_corpus
 from kvquant_jax.models import llama
 from kvquant_jax.models.config import LlamaConfig
 
@@ -61,8 +62,6 @@ class SmoothQuantConfig:
 def validation_windows(tokenizer, n: int, seq_len: int) -> tuple[np.ndarray, dict]:
     """``n`` disjoint, contiguous ``seq_len``-token windows (no BOS) from the START of the WikiText-2 VALIDATION
     split: int32 ``[n, seq_len]`` and a provenance record (name, sha256, split, n, seq_len)."""
-    from kvquant_jax.data import load_corpus
-
     corpus = load_corpus(None, split="validation", fallback=False)
     ids = tokenizer.encode(corpus.text)
     if len(ids) < n * seq_len:

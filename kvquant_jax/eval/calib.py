@@ -21,6 +21,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from kvquant_jax.cache.fp8 import FP8Scheme
+from kvquant_jax.eval.errors import exact_qkv
+from kvquant_jax.eval.policy import Fp8Scales
+from kvquant_jax.quant.fp8 import fp8_scale_from_absmax
 from kvquant_jax.integrity import CorruptArtifactError, array_sha256, check_arrays, guarded, parse_manifest, sign, \
     verify
 
@@ -40,10 +44,6 @@ class Fp8Calibration:
 
     def scales_for(self, schemes, num_kv_heads: int):
         """Per-layer scales ``[L, Hkv]`` for the FP8 layers of ``schemes`` (other layers: 1.0)."""
-        from kvquant_jax.cache.fp8 import FP8Scheme
-        from kvquant_jax.eval.policy import Fp8Scales
-        from kvquant_jax.quant.fp8 import fp8_scale_from_absmax
-
         n = len(schemes)
         out = {}
         for name in ("k", "v"):
@@ -92,8 +92,6 @@ def load_fp8_artifact(path: str | Path, num_layers: int) -> Fp8Calibration:
 
 def observe_fp8(params, cfg, ids: np.ndarray, tokens: int, corpus_sha256: str, seq_len: int = 512) -> Fp8Calibration:
     """Per-layer, per-KV-head absmax of exact K/V over the first ``tokens`` calibration tokens."""
-    from kvquant_jax.eval.errors import exact_qkv
-
     seq_len = min(seq_len, tokens)
     n = tokens // seq_len
     if n < 1 or len(ids) < n * seq_len:

@@ -6,8 +6,11 @@ import json
 import shlex
 import sys
 import time
+from pathlib import Path
 
-from kvquant_jax.config import METRICS
+from kvquant_jax.config import METRICS, load_config
+from kvquant_jax.eval import runner
+from kvquant_jax.eval.report import write_report
 
 
 def add_parsers(sub) -> None:
@@ -64,11 +67,9 @@ def _summary(row: dict) -> dict:
 
 def _run(loaded, args):
     """run_sweep with the command-line options; Ctrl-C exits 130 after saying where the completed rows are."""
-    from kvquant_jax.eval.runner import run_sweep
-
     try:
-        return run_sweep(loaded, args.out, metrics=_metrics(args.metrics), progress=not args.no_progress,
-                         command=_command())
+        return runner.run_sweep(loaded, args.out, metrics=_metrics(args.metrics), progress=not args.no_progress,
+                                command=_command())
     except KeyboardInterrupt:
         where = f"{args.out}/results.jsonl" if args.out else "memory (no --out)"
         print(f"\nkvq: interrupted; completed rows are kept in {where}. Run the same command again to resume.",
@@ -77,8 +78,6 @@ def _run(loaded, args):
 
 
 def cmd_eval(args) -> None:
-    from kvquant_jax.config import load_config
-
     loaded = load_config(args.config, args.overrides)
     loaded = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, sweep=None))
     t0 = time.perf_counter()
@@ -90,19 +89,13 @@ def cmd_eval(args) -> None:
 
 
 def cmd_sweep(args) -> None:
-    from pathlib import Path
-
-    from kvquant_jax.config import load_config
-    from kvquant_jax.eval.report import write_report
-    from kvquant_jax.eval.runner import prune, sweep_baseline, sweep_name
-
     loaded = load_config(args.config, args.overrides)
     if args.list:
         for p in loaded.points():
             print(f"{p.index:3d}  {p.label}")
         return
     if args.prune:
-        n = prune(Path(args.out), loaded.points(), sweep_baseline(loaded))
+        n = runner.prune(Path(args.out), loaded.points(), runner.sweep_baseline(loaded))
         print(f"[kvq] pruned {n} rows no current point uses from {args.out}/results.jsonl", file=sys.stderr)
     if loaded.config.sweep is None:
         print(f"[kvq] {args.config} has no sweep block: running its single point", file=sys.stderr)
@@ -111,8 +104,8 @@ def cmd_sweep(args) -> None:
 
         manifest = Path(args.out) / "sweep.yaml"
         command = yaml.safe_load(manifest.read_text()).get("command") if manifest.exists() else None
-        print(write_report(Path(args.out), points=loaded.points(), sweep_name=sweep_name(loaded),
-                           baseline=sweep_baseline(loaded), command=command))
+        print(write_report(Path(args.out), points=loaded.points(), sweep_name=runner.sweep_name(loaded),
+                           baseline=runner.sweep_baseline(loaded), command=command))
         return
     t0 = time.perf_counter()
     summary = _run(loaded, args)

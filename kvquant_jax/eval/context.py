@@ -5,7 +5,12 @@ import dataclasses
 import hashlib
 from typing import Any
 
+import jax
 import numpy as np
+
+from kvquant_jax.data import load_corpus
+from kvquant_jax.models import load_model
+from kvquant_jax.models.testing import random_params, tiny_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +42,6 @@ class EvalModel:
 def load_eval_model(mc) -> EvalModel:
     """The model of a config ``model`` block."""
     if mc.name == "random":
-        import jax
-
-        from kvquant_jax.models.testing import random_params, tiny_config
 
         r = mc.random
         cfg = tiny_config(vocab_size=r.vocab_size, hidden_size=r.hidden_size, intermediate_size=r.intermediate_size,
@@ -52,8 +54,6 @@ def load_eval_model(mc) -> EvalModel:
             h.update(np.asarray(leaf, np.float32).tobytes())
         return EvalModel(params=params, cfg=cfg, tokenizer=ByteTokenizer(), sha256=h.hexdigest(),
                          path=f"random:{dataclasses.asdict(r)}")
-    from kvquant_jax.models import load_model
-
     m = load_model(mc.name, dtype=mc.dtype, rope_pairing=mc.rope_pairing)
     return EvalModel(params=m.params, cfg=m.cfg, tokenizer=m.tokenizer, sha256=m.cfg.sha256, path=m.path)
 
@@ -76,8 +76,6 @@ class TokenizedCorpus:
 
 def tokenize_corpus(tokenizer, spec: str | None, split: str, fallback: bool, offset: int = 0) -> TokenizedCorpus:
     """Load and tokenize a corpus (``kvquant_jax.data.load_corpus``; a missing one names every path tried)."""
-    from kvquant_jax.data import load_corpus
-
     c = load_corpus(spec, split=split, fallback=fallback)
     ids = np.asarray(tokenizer.encode(c.text), np.int32)[offset:]
     return TokenizedCorpus(ids=ids, name=c.name, source=c.source, sha256=c.sha256)

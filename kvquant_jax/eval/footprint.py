@@ -5,10 +5,11 @@
 * ``physical``: the ledger's bytes of the allocation at capacity ``length``;
 * ``measured``: ``nbytes`` of a real cache of capacity ``length`` built by the policy (``ledger.measured_nbytes``).
 
-Layers of the simulated ablation scheme (``eval.ablation``) keep float32 rows, so their measured bytes are not
+Layers of the simulated ablation scheme (``cache.axis_ablation``) keep float32 rows, so their measured bytes are not
 those of a packed cache: their logical bytes come from :meth:`AxisAblationScheme.logical_bits` and the result is
-marked ``simulated``.  A family without a ledger formula (``ledger_layer``) falls back to the measured
-allocation of a cache holding exactly ``length`` rows (``ledger`` says so in the row).
+marked ``simulated``.  Per-layer metadata a scheme stores (KVQuant's row positions) is counted beside the
+``lengths`` vector.  A family without a ledger formula (``ledger_layer``) falls back to the measured allocation of a
+cache holding exactly ``length`` rows (``ledger`` says so in the row).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def cache_footprint(policy, cfg, length: int) -> dict:
     simulated = False
     measured = measured_nbytes(policy.init(cfg, 1, length))
     no_formula = None
+    layer_meta = {"logical": 0, "physical": 0}            # per-layer metadata beyond lengths (KVQuant's pos)
     for s in schemes:
         if hasattr(s, "logical_bits"):
             simulated = True
@@ -42,8 +44,11 @@ def cache_footprint(policy, cfg, length: int) -> dict:
             if c != "metadata":
                 logical[c] += led.logical[c]
                 physical[c] += led.physical[c]
+        layer_meta["logical"] += led.logical["metadata"] - 4
+        layer_meta["physical"] += led.physical["metadata"] - 4
     meta = 4                                                                   # lengths: int32 [1]
-    logical["metadata"] = physical["metadata"] = meta
+    logical["metadata"] = meta + layer_meta["logical"]
+    physical["metadata"] = meta + layer_meta["physical"]
     if no_formula is not None:           # fall back to the allocation of a cache holding exactly `length` rows
         logical, physical, simulated = {c: float(n) for c, n in measured.items()}, dict(measured), False
     total = float(sum(logical.values()))

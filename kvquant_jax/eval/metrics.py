@@ -11,9 +11,20 @@ import time
 
 import numpy as np
 
+from kvquant_jax.calibration import smoothattention as SA
+from kvquant_jax.calibration import smoothquant as SQ
+from kvquant_jax.calibration.kvquant import load as load_kvquant_calibration
 from kvquant_jax.config import METRICS, CacheConfig, ExperimentConfig, SchemeSpec
+from kvquant_jax.eval import calib
+from kvquant_jax.eval.agreement import greedy_agreement, reference_generation
 from kvquant_jax.eval.context import EvalModel, TokenizedCorpus, load_eval_model, tokenize_corpus
+from kvquant_jax.eval.errors import bin_means, kv_errors
+from kvquant_jax.eval.footprint import cache_footprint
+from kvquant_jax.eval.passkey import passkey_accuracy
 from kvquant_jax.eval.policy import Policy, build_policy, needs_fp8_artifact, needs_kvquant_artifact
+from kvquant_jax.eval.ppl import perplexity
+from kvquant_jax.eval.quantized_ppl import make_nll_fn, serving_nll
+from kvquant_jax.models.w8a8 import apply_policy
 
 # metrics whose rows carry a delta against the full-precision baseline (same tokens, same settings)
 DELTA_FIELDS = {"ppl": ("ppl", "nll"), "serving_ppl": ("ppl", "nll"), "passkey": ("mean",)}
@@ -53,10 +64,6 @@ class Session:
         return self._models[tkey]
 
     def _transformed(self, cfg: ExperimentConfig, m: EvalModel) -> EvalModel:
-        from kvquant_jax.calibration import smoothattention as SA
-        from kvquant_jax.calibration import smoothquant as SQ
-        from kvquant_jax.models.w8a8 import apply_policy
-
         a = cfg.activation
         params, mcfg, notes = m.params, m.cfg, []
         if a.smooth_alpha is not None or a.smooth_attention_alpha is not None:
@@ -111,8 +118,6 @@ class Session:
         key = (cfg.digest("model"), src, cfg.calibration.observe_tokens, cfg.data.calibration_corpus,
                cfg.data.calibration_split)
         if key not in self._fp8:
-            from kvquant_jax.eval import calib
-
             if src == "observe":
                 c = self.calibration_corpus(cfg, "calibration.fp8_scales: observe")
                 cal = calib.observe_fp8(m.params, m.cfg, c.ids, cfg.calibration.observe_tokens, c.sha256)
@@ -140,10 +145,9 @@ class Session:
         m = self.model(cfg)
         key = (cfg.digest("model"), path)
         if key not in self._kvquant:
-            from kvquant_jax.calibration.kvquant import load
-
             try:
-                self._kvquant[key] = load(path, expect_model=m.cfg, expect_tokenizer_hash=m.tokenizer.hash)
+                self._kvquant[key] = load_kvquant_calibration(path, expect_model=m.cfg,
+                                                               expect_tokenizer_hash=m.tokenizer.hash)
             except FileNotFoundError as e:
                 raise FileNotFoundError(f"calibration.kvquant: {e}") from None
             except ValueError as e:
@@ -152,8 +156,6 @@ class Session:
         return self._kvquant[key]
 
     def reference_generation(self, cfg: ExperimentConfig, baseline: SchemeSpec, prompts: np.ndarray, n: int):
-        from kvquant_jax.eval.agreement import reference_generation
-
         key = (cfg.digest("model"), cfg.digest("data"), str(baseline), prompts.tobytes(), n)
         if key not in self._refs:
             m = self.model(cfg)
@@ -171,8 +173,6 @@ def compute(session: Session, cfg: ExperimentConfig, metric: str, *,
     policy = session.policy(cfg)
     t = getattr(cfg.tasks, metric)
     if metric == "bytes":
-        from kvquant_jax.eval.footprint import cache_footprint
-
         return cache_footprint(policy, m.cfg, t.length)
     what, n = _context_needed(metric, t)
     if n > m.cfg.max_position:
@@ -180,9 +180,6 @@ def compute(session: Session, cfg: ExperimentConfig, metric: str, *,
                          f"{m.cfg.name}")
     corpus = session.corpus(cfg)
     if metric == "ppl":
-        from kvquant_jax.eval.ppl import perplexity
-        from kvquant_jax.eval.quantized_ppl import make_nll_fn
-
         r = perplexity(m.params, m.cfg, corpus.ids.tolist(), seq_len=t.seq_len, max_segments=t.max_segments,
                        batch_size=t.batch_size, nll_fn=make_nll_fn(policy, t.chunk))
         if r.segments < t.max_segments:
@@ -191,9 +188,6 @@ def compute(session: Session, cfg: ExperimentConfig, metric: str, *,
         return {"ppl": r.ppl, "nll": r.nll, "tokens": r.tokens, "segments": r.segments, "seq_len": t.seq_len,
                 "chunk": t.chunk, "segment_nll": r.segment_nll}
     if metric == "serving_ppl":
-        from kvquant_jax.eval.errors import bin_means
-        from kvquant_jax.eval.quantized_ppl import serving_nll
-
         segs = corpus.take(t.prefill + t.decode + 1, t.segments, "tasks.serving_ppl")
         nll = np.asarray(serving_nll(m.params, m.cfg, segs, policy, t.prefill, attention_impl=t.attention),
                          np.float64)
@@ -202,20 +196,14 @@ def compute(session: Session, cfg: ExperimentConfig, metric: str, *,
                 "segment_nll": nll.mean(axis=1).tolist(),
                 "nll_by_step": bin_means(nll.mean(axis=0), 16)}
     if metric == "passkey":
-        from kvquant_jax.eval.passkey import passkey_accuracy
-
         return passkey_accuracy(m.params, m.cfg, m.tokenizer, policy, lengths=t.lengths, depths=t.depths,
                                 trials=t.trials, digits=t.digits, max_new_tokens=t.max_new_tokens,
                                 batch_size=t.batch_size, seed=t.seed)
     if metric == "kv_error":
-        from kvquant_jax.eval.errors import kv_errors
-
         toks = corpus.take(t.seq_len, 1, "tasks.kv_error")[0]
         return kv_errors(m.params, m.cfg, toks, policy, prefill=t.prefill, probes=t.probes,
                          position_bins=t.position_bins)
     if metric == "agreement":
-        from kvquant_jax.eval.agreement import greedy_agreement
-
         prompts = corpus.take(t.prompt_tokens, t.segments, "tasks.agreement")
         ref = session.reference_generation(cfg, baseline, prompts, t.new_tokens)
         return greedy_agreement(m.params, m.cfg, prompts, policy, ref)

@@ -17,6 +17,8 @@ import re
 
 import numpy as np
 
+from kvquant_jax.eval import quantized_ppl
+
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize "
          "it. I will quiz you about the important information there.\n")
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
@@ -49,8 +51,6 @@ def passkey_accuracy(params, cfg, tokenizer, policy, *, lengths, depths, trials:
     """Accuracy per (length, depth) cell over ``trials`` random keys.
 
     Returns dict(lengths, depths, accuracy [len][depth], mean, answers [len][depth][trial] (generated text))."""
-    from kvquant_jax.eval.quantized_ppl import decode
-
     rng = np.random.default_rng(seed)
     lo, hi = 10 ** (digits - 1), 10 ** digits
     acc = np.zeros((len(lengths), len(depths)))
@@ -63,7 +63,7 @@ def passkey_accuracy(params, cfg, tokenizer, policy, *, lengths, depths, trials:
         for s in range(0, len(cells), batch_size):
             batch = cells[s:s + batch_size]
             prompts = np.asarray([make_prompt(tokenizer, n, depths[di], key) for di, key in batch], np.int32)
-            out = decode(params, cfg, policy, prompts, max_new_tokens - 1, free_running=True)
+            out = quantized_ppl.decode(params, cfg, policy, prompts, max_new_tokens - 1, free_running=True)
             gen = np.concatenate([out["first"][:, None], out["argmax"]], axis=1)
             for (di, key), ids in zip(batch, gen):
                 text = tokenizer.decode([int(i) for i in ids])

@@ -1,105 +1,24 @@
 """Config ``cache`` block -> a per-layer cache policy the evaluation metrics run with.
 
-Scheme names are the registry's (``kvquant_jax.cache.registry.make_scheme``) plus the evaluation-only ones in
-:data:`EVAL_SCHEMES` (the simulated KIVI axis ablation).  A policy is the per-layer scheme tuple plus the
-calibrated FP8 scales (if any layer needs them), loaded into every fresh cache before its first append.
+Scheme names are the registry's (``kvquant_jax.cache.registry.make_scheme``: the one registry, the simulated KIVI
+axis ablation included); which specs need a calibration artifact is decided with the config
+(``kvquant_jax.config.check_specs``).  A policy is the per-layer scheme tuple plus the calibrated FP8 scales (if
+any layer needs them), loaded into every fresh cache before its first append.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
 
 import numpy as np
 
+from kvquant_jax.cache.fp8 import FP8Scheme, load_scales
 from kvquant_jax.cache.interface import CacheScheme, KVCache, init_cache
-from kvquant_jax.eval.ablation import AxisAblationScheme
+from kvquant_jax.cache.mixed import describe, full_precision_like
+from kvquant_jax.cache.registry import make_scheme
+from kvquant_jax.config import needs_artifact_scales, needs_fp8_artifact, needs_kvquant_artifact
 
-# name -> (class, fixed constructor arguments, aliases)
-EVAL_SCHEMES: dict[str, tuple[type, dict, dict]] = {
-    "kivi_axes": (AxisAblationScheme, {}, {"bits": ("k_bits", "v_bits"), "residual_length": ("residual",)}),
-}
-# schemes built from a calibration artifact: name -> (the config key naming the artifact, runtime options allowed)
-ARTIFACT_SCHEMES: dict[str, tuple[str, frozenset]] = {
-    "kvquant": ("calibration.kvquant", frozenset({"k_sparse_capacity", "kernel_family"})),
-}
-
-
-def make_scheme(spec: dict[str, Any], *, rope_theta: float = 10000.0, rope_pairing: str = "half_split") -> CacheScheme:
-    """A registry scheme or an evaluation-only scheme from a spec mapping ``{"name": ..., **options}``."""
-    d = dict(spec)
-    name = d.get("name")
-    if name not in EVAL_SCHEMES:
-        from kvquant_jax.cache.registry import make_scheme as registry_make
-
-        return registry_make(d, rope_theta=rope_theta, rope_pairing=rope_pairing)
-    cls, fixed, aliases = EVAL_SCHEMES[name]
-    d.pop("name")
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kw = dict(fixed, rope_theta=rope_theta, rope_pairing=rope_pairing)
-    for k, v in d.items():
-        if k in aliases:
-            for f in aliases[k]:
-                kw[f] = v
-        elif k in fields and k not in ("rope_theta", "rope_pairing"):
-            kw[k] = v
-        else:
-            allowed = sorted((fields | set(aliases)) - {"rope_theta", "rope_pairing"})
-            raise ValueError(f"cache scheme {name!r}: unknown key {k!r}; allowed: {allowed}")
-    try:
-        return cls(**kw)
-    except TypeError as e:
-        raise ValueError(f"cache scheme {name!r}: {e}") from None
-
-
-def _is_fp8_calibrated(spec: dict) -> bool:
-    return str(spec.get("name", "")).startswith("fp8") and spec.get("scales", spec.get("scale")) == "calibrated"
-
-
-def _needs_artifact(spec: dict) -> bool:
-    return _is_fp8_calibrated(spec) and not spec.get("k_scales")
-
-
-def _specs(cfg) -> list[tuple[str, dict]]:
-    out = [("cache.scheme", cfg.cache.scheme.to_spec())]
-    out += [(f"cache.layers[{i}].scheme", r.scheme.to_spec()) for i, r in enumerate(cfg.cache.layers)]
-    if cfg.sweep is not None:
-        out.append(("sweep.baseline", cfg.sweep.baseline.to_spec()))
-    return out
-
-
-def needs_kvquant_artifact(cfg) -> bool:
-    return any(spec["name"] == "kvquant" for key, spec in _specs(cfg) if key != "sweep.baseline")
-
-
-def needs_fp8_artifact(cfg) -> bool:
-    """Some cache spec of ``cfg`` is FP8 with calibrated scales that come from ``calibration.fp8_scales``."""
-    return any(_needs_artifact(spec) for key, spec in _specs(cfg) if key != "sweep.baseline")
-
-
-def check_specs(cfg, error: Callable[[str, str], Exception]) -> None:
-    """Construct every scheme spec of an ``ExperimentConfig``; raise ``error(key, message)`` on the first bad one."""
-    for key, spec in _specs(cfg):
-        if spec["name"] in ARTIFACT_SCHEMES:
-            art_key, allowed = ARTIFACT_SCHEMES[spec["name"]]
-            if getattr(cfg.calibration, art_key.split(".")[1]) is None:
-                raise error(key, f"{spec['name']} is built from a calibration artifact: set {art_key}")
-            bad = sorted(set(spec) - {"name"} - allowed)
-            if bad:
-                raise error(key, f"{spec['name']}: {bad} are fixed by the calibration artifact; only "
-                                 f"{sorted(allowed)} may be set here")
-            continue
-        if _needs_artifact(spec):
-            if cfg.calibration.fp8_scales is None:
-                raise error(key, "fp8 scales='calibrated' needs calibration.fp8_scales (a scale artifact .npz, or "
-                                 "'observe') or explicit k_scales / v_scales")
-            spec = dict(spec, calibration_id=spec.get("calibration_id") or "pending")
-        try:
-            make_scheme(spec)
-        except (ValueError, TypeError) as e:
-            raise error(key, str(e)) from None
-    for i, r in enumerate(cfg.cache.layers):
-        if any(x < 0 for x in r.layers):
-            raise error(f"cache.layers[{i}].layers", f"negative layer index in {list(r.layers)}")
+__all__ = ["Fp8Scales", "Policy", "as_policy", "build_policy", "needs_fp8_scales", "needs_fp8_artifact",
+           "needs_kvquant_artifact"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -125,8 +44,6 @@ class Policy:
         cache = init_cache(schemes, num_layers=cfg.num_layers, batch=batch, capacity=capacity,
                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
         if self.fp8 is not None:
-            from kvquant_jax.cache.fp8 import load_scales
-
             k, v = self.fp8.k, self.fp8.v
             if all(s.scale_axis == "tensor" for s in self.schemes if needs_fp8_scales(s)):
                 k, v = k[:, :1], v[:, :1]          # per-tensor layers take one value per layer
@@ -136,8 +53,6 @@ class Policy:
         return cache
 
     def describe(self) -> str:
-        from kvquant_jax.cache.mixed import describe
-
         return describe(self.schemes)
 
 
@@ -157,8 +72,6 @@ def build_policy(cache_cfg, llama_cfg, *, fp8=None, kvquant=None) -> Policy:
     explicit ``k_scales`` (its ``calibration_id`` becomes theirs unless the spec names one).
     ``kvquant``: the :class:`~kvquant_jax.calibration.kvquant.KVQuantCalibration` that ``{name: kvquant}`` layers are
     built from (``calibration.scheme(**runtime options)``) and that every fresh cache gets installed."""
-    from kvquant_jax.cache.mixed import full_precision_like
-
     n = llama_cfg.num_layers
     rope = dict(rope_theta=llama_cfg.rope_theta, rope_pairing=llama_cfg.rope_pairing)
     built: dict[str, CacheScheme] = {}
@@ -170,7 +83,7 @@ def build_policy(cache_cfg, llama_cfg, *, fp8=None, kvquant=None) -> Policy:
             if kvquant is None:
                 raise ValueError(f"{key}: kvquant needs calibration.kvquant (a calibration artifact)")
             return kvquant.scheme(**{k: v for k, v in spec.items() if k != "name"})
-        if _needs_artifact(spec):
+        if needs_artifact_scales(spec):
             if fp8 is None:
                 raise ValueError(f"{key}: fp8 scales='calibrated' needs calibration.fp8_scales")
             spec = dict(spec, calibration_id=spec.get("calibration_id") or fp8.calibration_id)
@@ -217,6 +130,4 @@ def build_policy(cache_cfg, llama_cfg, *, fp8=None, kvquant=None) -> Policy:
 
 def needs_fp8_scales(s: CacheScheme) -> bool:
     """An FP8 layer whose calibrated scales come from the artifact (:class:`Fp8Scales`)."""
-    from kvquant_jax.cache.fp8 import FP8Scheme
-
     return isinstance(s, FP8Scheme) and s.scales == "calibrated" and not s.k_scales

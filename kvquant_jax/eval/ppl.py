@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvquant_jax.models.config import LlamaConfig
-from kvquant_jax.models.llama import forward_nocache
+from kvquant_jax.models.llama import forward_nocache, token_nll  # noqa: F401  (token_nll: public here too)
 
 
 def segments(ids: list[int], seq_len: int, max_segments: int | None, *, bos_id: int | None = None) -> np.ndarray:
@@ -35,12 +35,6 @@ def segments(ids: list[int], seq_len: int, max_segments: int | None, *, bos_id: 
     if bos_id is not None:
         a = np.concatenate([np.full((n, 1), bos_id, np.int32), a], axis=1)
     return a
-
-
-def token_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Per-position NLL float32 [B, T-1] of tokens[:, 1:] under logits[:, :-1]."""
-    lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

@@ -2,17 +2,16 @@
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 from kvquant_jax.config import METRICS, Point, SchemeSpec
+from kvquant_jax.eval.metrics import DELTA_FIELDS, baseline_config
+from kvquant_jax.eval.rows import read_rows, row_key
 
 
 def _load(path: Path) -> dict[str, dict]:
     """Rows by key: lines that are not rows are skipped, duplicate keys keep their first row (reported on stderr)."""
-    import sys
-
-    from kvquant_jax.eval.runner import read_rows
-
     return read_rows(path, log=lambda msg: print(f"[kvq] report: {msg}", file=sys.stderr))
 
 
@@ -28,9 +27,6 @@ def _fmt(x, digits=3, signed=False) -> str:
 
 def collect(rows: dict, points: list[Point], baseline: SchemeSpec) -> list[dict]:
     """Per point: ``{"point": Point, <metric>: row or None, "baseline_<metric>": row}``."""
-    from kvquant_jax.eval.metrics import DELTA_FIELDS, baseline_config
-    from kvquant_jax.eval.runner import row_key
-
     out = []
     for p in points:
         e = {"point": p}

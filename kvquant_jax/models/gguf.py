@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from kvquant_jax.models.config import LlamaConfig
+from kvquant_jax.models.fetch import sha256_file
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K",
                    "Q2_K", "Q3_K")
@@ -23,8 +24,6 @@ class GGUFError(ValueError):
 
 
 def _advice(path: Path) -> str:
-    from kvquant_jax.models.fetch import sha256_file
-
     try:
         sha = sha256_file(path)
     except OSError:  # pragma: no cover

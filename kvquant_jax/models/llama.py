@@ -29,12 +29,12 @@ import jax.numpy as jnp
 from kvquant_jax.attention.dispatch import decode_attention
 from kvquant_jax.cache.interface import KVCache
 from kvquant_jax.cache.ops import publish
+from kvquant_jax.quant.dtypes import DTYPES
 from kvquant_jax.models.config import LlamaConfig
 from kvquant_jax.models.prefill_attention import (ATTENTION_IMPLS, NEG_INF, attend, prefill_attention,  # noqa: F401
                                                    resolve_decode_impl, resolve_prefill_impl)
 from kvquant_jax.models.rope import apply_rope
 
-DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
 def cast_params(params: dict, dtype: str = "fp32") -> dict:
@@ -159,6 +159,12 @@ def logits_from_hidden(params, cfg: LlamaConfig, x, linear: Callable | None = No
         return jnp.einsum("bth,vh->btv", x, params["embed"].astype(x.dtype),
                           precision=_precision(x.dtype)).astype(jnp.float32)
     return matmul(x, params["lm_head"]).astype(jnp.float32)
+
+
+def token_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Per-position NLL float32 [B, T-1] of tokens[:, 1:] under logits[:, :-1]."""
+    lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
 def forward_nocache(params, cfg: LlamaConfig, tokens: jax.Array, positions: jax.Array | None = None,

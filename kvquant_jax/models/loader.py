@@ -2,13 +2,19 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+from kvquant_jax.models import gguf as gg
 from kvquant_jax.models.config import LlamaConfig
-from kvquant_jax.models.fetch import DEFAULT_MODEL, KNOWN_MODELS, fetch_model, sha256_file
+from kvquant_jax.models.fetch import DEFAULT_MODEL, KNOWN_MODELS, cache_dir, fetch_model, sha256_file
+from kvquant_jax.models.llama import cast_params
+from kvquant_jax.models.safetensors_loader import load_hf_folder
 from kvquant_jax.models.tokenizer import Tokenizer
 
 
@@ -22,8 +28,6 @@ class LoadedModel:
 
 
 def _params_cache(path: Path, digest: str, pairing: str) -> Path:
-    from kvquant_jax.models.fetch import cache_dir
-
     return cache_dir() / "dequantized" / f"{path.stem}.{digest[:16]}.{pairing}.npz"
 
 
@@ -34,11 +38,6 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str = "fp32", r
     The dequantized float32 weights of a GGUF are cached as ``.npz`` under ``$KVQ_CACHE_DIR/dequantized`` keyed by
     the file's sha256, so later loads skip dequantization.
     """
-    import numpy as np
-
-    from kvquant_jax.models import gguf as gg
-    from kvquant_jax.models.llama import cast_params
-
     t0 = time.perf_counter()
     model = str(model or DEFAULT_MODEL)
     if model in KNOWN_MODELS:
@@ -51,15 +50,11 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str = "fp32", r
                 f"model {model!r} is neither a known name ({sorted(KNOWN_MODELS)}) nor an existing path")
         digest = ""
     if path.is_dir():
-        from kvquant_jax.models.safetensors_loader import load_hf_folder
-
         cfg, params = load_hf_folder(path, rope_pairing=rope_pairing)
         tj = path / "tokenizer.json"
         if not tj.exists():
             raise FileNotFoundError(f"{path}: no tokenizer.json")
         from tokenizers import Tokenizer as HFTokenizer
-        import hashlib
-
         backend = HFTokenizer.from_file(str(tj))
         tok = Tokenizer(backend=backend, bos_id=cfg.bos_id, eos_id=cfg.eos_id, pad_id=cfg.eos_id,
                         chat_template=None, hash=hashlib.sha256(tj.read_bytes()).hexdigest()[:16])

@@ -46,6 +46,8 @@ from kvquant_jax.artifact import array_specs, read_artifact, write_artifact
 from kvquant_jax.models.llama import dense, rms_norm
 from kvquant_jax.quant import _common as C
 from kvquant_jax.quant.symmetric import quantize_symmetric, quantize_symmetric_rows_with_status
+from pallas_kernels import rmsnorm_quantize as RQ
+from pallas_kernels.w8a8_matmul import w8a8_matmul
 
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 PARAM_NAME = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
@@ -197,8 +199,6 @@ def w8a16_dense(x: jax.Array, w: QuantLinear) -> jax.Array:
 
 def _int8_gemm(xq, xs, w: QuantLinear, impl: str, interpret) -> jax.Array:
     if impl == "pallas":
-        from pallas_kernels.w8a8_matmul import w8a8_matmul
-
         return w8a8_matmul(xq, xs, w.codes, w.scale, out_dtype=jnp.float32, interpret=interpret)
     acc = jax.lax.dot_general(xq, w.codes, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
     return acc.astype(jnp.float32) * xs.astype(jnp.float32)[:, None] * w.scale.astype(jnp.float32)[None, :]
@@ -236,8 +236,6 @@ def w8a8_dense(x: jax.Array, w: QuantLinear, *, impl: str = "xla", interpret=Non
 
 def _producer_status(status: jax.Array) -> jax.Array:
     """``pallas_kernels.rmsnorm_quantize`` row status -> :class:`~kvquant_jax.quant._common.QuantStatus` flags."""
-    from pallas_kernels import rmsnorm_quantize as RQ
-
     return jnp.where(status == RQ.STATUS_NONFINITE, int(C.QuantStatus.NONFINITE_INPUT),
                      jnp.where(status == RQ.STATUS_FTZ_UNSAFE, int(C.QuantStatus.SCALE_SUBNORMAL), 0)
                      ).astype(jnp.int32)
@@ -253,8 +251,6 @@ def norm_w8a8_dense_with_status(x: jax.Array, norm_w: jax.Array, eps: float, ws,
     row into INT8 codes + one scale (``act_qparam_dtype``) once; every weight's GEMM reads them. Returns
     ``([y_i [..., N_i] in x's dtype], status int32 [...])`` with :class:`~kvquant_jax.quant._common.QuantStatus`
     flags (0 = OK); rejected rows are NaN in every output."""
-    from pallas_kernels import rmsnorm_quantize as RQ
-
     if not ws or any(w.codes.ndim != 2 or w.codes.shape[1] != x.shape[-1] for w in ws):
         raise ValueError(f"norm_w8a8_dense: expected x [..., K] and weights codes [N, K], got {x.shape} and "
                          f"{[tuple(w.codes.shape) for w in ws]}")
@@ -314,9 +310,7 @@ def quantize_params(params: dict, policy: W8A8Policy = W8A8Policy()) -> dict:
 def apply_policy(params: dict, cfg, policy: W8A8Policy) -> tuple[dict, object]:
     """``(quantize_params(params, policy), cfg with activation=policy)``: after this every forward of the model
     (``llama.forward`` / ``forward_nocache``, serving, evaluation) runs the policy without further arguments."""
-    import dataclasses as _dc
-
-    return quantize_params(params, policy), _dc.replace(cfg, activation=policy)
+    return quantize_params(params, policy), dataclasses.replace(cfg, activation=policy)
 
 
 # ------------------------------------------------------------------------------------------------ checkpointing

@@ -26,7 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-QPARAM_DTYPES = {"fp16": np.dtype(jnp.float16), "bf16": np.dtype(jnp.bfloat16), "fp32": np.dtype(jnp.float32)}
+from kvquant_jax.quant.dtypes import DTYPES
+from kvquant_jax.quant.tracing import is_tracer
+
+QPARAM_DTYPES = {name: np.dtype(d) for name, d in DTYPES.items()}
 
 
 class QuantStatus(enum.IntFlag):
@@ -57,14 +60,11 @@ _STATUS_MESSAGES = {
 }
 
 
-_TRACER = getattr(jax.core, "Tracer", None)
-if _TRACER is None:  # pragma: no cover - public alias present in JAX 0.10 / 0.11; keep a fallback all the same
-    from jax._src.core import Tracer as _TRACER
 
 
 def is_concrete(*arrays) -> bool:
     """True when no argument is a JAX tracer (so values can be inspected and errors raised)."""
-    return not any(isinstance(a, _TRACER) for a in jax.tree_util.tree_leaves(arrays))
+    return not is_tracer(arrays)
 
 
 def raise_for_status(status, what: str) -> None:

@@ -22,20 +22,19 @@ Three views for a shape ``(L, B, Hkv, D, T, capacity)``:
   :func:`cumulative_read` sums it over ``N`` generated tokens.
 
 The ledger is computed from the *schema* alone (the ABI: formats, group sizes, residual rule, dtypes), never from
-the arrays, so agreement with the measured bytes also checks that the schema fully describes the layout.  Schemes
-are duck-typed (``.schema``), so this module does not import the cache layer.  Families without a formula here
-(KVQuant, static INT, prefix wrappers, ...) plug in by giving the scheme a method
-``ledger_layer(batch, heads, head_dim, rows, *, logical, capacity) -> {(category, "k" | "v"): bytes}`` for one
-layer (``rows`` = capacity for the physical view, the length for the logical one); the same contract holds for
-them: physical == measured.
+the arrays, so agreement with the measured bytes also checks that the schema fully describes the layout.  Each
+scheme owns its formula, next to its layout: ``CacheScheme.ledger_layer(batch, heads, head_dim, rows, *, logical,
+capacity) -> {(category, "k" | "v"): bytes}`` for one layer (``rows`` = capacity for the physical view, the length
+for the logical one); this module only sums those and draws the tables, so it does not import the cache layer
+(schemes are duck-typed).  The contract: physical == measured, for every registered family.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+
+from kvquant_jax.quant.dtypes import DTYPE_BYTES  # noqa: F401  (re-exported: the byte table of the ledger)
 
 CATEGORIES = ("codes", "qparams", "residual", "sparse", "sink_prefix", "metadata", "padding")
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "e4m3": 1, "e5m2": 1, "none": 0}
 MIB = 1024 * 1024
 
 
@@ -87,70 +86,9 @@ def _zero() -> dict:
     return {c: 0 for c in CATEGORIES}
 
 
-def _schema(x) -> Any:
-    return x.schema if hasattr(x, "schema") else x
-
-
-def _kivi_rings(rule: str, residual: int, group: int) -> tuple[int, int]:
-    if rule == "kivi":
-        return (residual, residual + 1) if residual else (group, 0)
-    return (residual + 1, residual + 1) if residual else (group, group)
-
-
-def _kivi_frontiers(t: int, rule: str, residual: int, group: int) -> tuple[int, int]:
-    whole = (t // group) * group
-    if rule == "kivi":
-        return ((t // residual) * residual, max(t - residual, 0)) if residual else (whole, t)
-    q = min(whole, -(-max(t - residual, 0) // group) * group)
-    return q, q
-
-
-def _packed(d: int, bits: int) -> int:
-    return -(-d * bits // 8)
-
-
-def _layer(schema, b: int, h: int, d: int, rows: int, *, logical: bool, capacity: int) -> dict:
-    """Bytes of ONE layer by ``(category, tensor)`` with tensor "k" or "v".  ``rows`` = T for the logical view,
-    C for the physical one."""
-    out: dict = {}
-    fam = schema.scheme
-    key, val = schema.key, schema.value
-    if fam == "full":
-        for t in "kv":
-            out[("residual", t)] = b * h * rows * d * DTYPE_BYTES[key.payload]
-    elif fam == "fp8":
-        for t in "kv":
-            out[("codes", t)] = b * h * rows * d
-            out[("qparams", t)] = h * 4                                   # float32 [Hkv] per tensor, unbatched
-    elif fam == "per_token":
-        for t, fmt in (("k", key), ("v", val)):
-            gd = fmt.group_size or d
-            out[("codes", t)] = b * h * rows * _packed(d, fmt.bits)
-            out[("qparams", t)] = b * h * rows * (d // gd) * DTYPE_BYTES[fmt.qparam_dtype]
-    elif fam == "qserve":
-        for t, fmt in (("k", key), ("v", val)):
-            out[("codes", t)] = b * h * rows * _packed(d, fmt.bits)
-            out[("qparams", t)] = 2 * b * h * rows * DTYPE_BYTES[fmt.qparam_dtype]      # (scale, offset)
-    elif fam == "kivi":
-        g, gd = key.group_size, val.group_size or d
-        rb = DTYPE_BYTES[schema.residual_dtype]
-        s_k, s_v = _kivi_rings(schema.residual_rule, schema.residual, g)
-        if logical:
-            fk, fv = _kivi_frontiers(rows, schema.residual_rule, schema.residual, g)
-            k_groups, res_k, res_v = fk // g, rows - fk, rows - fv
-        else:
-            fk = fv = rows
-            k_groups, res_k, res_v = capacity // g, s_k, s_v
-        out[("codes", "k")] = b * h * fk * _packed(d, key.bits)
-        out[("codes", "v")] = b * h * fv * _packed(d, val.bits)
-        out[("qparams", "k")] = b * h * k_groups * d * 2 * DTYPE_BYTES[key.qparam_dtype]     # (scale, min) pairs
-        out[("qparams", "v")] = b * h * fv * (d // gd) * 2 * DTYPE_BYTES[val.qparam_dtype]
-        out[("residual", "k")] = b * h * res_k * d * rb
-        out[("residual", "v")] = b * h * res_v * d * rb
-    else:
-        raise ValueError(f"ledger: no byte formula for scheme family {fam!r} (give the scheme a ledger_layer "
-                         "method, see the module doc)")
-    return out
+def packed_bytes(head_dim: int, bits: int) -> int:
+    """Bytes of one packed row of ``head_dim`` codes of ``bits`` bits (layout v1: whole bytes per row)."""
+    return -(-head_dim * bits // 8)
 
 
 def _per_layer(policy, num_layers: int) -> list:
@@ -162,10 +100,12 @@ def _per_layer(policy, num_layers: int) -> list:
 
 
 def _layer_bytes(entry, b: int, h: int, d: int, rows: int, *, logical: bool, capacity: int) -> dict:
-    """A scheme's own ``ledger_layer`` (families defined outside this module) or the schema formulas here."""
-    if hasattr(entry, "ledger_layer"):
-        return entry.ledger_layer(b, h, d, rows, logical=logical, capacity=capacity)
-    return _layer(_schema(entry), b, h, d, rows, logical=logical, capacity=capacity)
+    """The scheme's own ``ledger_layer`` (each scheme owns its byte formula, next to its layout)."""
+    if not hasattr(entry, "ledger_layer"):
+        fam = getattr(getattr(entry, "schema", None), "scheme", type(entry).__name__)
+        raise ValueError(f"ledger: no byte formula for scheme family {fam!r} (give the scheme a ledger_layer "
+                         "method, see the module doc)")
+    return entry.ledger_layer(b, h, d, rows, logical=logical, capacity=capacity)
 
 
 def ledger(policy, shape: LedgerShape) -> Ledger:
@@ -182,7 +122,7 @@ def ledger(policy, shape: LedgerShape) -> Ledger:
         views[view] = _zero()
         for (cat, _), n in parts.items():
             views[view][cat] += n
-        views[view]["metadata"] = 4 * s.batch                               # lengths: int32 [B]
+        views[view]["metadata"] += 4 * s.batch                              # lengths: int32 [B]
     return Ledger(shape=s, physical=views["physical"], logical=views["logical"],
                   read_per_step=dict(views["logical"]),
                   by_tensor={f"{view}.{cat}.{t}": n for view, parts in detail.items()

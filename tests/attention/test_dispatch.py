@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvquant_jax.attention import dispatch
-from kvquant_jax.attention.reference import decode_attention_reference
-from kvquant_jax.attention.regions import dense_operand, region
+from kvquant_jax.abi.reference import decode_attention_reference
+from kvquant_jax.abi.regions import dense_operand, region
 from kvquant_jax.cache.prefix import PrefixScheme
 from kvquant_jax.cache.registry import make_scheme
 from kvquant_jax.cache.static_int import StaticIntScheme

@@ -3,8 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvquant_jax.attention import reference as R
-from kvquant_jax.attention.regions import KVFormat, KVOperand, Region, check_query, dense_operand, region
+from kvquant_jax.abi import reference as R
+from kvquant_jax.abi.regions import KVFormat, KVOperand, Region, check_query, dense_operand, region
 from kvquant_jax.attention.synthetic import PRESETS, grouped_formats, kivi_formats, random_region
 from kvquant_jax.quant.packing import pack_bits
 

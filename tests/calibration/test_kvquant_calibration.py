@@ -56,7 +56,7 @@ def _post_rope_loss(params, tokens, dk_post):
 
 def test_fisher_gradients_are_pre_rope_loss_gradients(params, acts):
     """grad_k = R^T (gradient w.r.t. post-RoPE keys), checked against finite differences of the loss."""
-    from kvquant_jax.models.rope import apply_rope
+    from kvquant_jax.abi.rope import apply_rope
 
     tokens = jnp.asarray(np.stack([IDS[s:s + CONF.seq_len] for s in acts.starts[:1]]).astype(np.int32))
     k, v, gk, gv, nll = kv_with_gradients(params, CFG, tokens)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvquant_jax.cache.kivi import KIVIScheme
-from kvquant_jax.eval.ablation import AxisAblationScheme
+from kvquant_jax.cache.axis_ablation import AxisAblationScheme
 from kvquant_jax.quant.ledger import LedgerShape, ledger
 
 B, H, D, C = 2, 2, 16, 40

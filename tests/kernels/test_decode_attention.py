@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvquant_jax.attention.regions import KVFormat, dense_operand, region
-from kvquant_jax.attention.reference import decode_attention_reference
+from kvquant_jax.abi.regions import KVFormat, dense_operand, region
+from kvquant_jax.abi.reference import decode_attention_reference
 from kvquant_jax.attention.synthetic import random_region
 from pallas_kernels import decode_attention as da
 from test_decode_attention_common import B, D, FORMATS, GQA, HKV, N, make_case, rel_err

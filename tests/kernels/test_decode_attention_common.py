@@ -2,8 +2,8 @@
 import jax.numpy as jnp
 import numpy as np
 
-from kvquant_jax.attention.reference import decode_attention_reference
-from kvquant_jax.attention.regions import KVFormat
+from kvquant_jax.abi.reference import decode_attention_reference
+from kvquant_jax.abi.regions import KVFormat
 from kvquant_jax.attention.synthetic import PRESETS, grouped_formats, kivi_formats, random_region
 
 B, HKV, D, N = 3, 2, 32, 64

@@ -21,7 +21,7 @@ import kvquant_oracle as O
 B, HKV, G, D, C = 2, 2, 3, 16, 32
 THETA = 10000.0
 
-kernel = jax.jit(decode_attention_kvquant, static_argnames=("scheme", "interpret", "block_t", "num_splits"))
+kernel = jax.jit(decode_attention_kvquant, static_argnames=("fmt", "interpret", "block_t", "num_splits"))
 
 # (scheme options, kernel options): each case is one compilation
 CASES = {
@@ -76,10 +76,10 @@ def run_both(s, kopts, cache, seed=1, with_new=True):
     if with_new:
         kn = jnp.asarray(rng.normal(0, 1, (B, HKV, D)).astype(np.float32))
         vn = jnp.asarray(rng.normal(0, 1, (B, HKV, D)).astype(np.float32))
-    got = kernel(q, sch, st, cache.lengths, kn, vn, interpret=True, **kopts)
+    got = kernel(q, sch.kernel_format, st, cache.lengths, kn, vn, interpret=True, **kopts)
     want = O.decode_attention(q, st, np.asarray(cache.lengths), k_bits=s.k_bits, v_bits=s.v_bits, sink=s.sink,
                               key_stage=s.key_stage, theta=THETA, pairing=s.rope_pairing, k_new=kn, v_new=vn)
-    return np.asarray(got, np.float64), want, (q, sch, st, kn, vn)
+    return np.asarray(got, np.float64), want, (q, sch.kernel_format, st, kn, vn)
 
 
 def rel_err(got, want):
@@ -122,7 +122,7 @@ def test_in_kernel_rotation_equals_post_rope_row():
     assert (np.asarray(st.k_sp_idx)[:, :, 1:t] == 255).all()          # no outliers: pure LUT + RoPE path
     q = rng.normal(0, 1, (B, HKV * G, D))
     kn, vn = rng.normal(0, 1, (2, B, HKV, D)).astype(np.float32)                 # the current token
-    got = np.asarray(kernel(jnp.asarray(q, jnp.float32), sch, st, cache.lengths, jnp.asarray(kn), jnp.asarray(vn),
+    got = np.asarray(kernel(jnp.asarray(q, jnp.float32), sch.kernel_format, st, cache.lengths, jnp.asarray(kn), jnp.asarray(vn),
                             interpret=True, **kopts), np.float64)
     want = np.zeros_like(q)
     kp = k_post.astype(np.float32).astype(np.float64)
@@ -158,10 +158,30 @@ def test_channel_maps_pair_rope_partners_and_bad_inputs():
     with pytest.raises(ValueError, match="needs a KVQuantScheme"):
         decode_attention_kvquant(q, object(), st, cache.lengths)
     with pytest.raises(ValueError, match="one new token"):
-        decode_attention_kvquant(q[:, None], sch, st, cache.lengths)
+        decode_attention_kvquant(q[:, None], sch.kernel_format, st, cache.lengths)
     with pytest.raises(ValueError, match="both k_new and v_new"):
-        decode_attention_kvquant(q, sch, st, cache.lengths, k_new=jnp.zeros((B, HKV, D)))
+        decode_attention_kvquant(q, sch.kernel_format, st, cache.lengths, k_new=jnp.zeros((B, HKV, D)))
     with pytest.raises(ValueError, match="multiple of Hkv"):
-        decode_attention_kvquant(q[:, :5], sch, st, cache.lengths)
+        decode_attention_kvquant(q[:, :5], sch.kernel_format, st, cache.lengths)
     with pytest.raises(ValueError, match="lengths must be"):
-        decode_attention_kvquant(q, sch, st, cache.lengths[:1])
+        decode_attention_kvquant(q, sch.kernel_format, st, cache.lengths[:1])
+
+
+def test_dispatch_routes_kvquant_to_its_kernel_or_the_reference():
+    """``attention.dispatch`` serves KVQuant (pre-RoPE storage): the fused kernel (forced, interpreted) and the
+    reference (auto on CPU) both match the float64 oracle."""
+    from kvquant_jax.attention import dispatch
+
+    opts, _ = CASES["nuq4_halfsplit_sink_sparse_splits"]
+    s = make_scheme(**opts)
+    cache, _ = filled(s, [27, 11])
+    _, want, (q, _, st, kn, vn) = run_both(s, dict(block_t=8, num_splits=2), cache)
+    sch = layer_state(cache, 0)[0]
+    got = dispatch.decode_attention(q, sch, st, cache.lengths, kn, vn, impl="kernel", interpret=True)
+    assert rel_err(np.asarray(got, np.float64), want) < 1e-3
+    auto = dispatch.decode_attention(q, sch, st, cache.lengths, kn, vn)
+    ref = dispatch.decode_attention(q, sch, st, cache.lengths, kn, vn, impl="reference")
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(ref))
+    assert rel_err(np.asarray(ref, np.float64), want) < 1e-3
+    regions, tail_rows = dispatch.layer_regions(sch, st, cache.lengths)
+    assert len(regions) == 1 and tail_rows == 0          # the reference view: materialized post-RoPE rows

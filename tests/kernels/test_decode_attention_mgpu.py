@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvquant_jax.attention.reference import decode_attention_reference, unpack_codes
-from kvquant_jax.attention.regions import KVFormat, KVOperand, Region
+from kvquant_jax.abi.reference import decode_attention_reference, unpack_codes
+from kvquant_jax.abi.regions import KVFormat, KVOperand, Region
 from kvquant_jax.attention.synthetic import PRESETS, random_region
 from pallas_kernels import decode_attention_mgpu as mg
 

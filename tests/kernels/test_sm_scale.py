@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvquant_jax.attention import reference as R
-from kvquant_jax.attention.regions import dense_operand, region
+from kvquant_jax.abi.regions import dense_operand, region
 from pallas_kernels import decode_attention as da
 
 B, HKV, G, N, D = 2, 2, 3, 16, 16

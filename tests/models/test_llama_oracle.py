@@ -7,7 +7,7 @@ import pytest
 from kvquant_jax.cache.full import FullPrecisionScheme
 from kvquant_jax.cache.interface import init_cache
 from kvquant_jax.models.llama import forward, forward_nocache
-from kvquant_jax.models.rope import apply_rope, pairing_permutation
+from kvquant_jax.abi.rope import apply_rope, pairing_permutation
 from kvquant_jax.models.testing import random_params, tiny_config
 
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvquant_jax.attention.regions import KVOperand, Region, check_query
+from kvquant_jax.abi.regions import KVOperand, Region, check_query
 
 __all__ = ["decode_attention_reference", "decode_attention_jnp", "dequantize_operand", "unpack_codes"]
 

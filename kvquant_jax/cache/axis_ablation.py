@@ -26,12 +26,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvquant_jax.cache import _rows
-from kvquant_jax.cache._rows import DTYPES
+from kvquant_jax.cache import _rows, checks
 from kvquant_jax.cache.interface import SchemeBase
 from kvquant_jax.cache.kivi import KIVIScheme, kivi_frontiers
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
 from kvquant_jax.quant.affine import dequantize_affine, quantize_affine_with_status
+from kvquant_jax.quant.dtypes import DTYPE_BYTES, DTYPES
+from kvquant_jax.quant.ledger import packed_bytes
 
 AXES = ("channel", "token")
 
@@ -56,6 +57,8 @@ class AxisAblationScheme(SchemeBase):
     """
 
     family = "axis_ablation"
+    presets = {"kivi_axes": {}}
+    aliases = {"bits": ("k_bits", "v_bits"), "residual_length": ("residual",)}
 
     k_axis: str = "channel"
     v_axis: str = "token"
@@ -68,9 +71,7 @@ class AxisAblationScheme(SchemeBase):
     residual_dtype: str = "fp16"
 
     def __post_init__(self):
-        for name in ("k_axis", "v_axis"):
-            if getattr(self, name) not in AXES:
-                raise ValueError(f"axis_ablation: {name} must be one of {AXES}, got {getattr(self, name)!r}")
+        checks.choice("axis_ablation", self, ("k_axis", "v_axis"), AXES)
         # every other field has KIVI's meaning and constraints (bits, G | R, dtypes, RoPE identity)
         KIVIScheme(k_bits=self.k_bits, v_bits=self.v_bits, group_size=self.group_size,
                    v_group_size=self.token_group_size, residual=self.residual, qparam_dtype=self.qparam_dtype,
@@ -134,6 +135,24 @@ class AxisAblationScheme(SchemeBase):
 
     def layer_nbytes(self, state):
         return {"residual": _rows.nbytes(state.k, state.v)}
+
+    def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
+        """Physical: the simulation's float32 rows (capacity rounded up to G).  Logical: the packed layout it
+        simulates (codes + (scale, min) qparams of closed rows / groups + residual rows, as
+        :meth:`logical_bits`)."""
+        b, h, d = batch, heads, head_dim
+        if not logical:
+            n = b * h * (-(-capacity // self.group_size) * self.group_size) * d * 4
+            return {("residual", "k"): n, ("residual", "v"): n}
+        qb, rb = DTYPE_BYTES[self.qparam_dtype], DTYPE_BYTES[self.residual_dtype]
+        out = {}
+        for t, axis, bits in (("k", self.k_axis, self.k_bits), ("v", self.v_axis, self.v_bits)):
+            f = int(self.frontier(axis, rows))
+            groups = (f // self.group_size) * d if axis == "channel" else f * (d // self._token_group(d))
+            out[("codes", t)] = b * h * f * packed_bytes(d, bits)
+            out[("qparams", t)] = b * h * groups * 2 * qb
+            out[("residual", t)] = b * h * (rows - f) * d * rb
+        return out
 
     def logical_bits(self, length: int, head_dim: int) -> dict:
         """Bits per cached element of the equivalent packed layout at ``length`` rows (per head, averaged over K
