@@ -34,6 +34,7 @@ from kvquant_jax.abi.reference import decode_attention_jnp, decode_attention_ref
 from kvquant_jax.abi.regions import KVFormat, KVOperand, Region  # noqa: E402
 from kvquant_jax.attention.synthetic import PRESETS, kivi_formats, random_region  # noqa: E402
 from pallas_kernels.decode_attention import KernelConfig, decode_attention  # noqa: E402
+from experiments.timing import copy_tbps  # noqa: E402
 
 FORMATS = {
     "bf16": PRESETS["bf16"], "e4m3": PRESETS["e4m3"], "int8": PRESETS["int8"], "int4": PRESETS["int4"],
@@ -134,15 +135,7 @@ def rel_err(out, ref):
 
 
 def hbm_copy_tbps(reps=20):
-    x = jnp.ones((1024, 1024, 1024), jnp.bfloat16)      # 2 GiB
-    f = jax.jit(lambda x: x * jnp.bfloat16(1.0001))
-    jax.block_until_ready(f(x))
-    s = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        s.append(time.perf_counter() - t0)
-    return 2 * x.size * 2 / statistics.median(s) / 1e12
+    return copy_tbps(reps)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from kvquant_jax.models.llama import (decoder_layer, logits_from_hidden, stack_l
 from kvquant_jax.quant.ledger import Ledger, LedgerShape, ledger  # noqa: E402
 from kvquant_jax.serving.generate import decode_loop, prefill_chunked  # noqa: E402
 from kvquant_jax.serving.sampling import SamplingParams  # noqa: E402
+from experiments.timing import copy_tbps, median_seconds, read_tbps  # noqa: E402
 
 GiB = 1 << 30
 
@@ -94,35 +95,6 @@ def load_smollm2(dtype: str):
 
 def tree_bytes(tree) -> int:
     return int(sum(a.nbytes for a in jax.tree.leaves(tree)))
-
-
-def copy_tbps(reps: int = 20) -> float:
-    """Read + write bandwidth of an elementwise pass over a 2 GiB bf16 buffer (TB/s)."""
-    n = (1 << 30) if jax.default_backend() != "cpu" else (1 << 24)
-    x = jnp.ones((n,), jnp.bfloat16)
-    f = jax.jit(lambda x: x * jnp.bfloat16(1.0001))
-    jax.block_until_ready(f(x))
-    s = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        s.append(time.perf_counter() - t0)
-    return 2 * x.nbytes / statistics.median(s) / 1e12
-
-
-def read_tbps(reps: int = 20) -> float:
-    """Read-only bandwidth: a sum over a 4 GiB bf16 buffer (TB/s). A decode step mostly reads, so it can exceed the
-    copy figure; the roofline uses the copy bandwidth (the issue's definition), this is reported beside it."""
-    n = (1 << 31) if jax.default_backend() != "cpu" else (1 << 24)
-    x = jnp.ones((n // 4096, 4096), jnp.bfloat16)
-    f = jax.jit(lambda x: jnp.sum(x, axis=0, dtype=jnp.float32))
-    jax.block_until_ready(f(x))
-    s = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        s.append(time.perf_counter() - t0)
-    return x.nbytes / statistics.median(s) / 1e12
 
 
 def filled_cache(cfg, scheme, batch: int, length: int, capacity: int, layer_groups: str, chunk: int = 2048):
@@ -277,13 +249,7 @@ def prefill_rows(args, cfg, params_u, rows, log):
         tokens = jax.random.randint(jax.random.PRNGKey(t), (1, t), 0, cfg.vocab_size, jnp.int32)
         row = dict(kind="prefill", cache="bf16", B=1, T=t, chunk=args.chunk)
         try:
-            jax.block_until_ready(plain(params_u, tokens))
-            ts = []
-            for _ in range(args.reps):
-                t0 = time.perf_counter()
-                jax.block_until_ready(plain(params_u, tokens))
-                ts.append(time.perf_counter() - t0)
-            row["plain_cudnn_s"] = statistics.median(ts)
+            row["plain_cudnn_s"] = median_seconds(plain, params_u, tokens, reps=args.reps)
             row["plain_tokens_per_s"] = t / row["plain_cudnn_s"]
         except Exception as e:  # noqa: BLE001
             row["plain_error"] = f"{type(e).__name__}: {e}"[:300]

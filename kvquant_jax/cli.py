@@ -143,7 +143,9 @@ def main(argv=None):
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache", default=None, help="cache scheme (e.g. fp32, bf16, fp8_e4m3, int8, int4, qserve4, kivi2)")
+    p.add_argument("--cache", default=None, help="cache scheme: any name of the registry (fp32, bf16, fp8_e4m3, int8, "
+                   "int4, int2, qserve4, kivi2, kivi4, static_int8, ...) or an inline spec such as "
+                   "'kivi2:residual=64'; the same names configs accept")
     p.add_argument("--capacity", type=int, default=None)
     p.add_argument("--attention", default="auto", choices=["reference", "kernel", "auto"],
                    help="auto (default): packed-KV kernels + cuDNN prefill on GPU, the float32 reference on CPU")

@@ -37,7 +37,7 @@ LAZY_DEPENDENCIES = {
 ALLOWED = {
 }
 # The CLI entry point answers `kvq --help` and argument errors without importing JAX: its command bodies import
-# what they run (and issue Q is editing cli.py).
+# what they run.
 LAZY_FILES = {"kvquant_jax/cli.py": "entry point: `kvq --help` and argument errors do not import JAX"}
 
 

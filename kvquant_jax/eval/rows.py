@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvquant_jax.config import ExperimentConfig, SchemeSpec
+from kvquant_jax.eval.metrics import DELTA_FIELDS
 
 # config blocks each metric depends on (besides model / cache / calibration / activation)
 USES_DATA = {"ppl", "serving_ppl", "kv_error", "agreement", "passkey"}
@@ -35,7 +36,7 @@ def row_key(cfg: ExperimentConfig, metric: str, role: str, baseline: SchemeSpec)
               "activation": _stable_block(cfg, "activation", d["activation"]), "task": d["tasks"][metric]}
     if metric in USES_DATA:
         blocks["data"] = d["data"]
-    if metric == "agreement" or metric in M.DELTA_FIELDS:
+    if metric == "agreement" or metric in DELTA_FIELDS:
         blocks["reference"] = baseline.to_spec()
     payload = json.dumps({"role": role, "metric": metric, **blocks}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
