@@ -17,6 +17,7 @@ import numpy as np
 from kvquant_jax.cache.full import FullPrecisionScheme
 from kvquant_jax.cache.interface import CacheScheme, KVCache, init_cache
 from kvquant_jax.models.config import LlamaConfig
+from kvquant_jax.quant.ledger import Ledger, LedgerShape, ledger
 from kvquant_jax.models.llama import forward
 from kvquant_jax.serving.sampling import SamplingParams, sample
 
@@ -144,6 +145,8 @@ def generate(params, cfg: LlamaConfig, prompts: list[list[int]], *, max_new_toke
     if capacity is None:
         capacity = bucket(need, 64)
     check_fits(cfg, need, capacity, f"prompt of {max(lens)} tokens + {max_new_tokens} new tokens")
+    check_memory(cfg, scheme or FullPrecisionScheme(rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing),
+                 len(prompts), capacity)
     scheme = scheme or FullPrecisionScheme(rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
     if layer_groups is None:
         layer_groups = "runs" if jax.default_backend() == "cpu" else "per_layer"
@@ -151,6 +154,35 @@ def generate(params, cfg: LlamaConfig, prompts: list[list[int]], *, max_new_toke
                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, layer_groups=layer_groups)
     return run_batch(params, cfg, prompts, cache, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                      eos_id=eos_id, attention_impl=attention_impl, prefill_chunk=prefill_chunk)
+
+
+def device_free_bytes(device=None) -> int | None:
+    """Bytes the device's allocator can still hand out (``bytes_limit - bytes_in_use``), or None where the
+    platform reports no memory statistics (the CPU)."""
+    stats = (device or jax.devices()[0]).memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def check_memory(cfg: LlamaConfig, scheme, batch: int, capacity: int, *, free_bytes: int | None = None,
+                 headroom: float = 0.9) -> None:
+    """Refuse, before anything is allocated or compiled, a cache of ``batch`` x ``capacity`` rows whose bytes (the
+    ledger's physical view, every layer) exceed ``headroom`` of the device memory still free (``free_bytes``,
+    default :func:`device_free_bytes`; no check where the platform reports none). The error names the sizes and
+    the largest batch that would fit."""
+    free = device_free_bytes() if free_bytes is None else free_bytes
+    if free is None:
+        return
+    shape = LedgerShape(cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, capacity, capacity)
+    need = Ledger.total(ledger(scheme, shape).physical)
+    budget = int(free * headroom)
+    if need > budget:
+        per_seq = Ledger.total(ledger(scheme, dataclasses.replace(shape, batch=1)).physical)
+        raise ValueError(f"a cache of batch {batch} x {capacity} rows ({need / 1e9:.2f} GB, "
+                         f"{per_seq / 1e9:.3f} GB per sequence) does not fit the {budget / 1e9:.2f} GB the device has "
+                         f"free ({headroom:.0%} of {free / 1e9:.2f} GB); at most {budget // per_seq} sequences of "
+                         f"{capacity} rows fit")
 
 
 def check_fits(cfg: LlamaConfig, rows_needed: int, capacity: int, what: str) -> None:

@@ -201,3 +201,24 @@ def test_prefill_step_zero_rows_appends_nothing():
     np.testing.assert_array_equal(np.asarray(c.lengths), [8, 0, 3])
     ref = forward_nocache(PARAMS, CFG, jnp.asarray(PROMPTS[:1, :8]))
     assert np.isfinite(np.asarray(ref)).all()
+
+
+def test_cache_over_the_memory_budget_fails_before_anything_runs(monkeypatch):
+    """A batch whose cache does not fit the device memory is refused with the sizes, before allocation."""
+    from kvquant_jax.quant.ledger import Ledger, LedgerShape, ledger
+    from kvquant_jax.serving import generate as g
+
+    scheme = make_scheme("int4", rope_theta=CFG.rope_theta, rope_pairing=CFG.rope_pairing)
+    one = Ledger.total(ledger(scheme, LedgerShape(CFG.num_layers, 1, CFG.num_kv_heads, CFG.head_dim, 128,
+                                                   128)).physical)
+    g.check_memory(CFG, scheme, 4, 128, free_bytes=int(4 * one / 0.9) + 1)          # fits exactly
+    with pytest.raises(ValueError, match=r"batch 5 x 128 rows .* at most 4 sequences"):
+        g.check_memory(CFG, scheme, 5, 128, free_bytes=int(4 * one / 0.9) + 1)
+    real = g.device_free_bytes()
+    assert real is None if jax.default_backend() == "cpu" else real > 0     # CPU reports no memory statistics
+    monkeypatch.setattr(g, "device_free_bytes", lambda device=None: 3 * one)
+    calls = []
+    monkeypatch.setattr(g, "init_cache", lambda *a, **k: calls.append(1))
+    with pytest.raises(ValueError, match="does not fit"):
+        g.generate(PARAMS, CFG, [[1, 2, 3]] * 8, max_new_tokens=4, scheme=scheme, capacity=128)
+    assert not calls                                                                 # nothing was allocated
