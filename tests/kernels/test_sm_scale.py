@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvquant_jax.attention import reference as R
+from kvquant_jax.abi import reference as R
 from kvquant_jax.abi.regions import dense_operand, region
 from pallas_kernels import decode_attention as da
 
@@ -142,9 +142,9 @@ def test_kvquant_kernel_and_twin_sm_scale():
     for s in SCALES:
         want = oracle(q, kd, vd, zeros, lengths, kn, vn, s)
         assert rel(oracle(q, kd, vd, zeros, lengths, kn, vn, 1 / np.sqrt(KD)), want) > 0.05
-        got = decode_attention_kvquant(jnp.asarray(q), sch, st, cache.lengths, jnp.asarray(kn), jnp.asarray(vn),
+        got = decode_attention_kvquant(jnp.asarray(q), sch.kernel_format, st, cache.lengths, jnp.asarray(kn), jnp.asarray(vn),
                                        sm_scale=s, interpret=True, block_t=8, num_splits=2)
         assert rel(got, want) < TOL, ("kernel", s, rel(got, want))
-        twin = decode_attention_kvquant_reference(jnp.asarray(q), sch, st, cache.lengths, jnp.asarray(kn),
+        twin = decode_attention_kvquant_reference(jnp.asarray(q), sch.kernel_format, st, cache.lengths, jnp.asarray(kn),
                                                   jnp.asarray(vn), sm_scale=s)
         assert rel(twin, want) < TOL, ("twin", s)
