@@ -361,24 +361,33 @@ def markdown(results) -> str:
              "| T | impl | format | median µs | bytes read (MB) | TB/s | % of copy BW | × vs cuDNN | rel err |",
              "|---|---|---|---|---|---|---|---|---|"]
     copy = results.get("hbm_copy_tbps") or float("nan")
-    for r in results["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['T']} | {r['impl']} | {r['format']} | failed | | | | | |")
-            continue
-        err = r.get("rel_err_vs_f32_ref")
-        lines.append(f"| {r['T']} | {r['impl']} | {r['format']} | {r['us']:.1f} | {r['bytes'] / 1e6:.1f} | "
-                     f"{r['tbps']:.2f} | {100 * r['tbps'] / copy:.0f}% | {r.get('speedup_vs_cudnn', float('nan')):.2f} | "
-                     f"{'' if err is None else f'{err:.1e}'} |")
+    lines += [timing_row(r, copy, err_key="rel_err_vs_f32_ref") for r in results["rows"]]
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def timing_row(r: dict, copy_tbps: float, *, err_key: str, variant: bool = False) -> str:
+    """One markdown row of a kernel timing (``variant``: a variant column and the median's [min, max])."""
+    lead = f"| {r['T']} | {r['impl']} | {r['format']} |" + (f" {r.get('variant', '')} |" if variant else "")
+    if "error" in r:
+        return lead + " failed | | | | | |"
+    err = r.get(err_key)
+    us = f"{r['us']:.1f}" + (f" [{r['us_min']:.0f}, {r['us_max']:.0f}]" if variant else "")
+    return (f"{lead} {us} | {r['bytes'] / 1e6:.1f} | {r['tbps']:.2f} | {100 * r['tbps'] / copy_tbps:.0f}% | "
+            f"{r.get('speedup_vs_cudnn', float('nan')):.2f} | {'' if err is None else f'{err:.1e}'} |")
+
+
+def add_shape_args(ap, default_t: str) -> None:
+    """The problem-shape flags every decode benchmark takes."""
     ap.add_argument("--B", type=int, default=8)
     ap.add_argument("--hq", type=int, default=32)
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--T", default="4096,16384,32768,131072")
+    ap.add_argument("--T", default=default_t)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_shape_args(ap, "4096,16384,32768,131072")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--extra", default="", help="formats measured only at T == --tune-t (e.g. int4@bf16, kivi2+tail)")
     ap.add_argument("--baselines", default="cudnn,xla")

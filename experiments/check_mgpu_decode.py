@@ -239,25 +239,13 @@ def markdown(results) -> str:
         lines.append("")
     lines += ["| T | impl | format | variant | median µs [min, max] | bytes read (MB) | TB/s | % of copy | "
               "× vs cuDNN | rel err vs f32 |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['T']} | {r['impl']} | {r['format']} | {r.get('variant', '')} | failed | | | | | |")
-            continue
-        err = r.get("rel_err")
-        lines.append(f"| {r['T']} | {r['impl']} | {r['format']} | {r.get('variant', '')} | {r['us']:.1f} "
-                     f"[{r['us_min']:.0f}, {r['us_max']:.0f}] | {r['bytes'] / 1e6:.1f} | {r['tbps']:.2f} | "
-                     f"{100 * r['tbps'] / copy:.0f}% | {r.get('speedup_vs_cudnn', float('nan')):.2f} | "
-                     f"{'' if err is None else f'{err:.1e}'} |")
+    lines += [bench.timing_row(r, copy, err_key="rel_err", variant=True) for r in results["rows"]]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--B", type=int, default=8)
-    ap.add_argument("--hq", type=int, default=32)
-    ap.add_argument("--hkv", type=int, default=8)
-    ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--T", default="4096,32768")
+    bench.add_shape_args(ap, "4096,32768")
     ap.add_argument("--formats", default="bf16,int8,int4,e4m3,int2")
     ap.add_argument("--impls", default="mgpu,triton")
     ap.add_argument("--reps", type=int, default=10)

@@ -115,36 +115,39 @@ def decoder_layer(cfg: LlamaConfig, x, lp, positions, attn_fn: Callable, linear:
     return finish_layer(cfg, x, lp, attn_fn(q, k, v), linear), k, v
 
 
+def is_unstacked(params: dict) -> bool:
+    """True for the serving form: ``params["layers"]`` a tuple (or list) of per-layer pytrees."""
+    return isinstance(params["layers"], (tuple, list))
+
+
 def unstack_layers(params: dict) -> dict:
     """Stacked ``params["layers"]`` (dict of ``[L, ...]`` arrays, or any pytree such as W8A8 ``QuantLinear``) ->
     a tuple of ``L`` per-layer pytrees: the serving form (each layer's weights are separate buffers, read in place
     by the unrolled forward). Already unstacked params are returned as they are."""
-    layers = params["layers"]
-    if isinstance(layers, (tuple, list)):
+    if is_unstacked(params):
         return params
+    layers = params["layers"]
     n = jax.tree.leaves(layers)[0].shape[0]
     return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))}
 
 
 def stack_layers(params: dict) -> dict:
     """The inverse of :func:`unstack_layers` (stacked params are returned as they are)."""
-    layers = params["layers"]
-    if not isinstance(layers, (tuple, list)):
+    if not is_unstacked(params):
         return params
-    return {**params, "layers": jax.tree.map(lambda *a: jnp.stack(a), *layers)}
+    return {**params, "layers": jax.tree.map(lambda *a: jnp.stack(a), *params["layers"])}
 
 
 def num_param_layers(params: dict) -> int:
     layers = params["layers"]
-    return len(layers) if isinstance(layers, (tuple, list)) else jax.tree.leaves(layers)[0].shape[0]
+    return len(layers) if is_unstacked(params) else jax.tree.leaves(layers)[0].shape[0]
 
 
 def layer_params(params: dict, layer: int):
     """One layer's params (a static index into stacked or unstacked params)."""
-    layers = params["layers"]
-    if isinstance(layers, (tuple, list)):
-        return layers[layer]
-    return jax.tree.map(lambda a: a[layer], layers)
+    if is_unstacked(params):
+        return params["layers"][layer]
+    return jax.tree.map(lambda a: a[layer], params["layers"])
 
 
 def logits_from_hidden(params, cfg: LlamaConfig, x, linear: Callable | None = None):
@@ -185,7 +188,7 @@ def forward_nocache(params, cfg: LlamaConfig, tokens: jax.Array, positions: jax.
         x, _, _ = decoder_layer(cfg, x, lp, positions, lambda q, k, v: attend(q, k, v, num_new, None), linear)
         return x
 
-    if isinstance(params["layers"], (tuple, list)):
+    if is_unstacked(params):
         for lp in params["layers"]:
             x = layer(x, lp)
     else:
@@ -227,7 +230,7 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
     x = params["embed"][tokens]
     new_groups = []
     ok = jnp.bool_(True)
-    unstacked = isinstance(params["layers"], (tuple, list))
+    unstacked = is_unstacked(params)
     for (scheme, first, n), gstate in zip(cache.schemes, cache.groups):
 
         def body(carry, inp, scheme=scheme):

@@ -17,8 +17,8 @@ import numpy as np
 from kvquant_jax.cache.full import FullPrecisionScheme
 from kvquant_jax.cache.interface import CacheScheme, KVCache, init_cache
 from kvquant_jax.models.config import LlamaConfig
-from kvquant_jax.quant.ledger import Ledger, LedgerShape, ledger
 from kvquant_jax.models.llama import forward
+from kvquant_jax.quant.ledger import Ledger, LedgerShape, ledger
 from kvquant_jax.serving.sampling import SamplingParams, sample
 
 
@@ -145,9 +145,8 @@ def generate(params, cfg: LlamaConfig, prompts: list[list[int]], *, max_new_toke
     if capacity is None:
         capacity = bucket(need, 64)
     check_fits(cfg, need, capacity, f"prompt of {max(lens)} tokens + {max_new_tokens} new tokens")
-    check_memory(cfg, scheme or FullPrecisionScheme(rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing),
-                 len(prompts), capacity)
     scheme = scheme or FullPrecisionScheme(rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
+    check_memory(cfg, scheme, len(prompts), capacity)
     if layer_groups is None:
         layer_groups = "runs" if jax.default_backend() == "cpu" else "per_layer"
     cache = init_cache(scheme, num_layers=cfg.num_layers, batch=len(prompts), capacity=capacity,
