@@ -101,6 +101,16 @@ def device_region(key, kf, vf, b, hkv, t, d):
                   start=jnp.zeros_like(full), end=full)
 
 
+def region_sets(key, kf: KVFormat, vf: KVFormat, b, hkv, t, d) -> tuple[list, int]:
+    """Distinct random regions, enough that together they exceed L2 (:func:`n_sets_for`), and the bytes one set
+    must read (its arrays less the ``[B]`` start / end)."""
+    one = device_region(jax.random.fold_in(key, 1000), kf, vf, b, hkv, t, d)
+    set_bytes = nbytes(one) - 2 * b * 4
+    sets = [one] + [device_region(jax.random.fold_in(key, 1000 + i), kf, vf, b, hkv, t, d)
+                    for i in range(1, n_sets_for(set_bytes))]
+    return sets, set_bytes
+
+
 def nbytes(tree) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
@@ -226,11 +236,7 @@ def run_size(args, t, names, configs, results, log):
             cfg = dataclasses.replace(cfg or default_config(kf, t, b, hkv, backend="gpu", interpret=False),
                                       precision=prec)
         try:
-            one = device_region(jax.random.fold_in(key, 1000), kf, vf, b, hkv, t, d)
-            set_bytes = nbytes(one) - 2 * b * 4
-            n = n_sets_for(set_bytes)
-            sets = [one] + [device_region(jax.random.fold_in(key, 1000 + i), kf, vf, b, hkv, t, d)
-                            for i in range(1, n)]
+            sets, set_bytes = region_sets(key, kf, vf, b, hkv, t, d)
             fn = lambda q, r, cfg=cfg: decode_attention(q, [r], config=cfg, out_dtype=jnp.float32)  # noqa: E731
             ref_fn = lambda q, r: decode_attention_jnp(q.astype(jnp.float32), [r])  # noqa: E731
             measure_row(args, t, "pallas", name, fn, ref_fn, q, sets, set_bytes + q.size * 2, cfg, base, rows, log)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import os
@@ -102,13 +103,12 @@ def filled_cache(cfg, scheme, batch: int, length: int, capacity: int, layer_grou
     cache = init_cache(scheme, num_layers=cfg.num_layers, batch=batch, capacity=capacity,
                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, layer_groups=layer_groups)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=0)
     def fill(cache, key, n):
         k = jax.random.normal(key, (batch, chunk, cfg.num_kv_heads, cfg.head_dim), jnp.float32).astype(jnp.bfloat16)
         v = jax.random.normal(jax.random.fold_in(key, 1), k.shape, jnp.float32).astype(jnp.bfloat16)
         return ops.try_append(cache, [(k, v)] * cfg.num_layers, n)
 
-    fill = jax.jit(fill.__wrapped__, donate_argnums=0)
     done = 0
     while done < length:
         n = min(chunk, length - done)

@@ -162,11 +162,8 @@ def timing(args, results, t, variants_here=True, tag=""):
     for name in args.formats:
         kf, vf = PRESETS[name]
         try:
-            one = device_region(jax.random.fold_in(key, 1000), kf, vf, b, hkv, t, d)
-            set_bytes = nbytes(one) - 2 * b * 4
-            n = n_sets_for(set_bytes)
-            regs = [one] + [device_region(jax.random.fold_in(key, 1000 + i), kf, vf, b, hkv, t, d)
-                            for i in range(1, n)]
+            regs, set_bytes = bench.region_sets(key, kf, vf, b, hkv, t, d)
+            n = len(regs)
         except Exception as e:  # noqa: BLE001
             _row(results, args, T=t, impl="data", format=name, error=f"{type(e).__name__}: {e}"[:800])
             continue
