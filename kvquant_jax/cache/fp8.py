@@ -32,7 +32,8 @@ from flax import struct
 from kvquant_jax.abi.regions import KVFormat, KVOperand, region
 from kvquant_jax.cache import _rows, checks
 from kvquant_jax.cache._scales import layer_scale_table
-from kvquant_jax.cache.interface import KVCache, SchemeBase, rows_finite
+from kvquant_jax.cache.shards import shard_any, shard_max
+from kvquant_jax.cache.interface import BATCH, HEADS, HEADS_REPLICATED, KVCache, SchemeBase, rows_finite
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
 from kvquant_jax.quant.fp8 import dequantize_fp8, fp8_dtype, fp8_max, fp8_scale_from_absmax, quantize_fp8
 
@@ -117,9 +118,9 @@ class FP8Scheme(SchemeBase):
     def _warmup(self, x, mask, old, warm):
         """Scale observed on the valid new rows ``x [B, H, T, D]`` unless the cache is already warm."""
         mag = jnp.where(mask[:, None, :, None], jnp.abs(x.astype(jnp.float32)), jnp.float32(0))
-        amax = jnp.max(mag, axis=(0, 2, 3))                                            # [H]
-        if self.scale_axis == "tensor":
-            amax = jnp.broadcast_to(jnp.max(amax), amax.shape)
+        amax = shard_max(jnp.max(mag, axis=(0, 2, 3)), BATCH)                         # [H], every sequence
+        if self.scale_axis == "tensor":                                                 # every head of every shard
+            amax = jnp.broadcast_to(shard_max(jnp.max(amax), HEADS), amax.shape)
         return jnp.where(warm, old, fp8_scale_from_absmax(amax, self.fmt, "warmup").value)
 
     def append_layer(self, state, lengths, k, v, num_new):
@@ -128,7 +129,7 @@ class FP8Scheme(SchemeBase):
         kt, vt = _rows.head_major(k), _rows.head_major(v)
         k_scale, v_scale = state.k_scale, state.v_scale
         if self.scales == "warmup":
-            warm = jnp.any(lengths > 0)
+            warm = shard_any(jnp.any(lengths > 0), BATCH)
             k_scale = self._warmup(kt, mask, k_scale, warm)
             v_scale = self._warmup(vt, mask, v_scale, warm)
         pos = lengths[:, None] + _rows.arange_rows(t)[None, :]
@@ -151,6 +152,12 @@ class FP8Scheme(SchemeBase):
             r = jnp.abs(_rows.head_major(x).astype(jnp.float32)) / sc[None, :, None, None]
             out.append(jnp.sum(mask & (r > hi), axis=(1, 2, 3), dtype=jnp.int32))
         return jnp.stack(out, axis=-1)
+
+    def field_axes(self, state):
+        """Codes ``[B, Hkv, C, D]``; scales ``[Hkv]``: per KV head (sharded with the heads) or one per-tensor value
+        broadcast to every head (replicated: the warm-up max is taken over all heads and sequences of every shard)."""
+        scale = (HEADS,) if self.scale_axis == "head" else (HEADS_REPLICATED,)
+        return {"k": (BATCH, HEADS, None, None), "v": (BATCH, HEADS, None, None), "k_scale": scale, "v_scale": scale}
 
     def materialize_layer(self, state, lengths):
         valid = _rows.valid_rows(lengths, state.k.shape[2])

@@ -36,6 +36,13 @@ from kvquant_jax.cache.schema import CacheSchema
 
 LayerState = Any  # a flax.struct.dataclass pytree with [B, Hkv, C, ...] arrays
 
+#: Logical axis names of layer-state fields (:meth:`CacheScheme.field_axes`); ``kvquant_jax.sharding`` maps them
+#: onto the mesh: BATCH -> ``data``, HEADS -> ``model`` (when the KV heads divide it; replicated when Hkv < model),
+#: HEADS_REPLICATED (a per-head axis holding one per-tensor value broadcast to every head: stored replicated on
+#: every shard so no shard can hold its own "per-tensor" value, sliced to the local heads inside per-head compute),
+#: None (never sharded: capacity rows, payload, codebook entries).
+BATCH, HEADS, HEADS_REPLICATED = "batch", "heads", "heads_replicated"
+
 
 class CacheScheme(abc.ABC):
     """A cache scheme: static (hashable) description + pure functions over one layer's state.
@@ -176,6 +183,23 @@ class CacheScheme(abc.ABC):
         del batch, heads, head_dim, rows, logical, capacity
         raise ValueError(f"ledger: no byte formula for scheme family {self.family or self.schema.scheme!r} "
                          "(give the scheme a ledger_layer method, see kvquant_jax.quant.ledger)")
+
+    def field_axes(self, state: LayerState) -> dict[str, tuple[str | None, ...]]:
+        """Logical axes of every field of ONE (unstacked) layer state: ``{field: (axis, ...)}`` with one entry per
+        array dimension, each :data:`BATCH`, :data:`HEADS`, :data:`HEADS_REPLICATED` or None (the sharding
+        contract, read by ``kvquant_jax.sharding``; the group's leading layer axis is added there).
+
+        Default: every field is ``[B, Hkv, ...]`` (batch, heads, then unsharded axes).  A scheme with fields of
+        another layout (``unbatched_fields``, per-sequence ``[B, C]`` tables) overrides this; an unbatched field
+        left to the default raises, so no layout is guessed.  ``state`` may hold ``jax.ShapeDtypeStruct`` s."""
+        out: dict[str, tuple[str | None, ...]] = {}
+        for f in dataclasses.fields(state):
+            if f.name in self.unbatched_fields:
+                raise TypeError(f"{type(self).__name__}.field_axes: unbatched field {f.name!r} needs an explicit "
+                                "axes declaration (override field_axes)")
+            nd = len(getattr(state, f.name).shape)
+            out[f.name] = (BATCH, HEADS) + (None,) * (nd - 2)
+        return out
 
     def config(self) -> dict[str, Any]:
         """Plain-JSON constructor arguments plus ``family``: ``registry.scheme_from_config`` rebuilds the scheme."""

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvquant_jax.cache import _rows, checks
-from kvquant_jax.cache.interface import KVCache, SchemeBase, layer_state, rows_finite
+from kvquant_jax.cache.interface import BATCH, HEADS, KVCache, SchemeBase, layer_state, rows_finite
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat, require_compatible
 from kvquant_jax.abi import kvquant as abi
 from kvquant_jax.abi.kvquant import UNUSED, KVQuantFormat, KVQuantLayerState
@@ -326,6 +326,16 @@ class KVQuantScheme(SchemeBase):
         float32 ``[B, Hkv, C, D]`` twice, bool ``[B, C]``, int32 ``[B, C]``; rows at or past ``lengths`` are zero.
         """
         return abi.decode_stored(self.kernel_format, state, lengths)
+
+    def field_axes(self, state):
+        """``[B, Hkv, ...]`` codes, V qparams, sparse outliers and sink rows; ``pos [B, C]`` (batch only); the
+        calibrated per-channel ``k_scale, k_zero [Hkv, D]`` (with the heads) and codebooks ``[2^b]`` (replicated)."""
+        out = {f: (BATCH, HEADS) + (None,) * (len(getattr(state, f).shape) - 2)
+               for f in ("k_codes", "k_sp_idx", "k_sp_val", "v_codes", "v_scale", "v_offset", "v_sp_idx",
+                         "v_sp_val", "k_sink", "v_sink")}
+        out.update(pos=(BATCH, None), k_scale=(HEADS, None), k_zero=(HEADS, None), k_codebook=(None,),
+                   v_codebook=(None,))
+        return out
 
     def materialize_layer(self, state, lengths):
         """POST-RoPE keys (decoded pre-RoPE keys rotated at their stored positions), values, valid rows."""

@@ -48,7 +48,7 @@ from flax import struct
 
 from kvquant_jax.abi.regions import dense_operand, region
 from kvquant_jax.cache import _rows, checks
-from kvquant_jax.cache.interface import CacheScheme, KVCache, init_cache
+from kvquant_jax.cache.interface import BATCH, HEADS, CacheScheme, KVCache, init_cache
 from kvquant_jax.cache.schema import Compatibility, IncompatibleSchemaError, check_compatible
 from kvquant_jax.integrity import CorruptArtifactError, guarded, parse_manifest, sign, verify
 from kvquant_jax.quant.dtypes import DTYPE_BYTES, DTYPES
@@ -403,6 +403,13 @@ class PrefixScheme(CacheScheme):
     def append_layer(self, state, lengths, k, v, num_new):
         pk, pv, body = split_state(state)
         return join_state(pk, pv, self.body.append_layer(body, self.body_lengths(lengths), k, v, num_new))
+
+    def field_axes(self, state):
+        """Prefix rows ``[1 or B, Hkv, P, D]`` (batch axis unsharded when shared) + the body state's own axes."""
+        pk, _, body = split_state(state)
+        lead = None if self.shared else BATCH
+        return {"prefix_k": (lead, HEADS, None, None), "prefix_v": (lead, HEADS, None, None),
+                **self.body.field_axes(body)}
 
     def materialize_layer(self, state, lengths):
         pk, pv, body = split_state(state)

@@ -27,7 +27,7 @@ import numpy as np
 from flax import struct
 
 from kvquant_jax.cache import _rows, checks
-from kvquant_jax.cache.interface import KVCache, SchemeBase, rows_finite
+from kvquant_jax.cache.interface import BATCH, HEADS, HEADS_REPLICATED, KVCache, SchemeBase, rows_finite
 from kvquant_jax.cache.per_token import QPARAM_DTYPES, PerTokenLayerState, PerTokenScheme, check_packable
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
 from kvquant_jax.quant.packing import from_offset_binary, pack_bits, packed_length, to_offset_binary, unpack_bits
@@ -109,6 +109,13 @@ class StaticIntScheme(SchemeBase):
 
     def append_layer_with_status(self, state, lengths, k, v, num_new):
         return self.append_layer(state, lengths, k, v, num_new), rows_finite(k, v, num_new)
+
+    def field_axes(self, state):
+        """Codes ``[B, Hkv, C, Db]``; static scales ``[Hkv]``: per KV head (sharded with the heads) or per tensor
+        (replicated on every shard)."""
+        scale = (HEADS,) if self.scale_axis == "head" else (HEADS_REPLICATED,)
+        return {"k_codes": (BATCH, HEADS, None, None), "v_codes": (BATCH, HEADS, None, None),
+                "k_scale": scale, "v_scale": scale}
 
     def materialize_layer(self, state, lengths):
         return _rows.materialize_packed(state, lengths, self.bits, self._decode)

@@ -27,9 +27,11 @@ import jax
 import jax.numpy as jnp
 
 from kvquant_jax.attention.dispatch import decode_attention
+from kvquant_jax.attention.sharded import local_layer
 from kvquant_jax.cache.interface import KVCache
 from kvquant_jax.cache.ops import publish
 from kvquant_jax.quant.dtypes import DTYPES
+from kvquant_jax.sharding import active_mesh, constrain_cache
 from kvquant_jax.models.config import LlamaConfig
 from kvquant_jax.models.prefill_attention import (ATTENTION_IMPLS, NEG_INF, attend, prefill_attention,  # noqa: F401
                                                    resolve_decode_impl, resolve_prefill_impl)
@@ -231,6 +233,7 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
     new_groups = []
     ok = jnp.bool_(True)
     unstacked = is_unstacked(params)
+    on_mesh = active_mesh() is not None
     for (scheme, first, n), gstate in zip(cache.schemes, cache.groups):
 
         def body(carry, inp, scheme=scheme):
@@ -243,17 +246,25 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
             lp, i = inp
             q, k, v = project_qkv(cfg, x, lp, positions, linear)
             st = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), gst)
-            st2, fin = scheme.append_layer_with_status(st, lengths, k, v, num_new)
-            gst = jax.tree.map(lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, 0), gst, st2)
-            if scheme.append_keeps_old_view(t):
-                view = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), gst)
-            else:  # a long append may wrap residual rings onto slots still visible at the old lengths
-                view = st
-            if decode_impl != "reference" and t == 1:
-                a = decode_attention(q[:, 0], scheme, view, lengths, k[:, 0], v[:, 0],
-                                     impl=decode_impl)[:, None].astype(q.dtype)
+
+            def attn(q, k, v, view, lengths, num_new, scheme=scheme):
+                if decode_impl != "reference" and t == 1:
+                    return decode_attention(q[:, 0], scheme, view, lengths, k[:, 0], v[:, 0],
+                                            impl=decode_impl)[:, None].astype(q.dtype)
+                return prefill_attention(q, k, v, num_new, scheme.materialize_layer(view, lengths),
+                                         impl=prefill_impl)
+
+            if on_mesh:   # append + attention per device on its sequences and KV heads (attention/sharded.py)
+                st2, fin, a = local_layer(attn, scheme, q, k, v, st, lengths, num_new)
             else:
-                a = prefill_attention(q, k, v, num_new, scheme.materialize_layer(view, lengths), impl=prefill_impl)
+                st2, fin = scheme.append_layer_with_status(st, lengths, k, v, num_new)
+            gst = jax.tree.map(lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, 0), gst, st2)
+            if not on_mesh:
+                if scheme.append_keeps_old_view(t):
+                    view = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), gst)
+                else:  # a long append may wrap residual rings onto slots still visible at the old lengths
+                    view = st
+                a = attn(q, k, v, view, lengths, num_new)
             x = finish_layer(cfg, x, lp, a, linear)
             return (x, ok & jnp.all(fin), gst), None
 
@@ -269,7 +280,8 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
     logits = logits_from_hidden(params, cfg, x, linear)
     # Publish: lengths advance iff every valid row of every layer was finite and encodable; a rejected multi-row
     # append restores residual rings it may have wrapped (see kvquant_jax.cache.ops.publish).
-    return logits, publish(cache, tuple(new_groups), num_new, ok, multi_row=t > 1), ok
+    # Under a mesh (kvquant_jax.sharding.mesh_context) the successor cache keeps its sharded layout.
+    return logits, constrain_cache(publish(cache, tuple(new_groups), num_new, ok, multi_row=t > 1)), ok
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_impl", "linear"), donate_argnames=("cache",))
