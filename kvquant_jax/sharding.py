@@ -58,7 +58,7 @@ from jax.sharding import PartitionSpec as P
 from kvquant_jax.cache.interface import BATCH, HEADS, HEADS_REPLICATED, KVCache
 
 __all__ = ["AXES", "DATA", "MODEL", "MeshShape", "parse_mesh", "make_mesh", "mesh_context", "active_mesh",
-           "check_mesh", "kv_heads_sharded", "param_spec", "param_specs", "place_params", "layer_specs",
+           "check_mesh", "kv_heads_sharded", "current_mesh", "on_current_mesh", "param_spec", "param_specs", "place_params", "layer_specs",
            "cache_specs", "place_cache", "constrain_cache", "activation_spec", "place", "device_ledger",
            "addressable_bytes", "to_host", "initialize_distributed", "WEIGHT_RULES", "ACTIVATIONS"]
 
@@ -156,6 +156,22 @@ def active_mesh():
     if am.empty or tuple(am.axis_names) != AXES:
         return None
     return am
+
+
+def current_mesh() -> Mesh | None:
+    """The concrete mesh of the enclosing :func:`mesh_context` (outside jit) when its axes are ``(data, model)``."""
+    mesh = jax.sharding.get_mesh()
+    if mesh is None or getattr(mesh, "empty", False) or tuple(mesh.axis_names) != AXES:
+        return None
+    return mesh
+
+
+def on_current_mesh(cache: KVCache) -> KVCache:
+    """``cache`` placed by :func:`place_cache` on the :func:`current_mesh` (unchanged without one): what a
+    caller that allocates a fresh cache (``serving.generate``, the evaluation policies) does so that the whole
+    computation runs on the mesh the user chose."""
+    mesh = current_mesh()
+    return cache if mesh is None else place_cache(cache, mesh)
 
 
 def _sizes(mesh) -> tuple[int, int]:

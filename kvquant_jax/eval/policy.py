@@ -16,6 +16,7 @@ from kvquant_jax.cache.interface import CacheScheme, KVCache, init_cache
 from kvquant_jax.cache.mixed import describe, full_precision_like
 from kvquant_jax.cache.registry import make_scheme
 from kvquant_jax.config import needs_artifact_scales, needs_fp8_artifact, needs_kvquant_artifact
+from kvquant_jax.sharding import on_current_mesh
 
 __all__ = ["Fp8Scales", "Policy", "as_policy", "build_policy", "needs_fp8_scales", "needs_fp8_artifact",
            "needs_kvquant_artifact"]
@@ -50,7 +51,7 @@ class Policy:
             cache = load_scales(cache, k, v)
         if self.kvquant is not None:
             cache = self.kvquant.install(cache)
-        return cache
+        return on_current_mesh(cache)   # under sharding.mesh_context: laid out on the mesh
 
     def describe(self) -> str:
         return describe(self.schemes)

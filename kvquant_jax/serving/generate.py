@@ -20,6 +20,7 @@ from kvquant_jax.models.config import LlamaConfig
 from kvquant_jax.models.llama import forward
 from kvquant_jax.quant.ledger import Ledger, LedgerShape, ledger
 from kvquant_jax.serving.sampling import SamplingParams, sample
+from kvquant_jax.sharding import on_current_mesh, to_host
 
 
 class CacheAppendError(ValueError):
@@ -151,6 +152,7 @@ def generate(params, cfg: LlamaConfig, prompts: list[list[int]], *, max_new_toke
         layer_groups = "runs" if jax.default_backend() == "cpu" else "per_layer"
     cache = init_cache(scheme, num_layers=cfg.num_layers, batch=len(prompts), capacity=capacity,
                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, layer_groups=layer_groups)
+    cache = on_current_mesh(cache)    # under sharding.mesh_context: batch over data, KV heads over model
     return run_batch(params, cfg, prompts, cache, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                      eos_id=eos_id, attention_impl=attention_impl, prefill_chunk=prefill_chunk)
 
@@ -215,12 +217,12 @@ def run_batch(params, cfg: LlamaConfig, runs: list[list[int]], cache: KVCache, *
     t1 = time.perf_counter()
     out, n_gen, cache, ok, steps = decode_loop(params, cfg, first, cache, key, max_new=max_new_tokens,
                                                sampling=sampling, eos_id=eos_id, attention_impl=attention_impl)
-    out = np.asarray(out)
+    out = to_host(out)                # several processes: every process gets all sequences
     t2 = time.perf_counter()
     if not bool(ok):
         raise CacheAppendError(f"decode step {int(steps)} produced non-finite K/V; the cache holds the state "
                                f"before that step")
-    n_gen = np.asarray(n_gen)
+    n_gen = to_host(n_gen)
     return GenerationResult(tokens=[out[i, : n_gen[i]].tolist() for i in range(b)],
                             finished=[bool((out[i] == eos_id).any()) for i in range(b)], prefill_seconds=t1 - t0,
                             decode_seconds=t2 - t1, decode_steps=int(steps), cache=cache)

@@ -1,0 +1,177 @@
+"""Sharded == unsharded on the model: greedy tokens (64 steps) and serving-path NLL on a tiny random model with 8
+KV heads (DP x TP in {1x8, 2x4, 8x1}: bf16, int4, KIVI-2, a mixed policy), the serving loop on a mesh, KV heads
+replicated when Hkv < model, the compiled decode step free of cache collectives, bad meshes, and SmolLM2 at
+TP 3 x DP 2.  The unsharded run on one device is the oracle.  CPU, 8 host devices (tests/conftest.py)."""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvquant_jax import sharding as S
+from kvquant_jax.cache.interface import init_cache
+from kvquant_jax.cache.registry import make_policy, make_scheme
+from kvquant_jax.eval.quantized_ppl import decode
+from kvquant_jax.models.testing import random_params, tiny_config
+from kvquant_jax.serving.generate import decode_loop, generate
+from kvquant_jax.serving.inspect import hlo_shape
+from kvquant_jax.serving.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
+
+CFG = tiny_config(vocab_size=128, num_heads=8, num_kv_heads=8, hidden_size=64, intermediate_size=128, num_layers=2,
+                  head_dim=32)
+KIVI2 = "kivi2:group_size=8,v_group_size=8,residual=16"      # small groups: 64 steps close many K/V groups
+POLICIES = {
+    "bf16": "bf16",
+    "int4": "int4",
+    "kivi2": KIVI2,
+    "mixed": {"name": "int4", "full_precision_first": 1},      # layer 0 fp32, layer 1 int4
+}
+# serving-path NLL, max |sharded - unsharded| / max |NLL|: float32 rounding of the row-parallel reductions (the
+# stored codes of layer 0 are bit-identical; later layers see the residual stream rounded differently)
+NLL_RTOL = {"bf16": 1e-5, "int4": 1e-4, "kivi2": 1e-4, "mixed": 1e-4}
+N = 64
+
+
+def _policy(key, cfg=CFG):
+    return make_policy(POLICIES[key], cfg.num_layers, rope_theta=cfg.rope_theta)
+
+
+def _run(cfg, params, policy, mesh, prompt, targets):
+    """(greedy tokens [B, N], serving-path NLL [B, N]) through one compiled prefill + decode scan."""
+    with S.mesh_context(mesh):
+        p = params if mesh is None else S.place_params(params, cfg, mesh)
+        greedy = decode(p, cfg, policy, prompt, N, free_running=True)["argmax"]
+        nll = decode(p, cfg, policy, prompt, N, targets=targets)["nll"]
+    return greedy, nll
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    rng = np.random.default_rng(0)
+    params = random_params(CFG, seed=1)
+    prompt = rng.integers(3, CFG.vocab_size, (8, 12)).astype(np.int32)
+    targets = rng.integers(3, CFG.vocab_size, (8, N + 1)).astype(np.int32)
+    return params, prompt, targets
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", sorted(POLICIES))
+def test_greedy_tokens_and_serving_nll_equal_unsharded(tiny, key):
+    params, prompt, targets = tiny
+    policy = _policy(key)
+    ref_tok, ref_nll = _run(CFG, params, policy, None, prompt, targets)
+    assert len(np.unique(ref_tok)) > 4                                    # a non-degenerate continuation
+    for mesh in ("data=1,model=8", "data=2,model=4", "data=8,model=1"):
+        tok, nll = _run(CFG, params, policy, S.make_mesh(mesh), prompt, targets)
+        np.testing.assert_array_equal(tok, ref_tok, err_msg=mesh)
+        err = np.abs(nll - ref_nll).max() / np.abs(ref_nll).max()
+        assert err <= NLL_RTOL[key], (mesh, err)
+
+
+def test_serving_loop_on_a_mesh_keeps_the_cache_sharded(tiny):
+    params, prompt, _ = tiny
+    prompts = [list(map(int, prompt[i, : 4 + i])) for i in range(4)]             # ragged
+    scheme = make_scheme("int4", rope_theta=CFG.rope_theta)
+    ref = generate(params, CFG, prompts, max_new_tokens=24, scheme=scheme, eos_id=-1)
+    mesh = S.make_mesh("data=2,model=4")
+    with S.mesh_context(mesh):
+        res = generate(S.place_params(params, CFG, mesh), CFG, prompts, max_new_tokens=24, scheme=scheme, eos_id=-1)
+    assert res.tokens == ref.tokens
+    codes = res.cache.groups[0].k_codes
+    assert codes.sharding.spec == jax.sharding.PartitionSpec(None, "data", "model", None, None)
+    per_dev = S.addressable_bytes(res.cache)
+    assert set(per_dev.values()) == {sum(S.device_ledger(res.cache, mesh).values())}
+    assert codes.addressable_shards[0].data.nbytes * 8 == codes.nbytes    # total / (data x model)
+
+
+def test_kv_heads_replicated_when_fewer_than_model_shards():
+    cfg = tiny_config(vocab_size=128, num_heads=8, num_kv_heads=2, hidden_size=64, intermediate_size=128,
+                      num_layers=2, head_dim=32)
+    params = random_params(cfg, seed=2)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(3, 128, (2, 8)).astype(np.int32)
+    targets = rng.integers(3, 128, (2, N + 1)).astype(np.int32)
+    policy = make_policy("int4", 2, rope_theta=cfg.rope_theta)
+    assert S.param_specs(params, cfg, S.MeshShape(2, 4))["layers"]["wk"] == jax.sharding.PartitionSpec()
+    ref_tok, ref_nll = _run(cfg, params, policy, None, prompt, targets)
+    tok, nll = _run(cfg, params, policy, S.make_mesh("data=2,model=4"), prompt, targets)
+    np.testing.assert_array_equal(tok, ref_tok)
+    assert np.abs(nll - ref_nll).max() <= 1e-4 * np.abs(ref_nll).max()
+
+
+def _collectives(hlo: str) -> list[tuple[str, list[str]]]:
+    """(op, every array type on the line) of each cross-device collective in a compiled HLO module."""
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\(", line)
+        if m and "=" in line:
+            out.append((m.group(1), re.findall(r"\b(?:pred|[suf]\d+|bf16|f8e\w+)\[[\d,]*\]", line)))
+    return out
+
+
+def _cache_types(cache, mesh) -> set[str]:
+    """HLO types of every cache buffer: global, per-device, and gathered over one axis only."""
+    d, m = int(mesh.shape["data"]), int(mesh.shape["model"])
+    specs = S.cache_specs(cache, mesh)
+    out = set()
+    leaves = jax.tree.leaves(cache.groups)
+    spec_leaves = jax.tree.leaves(specs.groups, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    for a, spec in zip(leaves, spec_leaves):
+        for sizes in ({"data": d, "model": m}, {"data": d, "model": 1}, {"data": 1, "model": m},
+                      {"data": 1, "model": 1}):
+            shape = S._local_shape(a.shape, spec, sizes)
+            out.add(hlo_shape(jax.ShapeDtypeStruct(shape, a.dtype)))
+    return out
+
+
+@pytest.mark.parametrize("spec", ["int4", KIVI2, "fp8_e4m3:scales=warmup"])
+def test_compiled_decode_step_has_no_collective_on_cache_buffers(spec):
+    """The compiled decode loop on a 2 x 4 mesh: its collectives are the math's (o / down all-reduces, vocab
+    embedding and argmax, the ok flags); none moves a cache buffer (global, per-device or half-gathered type)."""
+    mesh = S.make_mesh("data=2,model=4")
+    scheme = make_scheme(spec, rope_theta=CFG.rope_theta)
+    cache = S.place_cache(init_cache(scheme, num_layers=2, batch=4, capacity=96, num_kv_heads=8, head_dim=32), mesh)
+    params = S.place_params(random_params(CFG), CFG, mesh)
+    with S.mesh_context(mesh):
+        hlo = decode_loop.lower(params, CFG, jnp.zeros((4,), jnp.int32), cache, jax.random.PRNGKey(0), max_new=4,
+                                sampling=SamplingParams(), eos_id=2).compile().as_text()
+    coll = _collectives(hlo)
+    assert any(op == "all-reduce" for op, _ in coll)                      # the row-parallel reductions are there
+    types = _cache_types(cache, mesh) - {"s32[4]", "s32[2]", "pred[4]", "pred[2]"}   # lengths-sized flags
+    bad = [(op, t) for op, ts in coll for t in ts if t in types]
+    assert not bad, bad
+
+
+def test_bad_mesh_refused_before_anything_runs(tiny):
+    params, prompt, _ = tiny
+    mesh = S.make_mesh("data=2,model=4")
+    with S.mesh_context(mesh), pytest.raises(ValueError, match="data=2 does not divide the batch of 3"):
+        generate(params, CFG, [[5, 6], [7], [8, 9, 10]], max_new_tokens=4)
+    cfg = tiny_config(num_heads=6, num_kv_heads=3)
+    with pytest.raises(ValueError, match="model=2 does not divide the 3 KV heads"):
+        S.place_params(random_params(cfg), cfg, S.make_mesh("data=1,model=2"))
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_dp2_matches_unsharded(smollm):
+    """SmolLM2-135M (9 query / 3 KV heads, 30 layers) on data 2 x model 3: 64 greedy tokens equal, serving-path NLL
+    within 1e-4 relative, for bf16 and int4 caches."""
+    cfg, params = smollm.cfg, smollm.params
+    tok = smollm.tokenizer
+    prompt = np.asarray([tok.encode("The capital of France is")[:5], tok.encode("Once upon a time, there")[:5]],
+                        np.int32)
+    targets = np.asarray([tok.encode(" Paris, a city of lights and of history, and also of art museums " * 6)
+                          [: N + 1]] * 2, np.int32)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:6]).reshape(2, 3), S.AXES,
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    for spec in ("bf16", "int4"):
+        policy = make_policy(spec, cfg.num_layers, rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
+        ref_tok, ref_nll = _run(cfg, params, policy, None, prompt, targets)
+        got_tok, got_nll = _run(cfg, params, policy, mesh, prompt, targets)
+        np.testing.assert_array_equal(got_tok, ref_tok, err_msg=spec)
+        assert np.abs(got_nll - ref_nll).max() <= 1e-4 * np.abs(ref_nll).max(), spec
