@@ -22,6 +22,27 @@ def _add_model_args(p):
                    help="SmoothQuant migration strength (statistics from 8 x 512 WikiText-2 validation tokens)")
 
 
+def _add_mesh_args(p):
+    p.add_argument("--mesh", default=None,
+                   help="device mesh 'data=D,model=M': sequences over D devices, heads / FFN / vocabulary over M "
+                        "(CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    p.add_argument("--coordinator", default=None,
+                   help="several hosts: HOST:PORT of process 0's coordinator (or $KVQ_COORDINATOR)")
+    p.add_argument("--num-processes", type=int, default=None, help="several hosts: process count ($KVQ_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None, help="several hosts: this process ($KVQ_PROCESS_ID)")
+
+
+def _mesh(args):
+    """Before anything touches JAX: ``jax.distributed`` when a coordinator is named, then the ``--mesh`` (None
+    without one).  Bad values raise ``ValueError`` naming them."""
+    from kvquant_jax import sharding as S
+
+    shape = S.parse_mesh(args.mesh)
+    S.distributed_args(args.coordinator, args.num_processes, args.process_id)      # checked before connecting
+    S.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    return None if shape is None else S.make_mesh(shape)
+
+
 def _load(args):
     """load_model + the activation options (SmoothQuant fold, W8A8 weights and policy on cfg.activation)."""
     from kvquant_jax.models import load_model
@@ -63,13 +84,18 @@ def cmd_generate(args):
     if not args.prompt or not args.prompt.strip():
         raise SystemExit("error: --prompt is empty")
     checks.generate_args(args)
+    mesh = _mesh(args)
     m = _load(args)
     tok = m.tokenizer
     use_chat = not args.raw and tok.chat_template is not None
     ids = tok.encode_chat(args.prompt, system=args.system) if use_chat else tok.encode(args.prompt, add_bos=False)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    res = generate(m.params, m.cfg, [ids], max_new_tokens=args.max_new_tokens, scheme=_scheme(args.cache, m.cfg),
-                   capacity=args.capacity, sampling=sampling, seed=args.seed, attention_impl=args.attention)
+    from kvquant_jax import sharding as S
+
+    with S.mesh_context(mesh):
+        params = m.params if mesh is None else S.place_params(m.params, m.cfg, mesh)
+        res = generate(params, m.cfg, [ids], max_new_tokens=args.max_new_tokens, scheme=_scheme(args.cache, m.cfg),
+                       capacity=args.capacity, sampling=sampling, seed=args.seed, attention_impl=args.attention)
     print(tok.decode(res.tokens[0]))
     if args.verbose:
         n = len(res.tokens[0])
@@ -84,6 +110,11 @@ def cmd_ppl(args):
     from kvquant_jax.eval.ppl import perplexity
 
     checks.ppl_args(args)
+    mesh = _mesh(args)
+    data = 1 if mesh is None else int(mesh.shape["data"])
+    if args.max_segments % data:
+        raise ValueError(f"--max-segments {args.max_segments} must be a multiple of the mesh's data={data} "
+                         "(segments are batched over the data axis)")
     m = _load(args)
     checks.context_fits(args.seq_len, m.cfg, "--seq-len")
     corpus = load_corpus(args.corpus, split="test")
@@ -96,12 +127,17 @@ def cmd_ppl(args):
         from kvquant_jax.eval.quantized_ppl import make_nll_fn
 
         nll_fn = make_nll_fn(_scheme(args.cache, m.cfg), chunk=args.chunk)
-    res = perplexity(m.params, m.cfg, ids, seq_len=args.seq_len, max_segments=args.max_segments,
-                     bos_id=m.cfg.bos_id if args.bos else None, nll_fn=nll_fn, progress=args.progress)
+    from kvquant_jax import sharding as S
+
+    with S.mesh_context(mesh):
+        params = m.params if mesh is None else S.place_params(m.params, m.cfg, mesh)
+        res = perplexity(params, m.cfg, ids, seq_len=args.seq_len, max_segments=args.max_segments,
+                         batch_size=data, bos_id=m.cfg.bos_id if args.bos else None, nll_fn=nll_fn,
+                         progress=args.progress)
     out = {"ppl": res.ppl, "nll": res.nll, "tokens": res.tokens, "segments": res.segments, "seq_len": res.seq_len,
            "bos": res.bos, "model": m.path, "model_sha256": m.cfg.sha256, "corpus": corpus.name,
            "corpus_sha256": corpus.sha256, "cache": args.cache or "none", "dtype": args.dtype,
-           "w8a8": bool(args.w8a8), "smooth_alpha": args.smooth_alpha,
+           "w8a8": bool(args.w8a8), "smooth_alpha": args.smooth_alpha, "mesh": args.mesh,
            "load_s": round(m.load_seconds, 3), "tokenize_s": round(tok_s, 3), "eval_s": round(res.seconds, 3)}
     print(json.dumps(out))
 
@@ -150,6 +186,7 @@ def main(argv=None):
     p.add_argument("--attention", default="auto", choices=["reference", "kernel", "auto"],
                    help="auto (default): packed-KV kernels + cuDNN prefill on GPU, the float32 reference on CPU")
     p.add_argument("-v", "--verbose", action="store_true")
+    _add_mesh_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("ppl", help="perplexity (transformers convention: no BOS, contiguous segments)")
@@ -162,6 +199,7 @@ def main(argv=None):
     p.add_argument("--cache", default=None, help="evaluate through a quantized cache scheme")
     p.add_argument("--chunk", type=int, default=128, help="chunk size of the quantized-cache fast path")
     p.add_argument("--progress", action="store_true")
+    _add_mesh_args(p)
     p.set_defaults(func=cmd_ppl)
 
     p = sub.add_parser("ledger", help="print the byte ledger of a cache config")

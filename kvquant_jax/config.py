@@ -300,6 +300,9 @@ class ExperimentConfig:
     calibration: CalibrationConfig = CalibrationConfig()
     tasks: TasksConfig = TasksConfig()
     sweep: SweepConfig | None = None
+    #: device mesh "data=D,model=M" for the whole run (kvquant_jax.sharding); not part of any row key: a mesh
+    #: changes results only by float rounding (the sharded run is tested against the unsharded one)
+    mesh: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (scheme specs as mappings); ``from_dict(to_dict())`` round-trips."""

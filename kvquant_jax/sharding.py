@@ -48,17 +48,21 @@ import dataclasses
 import math
 import os
 import re
+import socket
+import time
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvquant_jax.cache.interface import BATCH, HEADS, HEADS_REPLICATED, KVCache
+from kvquant_jax.quant.ledger import measured_nbytes
 
 __all__ = ["AXES", "DATA", "MODEL", "MeshShape", "parse_mesh", "make_mesh", "mesh_context", "active_mesh",
-           "check_mesh", "kv_heads_sharded", "current_mesh", "on_current_mesh", "param_spec", "param_specs", "place_params", "layer_specs",
+           "check_mesh", "kv_heads_sharded", "current_mesh", "on_current_mesh", "params_on_current_mesh", "param_spec", "param_specs", "place_params", "layer_specs",
            "cache_specs", "place_cache", "constrain_cache", "activation_spec", "place", "device_ledger",
            "addressable_bytes", "to_host", "initialize_distributed", "WEIGHT_RULES", "ACTIVATIONS"]
 
@@ -172,6 +176,12 @@ def on_current_mesh(cache: KVCache) -> KVCache:
     computation runs on the mesh the user chose."""
     mesh = current_mesh()
     return cache if mesh is None else place_cache(cache, mesh)
+
+
+def params_on_current_mesh(params, cfg):
+    """``params`` placed by :func:`place_params` on the :func:`current_mesh` (unchanged without one)."""
+    mesh = current_mesh()
+    return params if mesh is None else place_params(params, cfg, mesh)
 
 
 def _sizes(mesh) -> tuple[int, int]:
@@ -436,8 +446,6 @@ def device_ledger(cache: KVCache, mesh) -> dict[str, int]:
     ``layer_nbytes`` applied to the per-device shard shapes of :func:`cache_specs`): a field sharded on both axes
     holds ``total / (data * model)`` bytes per device, a replicated one all of them.  Every device holds the same
     (the mesh divides every sharded axis)."""
-    from kvquant_jax.quant.ledger import measured_nbytes
-
     d, m = _sizes(mesh)
     sizes = {DATA: d, MODEL: m}
     local = map_specs(lambda a, s: _Local(_local_shape(np.shape(a), s, sizes), a.dtype), cache,
@@ -457,8 +465,6 @@ def addressable_bytes(cache: KVCache) -> dict[Any, int]:
 def to_host(x) -> np.ndarray:
     """A (possibly multi-process, not fully addressable) array as one NumPy array on every process."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
 
@@ -501,25 +507,39 @@ def distributed_args(coordinator: str | None = None, num_processes: int | None =
     return coordinator, n, i
 
 
+def wait_for_coordinator(address: str, timeout_s: float, *, what: str = "") -> None:
+    """Poll a TCP connection to ``address`` ("host:port") until it accepts or ``timeout_s`` passes; then raise
+    ``TimeoutError`` naming the address (``what``: who was waiting, for the message)."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(1.0, max(timeout_s, 0.1))):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{what}no coordinator answered at {address} within {timeout_s:g} s (start "
+                                   f"process 0 there first, or check --coordinator / {ENV_COORDINATOR}): "
+                                   f"{e.strerror or e}") from None
+            time.sleep(0.2)
+
+
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None, *, timeout_s: int = 300) -> bool:
     """``jax.distributed.initialize`` from arguments or the environment (see :func:`distributed_args`); must run
     before any other JAX call.  Returns False (nothing done) without a coordinator.  On CPU the cross-process
-    collectives use gloo.  A coordinator that does not answer within ``timeout_s`` raises ``TimeoutError`` naming
-    the address and this process."""
+    collectives use gloo.  A process other than 0 first waits up to ``timeout_s`` for the coordinator's port
+    (process 0 serves it) and raises ``TimeoutError`` naming the address and the process when it never answers
+    (JAX itself would abort the whole process on that deadline, with no Python exception)."""
     args = distributed_args(coordinator, num_processes, process_id)
     if args is None:
         return False
     addr, n, i = args
-    if os.environ.get("JAX_PLATFORMS", "").startswith("cpu") or "cpu" in os.environ.get("JAX_PLATFORM_NAME", ""):
+    t0 = time.monotonic()
+    if i != 0:
+        wait_for_coordinator(addr, timeout_s, what=f"process {i} of {n}: ")
+    if os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    try:
-        jax.distributed.initialize(addr, num_processes=n, process_id=i, initialization_timeout=int(timeout_s))
-    except Exception as e:  # noqa: BLE001 - JAX reports an unreachable coordinator as a generic runtime error
-        msg = str(e)
-        if any(w in msg.lower() for w in ("deadline", "timed out", "timeout", "unavailable", "connect")):
-            raise TimeoutError(f"process {i} of {n}: no coordinator answered at {addr} within {timeout_s} s "
-                               f"(start process 0 there, or check {ENV_COORDINATOR}); JAX said: "
-                               f"{msg.splitlines()[0] if msg else type(e).__name__}") from e
-        raise
+    left = max(1, int(timeout_s - (time.monotonic() - t0)))
+    jax.distributed.initialize(addr, num_processes=n, process_id=i, initialization_timeout=left)
     return True

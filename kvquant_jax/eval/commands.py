@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvquant_jax import sharding as S
 from kvquant_jax.config import METRICS, load_config
 from kvquant_jax.eval import runner
 from kvquant_jax.eval.report import write_report
@@ -38,6 +39,8 @@ def _common(p) -> None:
     p.add_argument("--metrics", default=None,
                    help=f"comma-separated subset of the enabled metrics ({','.join(METRICS)})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--mesh", default=None, help="device mesh 'data=D,model=M' (overrides the config's mesh key); "
+                                                "every metric's batch must divide by D")
 
 
 def _metrics(arg):
@@ -65,11 +68,22 @@ def _summary(row: dict) -> dict:
     return out
 
 
+def _mesh(loaded, args):
+    """The run's device mesh: ``--mesh``, else the config's top-level ``mesh`` key, else None."""
+    spec = args.mesh if args.mesh is not None else loaded.config.mesh
+    try:
+        shape = S.parse_mesh(spec)
+    except ValueError as e:
+        raise ValueError(f"{'--mesh' if args.mesh is not None else f'{args.config}: mesh'}: {e}") from None
+    return None if shape is None else S.make_mesh(shape)
+
+
 def _run(loaded, args):
     """run_sweep with the command-line options; Ctrl-C exits 130 after saying where the completed rows are."""
     try:
-        return runner.run_sweep(loaded, args.out, metrics=_metrics(args.metrics), progress=not args.no_progress,
-                                command=_command())
+        with S.mesh_context(_mesh(loaded, args)):
+            return runner.run_sweep(loaded, args.out, metrics=_metrics(args.metrics), progress=not args.no_progress,
+                                    command=_command())
     except KeyboardInterrupt:
         where = f"{args.out}/results.jsonl" if args.out else "memory (no --out)"
         print(f"\nkvq: interrupted; completed rows are kept in {where}. Run the same command again to resume.",

@@ -25,6 +25,7 @@ from kvquant_jax.eval.policy import Policy, build_policy, needs_fp8_artifact, ne
 from kvquant_jax.eval.ppl import perplexity
 from kvquant_jax.eval.quantized_ppl import make_nll_fn, serving_nll
 from kvquant_jax.models.w8a8 import apply_policy
+from kvquant_jax.sharding import current_mesh, params_on_current_mesh
 
 # metrics whose rows carry a delta against the full-precision baseline (same tokens, same settings)
 DELTA_FIELDS = {"ppl": ("ppl", "nll"), "serving_ppl": ("ppl", "nll"), "passkey": ("mean",)}
@@ -46,6 +47,7 @@ class Session:
         self._fp8: dict[tuple, object] = {}
         self._refs: dict[tuple, np.ndarray] = {}
         self._kvquant: dict[tuple, object] = {}
+        self._placed: dict[tuple, EvalModel] = {}
 
     # ----- shared inputs
     def model(self, cfg: ExperimentConfig, raw: bool = False) -> EvalModel:
@@ -57,11 +59,22 @@ class Session:
             self._models[key] = load_eval_model(cfg.model)
             self.log(f"model {cfg.model.name}: loaded in {time.perf_counter() - t0:.1f} s")
         if raw or not cfg.activation.transforms_model:
-            return self._models[key]
+            return self._on_mesh(self._models[key])
         tkey = cfg.digest("model", "activation", "data")
         if tkey not in self._models:
             self._models[tkey] = self._transformed(cfg, self._models[key])
-        return self._models[tkey]
+        return self._on_mesh(self._models[tkey])
+
+    def _on_mesh(self, m: EvalModel) -> EvalModel:
+        """The model with its weights on the current mesh (``kvq eval/sweep --mesh``; unchanged without one),
+        placed once per model and mesh."""
+        mesh = current_mesh()
+        if mesh is None:
+            return m
+        key = (id(m), id(mesh))
+        if key not in self._placed:
+            self._placed[key] = dataclasses.replace(m, params=params_on_current_mesh(m.params, m.cfg))
+        return self._placed[key]
 
     def _transformed(self, cfg: ExperimentConfig, m: EvalModel) -> EvalModel:
         a = cfg.activation

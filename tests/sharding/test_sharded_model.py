@@ -31,9 +31,14 @@ POLICIES = {
     "kivi2": KIVI2,
     "mixed": {"name": "int4", "full_precision_first": 1},      # layer 0 fp32, layer 1 int4
 }
-# serving-path NLL, max |sharded - unsharded| / max |NLL|: float32 rounding of the row-parallel reductions (the
-# stored codes of layer 0 are bit-identical; later layers see the residual stream rounded differently)
-NLL_RTOL = {"bf16": 1e-5, "int4": 1e-4, "kivi2": 1e-4, "mixed": 1e-4}
+# Serving-path NLL, max over tokens of |sharded - unsharded| / max |NLL| (per token) and |mean - mean| / mean (the
+# evaluation figure).  The difference is float32 rounding: the row-parallel reductions (and, for data > 1, the
+# smaller per-device batch of the CPU matmuls: 8 x 1 shows the same size) round the residual stream differently,
+# which flips an occasional bf16 / int4 rounding of a later layer's K/V (layer 0's stored codes are bit-identical,
+# test_sharding_specs).  Measured (2026-12-01, CPU): per token <= 4.6e-5 (bf16), 1.2e-4 (int4), 2.3e-5 (KIVI-2),
+# 6.8e-6 (mixed).
+NLL_RTOL = {"bf16": 2e-4, "int4": 4e-4, "kivi2": 2e-4, "mixed": 4e-4}
+MEAN_RTOL = 5e-5
 N = 64
 
 
@@ -71,6 +76,7 @@ def test_greedy_tokens_and_serving_nll_equal_unsharded(tiny, key):
         np.testing.assert_array_equal(tok, ref_tok, err_msg=mesh)
         err = np.abs(nll - ref_nll).max() / np.abs(ref_nll).max()
         assert err <= NLL_RTOL[key], (mesh, err)
+        assert abs(nll.mean() - ref_nll.mean()) <= MEAN_RTOL * ref_nll.mean(), mesh
 
 
 def test_serving_loop_on_a_mesh_keeps_the_cache_sharded(tiny):
@@ -83,7 +89,7 @@ def test_serving_loop_on_a_mesh_keeps_the_cache_sharded(tiny):
         res = generate(S.place_params(params, CFG, mesh), CFG, prompts, max_new_tokens=24, scheme=scheme, eos_id=-1)
     assert res.tokens == ref.tokens
     codes = res.cache.groups[0].k_codes
-    assert codes.sharding.spec == jax.sharding.PartitionSpec(None, "data", "model", None, None)
+    assert tuple(codes.sharding.spec)[:3] == (None, "data", "model") and codes.sharding.spec[3:] in ((), (None,) * 2)
     per_dev = S.addressable_bytes(res.cache)
     assert set(per_dev.values()) == {sum(S.device_ledger(res.cache, mesh).values())}
     assert codes.addressable_shards[0].data.nbytes * 8 == codes.nbytes    # total / (data x model)
