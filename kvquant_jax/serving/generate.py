@@ -160,7 +160,7 @@ def generate(params, cfg: LlamaConfig, prompts: list[list[int]], *, max_new_toke
 def device_free_bytes(device=None) -> int | None:
     """Bytes the device's allocator can still hand out (``bytes_limit - bytes_in_use``), or None where the
     platform reports no memory statistics (the CPU)."""
-    stats = (device or jax.devices()[0]).memory_stats()
+    stats = (device or jax.local_devices()[0]).memory_stats()   # this process's first device
     if not stats or "bytes_limit" not in stats:
         return None
     return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))

@@ -163,10 +163,17 @@ def test_bad_mesh_refused_before_anything_runs(tiny):
         S.place_params(random_params(cfg), cfg, S.make_mesh("data=1,model=2"))
 
 
+# SmolLM2 on 2 x 3 vs one device, serving-path NLL (max per token / mean, relative).  fp32 cache: float32 rounding
+# only (measured 2.4e-6 / 7.8e-7).  bf16 / int4 caches round K/V, and SmolLM2's massive activations amplify a flipped
+# rounding along the sequence: pure data parallel (2 x 1, no tensor-parallel reduction at all) already differs by
+# 1.8e-3 / 6.0e-5 for bf16; 2 x 3 by 1.5e-3 / 4.8e-4 (measured 2026-12-01, CPU).  Greedy tokens are equal.
+SMOL_RTOL = {"fp32": (1e-5, 5e-6), "bf16": (5e-3, 2e-3), "int4": (1e-2, 5e-3)}
+
+
 @pytest.mark.slow
 def test_smollm2_tp3_dp2_matches_unsharded(smollm):
-    """SmolLM2-135M (9 query / 3 KV heads, 30 layers) on data 2 x model 3: 64 greedy tokens equal, serving-path NLL
-    within 1e-4 relative, for bf16 and int4 caches."""
+    """SmolLM2-135M (9 query / 3 KV heads, 30 layers) on data 2 x model 3: 64 greedy tokens equal and serving-path
+    NLL within SMOL_RTOL of the single-device run, for fp32, bf16 and int4 caches."""
     cfg, params = smollm.cfg, smollm.params
     tok = smollm.tokenizer
     prompt = np.asarray([tok.encode("The capital of France is")[:5], tok.encode("Once upon a time, there")[:5]],
@@ -175,9 +182,10 @@ def test_smollm2_tp3_dp2_matches_unsharded(smollm):
                           [: N + 1]] * 2, np.int32)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:6]).reshape(2, 3), S.AXES,
                              axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    for spec in ("bf16", "int4"):
+    for spec, (tol_max, tol_mean) in SMOL_RTOL.items():
         policy = make_policy(spec, cfg.num_layers, rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
         ref_tok, ref_nll = _run(cfg, params, policy, None, prompt, targets)
         got_tok, got_nll = _run(cfg, params, policy, mesh, prompt, targets)
         np.testing.assert_array_equal(got_tok, ref_tok, err_msg=spec)
-        assert np.abs(got_nll - ref_nll).max() <= 1e-4 * np.abs(ref_nll).max(), spec
+        assert np.abs(got_nll - ref_nll).max() <= tol_max * np.abs(ref_nll).max(), spec
+        assert abs(got_nll.mean() - ref_nll.mean()) <= tol_mean * ref_nll.mean(), spec
