@@ -3,6 +3,8 @@
     python experiments/bench_serving.py --model llama3-8b-shaped --cache bf16 int8 int4 int2 kivi2 \
         --batch 8 --T 32768 --out docs/results/serving                       # GPU (H200)
     python experiments/bench_serving.py --model tiny --T 256 --steps 8       # CPU smoke run
+    python experiments/bench_serving.py --cache bf16 int4 --batch 8 --T 32768 --mesh none data=1,model=1 --reps 5
+                                   # the sharded code path on a 1 x 1 mesh vs the plain one (issue N, <= 5%)
 
 Rows:
 * **decode**: a cache of ``--cache`` filled with ``T`` random rows per sequence through the scheme's own append
@@ -30,6 +32,7 @@ import dataclasses
 import datetime
 import functools
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -42,6 +45,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from kvquant_jax import sharding as S  # noqa: E402
 from kvquant_jax.cache import ops  # noqa: E402
 from kvquant_jax.cache.interface import init_cache  # noqa: E402
 from kvquant_jax.cache.registry import make_scheme  # noqa: E402
@@ -99,15 +103,18 @@ def tree_bytes(tree) -> int:
 
 
 def filled_cache(cfg, scheme, batch: int, length: int, capacity: int, layer_groups: str, chunk: int = 2048):
-    """A cache holding ``length`` random rows per sequence, appended chunk by chunk through ``ops.try_append``."""
-    cache = init_cache(scheme, num_layers=cfg.num_layers, batch=batch, capacity=capacity,
-                       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, layer_groups=layer_groups)
+    """A cache holding ``length`` random rows per sequence, appended chunk by chunk through ``ops.try_append``.
+    Under ``sharding.mesh_context`` (``--mesh``) the cache is laid out on the mesh and stays there."""
+    cache = S.on_current_mesh(init_cache(scheme, num_layers=cfg.num_layers, batch=batch, capacity=capacity,
+                                         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                         layer_groups=layer_groups))
 
     @functools.partial(jax.jit, donate_argnums=0)
     def fill(cache, key, n):
         k = jax.random.normal(key, (batch, chunk, cfg.num_kv_heads, cfg.head_dim), jnp.float32).astype(jnp.bfloat16)
         v = jax.random.normal(jax.random.fold_in(key, 1), k.shape, jnp.float32).astype(jnp.bfloat16)
-        return ops.try_append(cache, [(k, v)] * cfg.num_layers, n)
+        cache, ok = ops.try_append(cache, [(k, v)] * cfg.num_layers, n)
+        return S.constrain_cache(cache), ok
 
     done = 0
     while done < length:
@@ -158,35 +165,46 @@ def decode_rows(args, cfg, params_u, params_s, tbps, rows, log):
                 cap = -(-cap // 256) * 256
                 lg = ledger(scheme, LedgerShape(cfg.num_layers, b, cfg.num_kv_heads, cfg.head_dim, t, cap))
                 kv_read = Ledger.total(lg.read_per_step)
-                for layout in args.layout:
-                    for impl in args.impl:
-                        if layout == "stacked" and params_s is None:
-                            continue
-                        params = params_u if layout == "serving" else params_s
-                        groups = "per_layer" if layout == "serving" else "runs"
-                        try:
+                for layout, impl, mesh_name in itertools.product(args.layout, args.impl, args.mesh):
+                    if layout == "stacked" and params_s is None:
+                        continue
+                    mesh = None if mesh_name == "none" else S.make_mesh(mesh_name)
+                    params = params_u if layout == "serving" else params_s
+                    groups = "per_layer" if layout == "serving" else "runs"
+                    try:
+                        with S.mesh_context(mesh):
+                            params = S.params_on_current_mesh(params, cfg)
                             cache = filled_cache(cfg, scheme, b, t, cap, groups)
                             times, first_s, toks = time_decode(params, cfg, cache, args.steps, args.reps, impl)
-                            del cache
-                        except Exception as e:  # noqa: BLE001 - a benchmark row records its failure
-                            log(f"decode {spec} B={b} T={t} {layout}/{impl}: FAILED {type(e).__name__}: {e}"[:400])
-                            rows.append(dict(kind="decode", cache=spec, B=b, T=t, layout=layout, impl=impl,
-                                             error=f"{type(e).__name__}: {e}"[:400]))
-                            gc.collect()
-                            continue
+                        del cache, params
+                    except Exception as e:  # noqa: BLE001 - a benchmark row records its failure
+                        log(f"decode {spec} B={b} T={t} {layout}/{impl} mesh {mesh_name}: FAILED "
+                            f"{type(e).__name__}: {e}"[:400])
+                        rows.append(dict(kind="decode", cache=spec, B=b, T=t, layout=layout, impl=impl,
+                                         mesh=mesh_name, error=f"{type(e).__name__}: {e}"[:400]))
                         gc.collect()
-                        w = weight_bytes_per_step(params)
-                        roof_ms = (w + kv_read) / (tbps * 1e12) * 1e3
-                        ms = statistics.median(times) * 1e3
-                        row = dict(kind="decode", cache=spec, B=b, T=t, layout=layout, impl=impl,
-                                   ms_per_step=ms, ms_runs=[x * 1e3 for x in times], tokens_per_s=b / (ms / 1e3),
-                                   weights_gb=w / 1e9, kv_read_gb=kv_read / 1e9,
-                                   cache_gb=Ledger.total(lg.physical) / 1e9, roofline_ms=roof_ms,
-                                   frac_of_roofline=roof_ms / ms, compile_and_first_s=first_s,
-                                   tokens_head=np.asarray(toks)[0, :8].tolist())
-                        rows.append(row)
-                        log(f"decode {spec:8s} B={b} T={t} {layout:8s} {impl:9s} {ms:8.2f} ms/step  roofline "
-                            f"{roof_ms:6.2f} ms ({100 * roof_ms / ms:5.1f}%)  compile+first {first_s:6.1f} s")
+                        continue
+                    gc.collect()
+                    params = params_u if layout == "serving" else params_s
+                    w = weight_bytes_per_step(params)
+                    roof_ms = (w + kv_read) / (tbps * 1e12) * 1e3
+                    ms = statistics.median(times) * 1e3
+                    row = dict(kind="decode", cache=spec, B=b, T=t, layout=layout, impl=impl, mesh=mesh_name,
+                               ms_per_step=ms, ms_runs=[x * 1e3 for x in times], tokens_per_s=b / (ms / 1e3),
+                               weights_gb=w / 1e9, kv_read_gb=kv_read / 1e9,
+                               cache_gb=Ledger.total(lg.physical) / 1e9, roofline_ms=roof_ms,
+                               frac_of_roofline=roof_ms / ms, compile_and_first_s=first_s,
+                               tokens_head=np.asarray(toks)[0, :8].tolist())
+                    base = [r for r in rows if r.get("kind") == "decode" and r.get("mesh") == "none"
+                            and "error" not in r and (r["cache"], r["B"], r["T"], r["layout"], r["impl"]) ==
+                            (spec, b, t, layout, impl)]
+                    if mesh_name != "none" and base:   # the sharded code path's cost vs the plain one
+                        row["vs_unsharded"] = ms / base[-1]["ms_per_step"]
+                    rows.append(row)
+                    vs = f"  {100 * (row['vs_unsharded'] - 1):+5.1f}% vs unsharded" if "vs_unsharded" in row else ""
+                    log(f"decode {spec:8s} B={b} T={t} {layout:8s} {impl:9s} mesh {mesh_name:14s} {ms:8.2f} "
+                        f"ms/step  roofline {roof_ms:6.2f} ms ({100 * roof_ms / ms:5.1f}%)  compile+first "
+                        f"{first_s:6.1f} s{vs}")
 
 
 def capacity_rows(args, cfg, params_u, rows, log):
@@ -283,17 +301,20 @@ def markdown(meta, rows) -> str:
            "TB/s; the roofline divides by the copy figure)", ""]
     dec = [r for r in rows if r["kind"] == "decode"]
     if dec:
-        out += ["| cache | B | T | layout | attention | ms/step | runs | tok/s | cache GB | KV read GB | roofline ms "
-                "| % of roofline | compile+first s |", "|" + "---|" * 13]
+        out += ["| cache | B | T | layout | attention | mesh | ms/step | runs | tok/s | cache GB | KV read GB | "
+                "roofline ms | % of roofline | compile+first s | vs unsharded |", "|" + "---|" * 15]
         for r in dec:
+            mesh = r.get("mesh", "none")
             if "error" in r:
-                out.append(f"| {r['cache']} | {r['B']} | {r['T']} | {r['layout']} | {r['impl']} | failed: "
-                           f"{r['error'][:80]} | | | | | | | |")
+                out.append(f"| {r['cache']} | {r['B']} | {r['T']} | {r['layout']} | {r['impl']} | {mesh} | failed: "
+                           f"{r['error'][:80]} | | | | | | | | |")
                 continue
-            out.append(f"| {r['cache']} | {r['B']} | {r['T']} | {r['layout']} | {r['impl']} | {r['ms_per_step']:.2f} "
+            vs = f"{r['vs_unsharded']:.3f}x" if "vs_unsharded" in r else "-"
+            out.append(f"| {r['cache']} | {r['B']} | {r['T']} | {r['layout']} | {r['impl']} | {mesh} | "
+                       f"{r['ms_per_step']:.2f} "
                        f"| {' / '.join(f'{x:.2f}' for x in r['ms_runs'])} | {r['tokens_per_s']:.0f} | "
                        f"{r['cache_gb']:.2f} | {r['kv_read_gb']:.2f} | {r['roofline_ms']:.2f} | "
-                       f"{100 * r['frac_of_roofline']:.0f}% | {r['compile_and_first_s']:.1f} |")
+                       f"{100 * r['frac_of_roofline']:.0f}% | {r['compile_and_first_s']:.1f} | {vs} |")
         out.append("")
     cap = [r for r in rows if r["kind"] == "capacity"]
     if cap:
@@ -331,8 +352,17 @@ def main(argv=None):
     ap.add_argument("--check-capacity", action="store_true")
     ap.add_argument("--prefill-T", type=int, nargs="*", default=[])
     ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--mesh", nargs="+", default=["none"],
+                    help="decode rows per device mesh: 'none' (the plain path) and/or 'data=D,model=M' (the sharded "
+                         "path, kvquant_jax.sharding); 'none data=1,model=1' measures the 1x1 overhead")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    for m in args.mesh:
+        if m != "none":
+            try:
+                S.parse_mesh(m)
+            except ValueError as e:
+                ap.error(f"--mesh: {e}")
     for name in ("steps", "reps", "chunk"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1")
