@@ -538,8 +538,8 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     t0 = time.monotonic()
     if i != 0:
         wait_for_coordinator(addr, timeout_s, what=f"process {i} of {n}: ")
-    if os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # CPU devices of several processes talk through gloo (harmless where the accelerators have their own)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     left = max(1, int(timeout_s - (time.monotonic() - t0)))
     jax.distributed.initialize(addr, num_processes=n, process_id=i, initialization_timeout=left)
     return True

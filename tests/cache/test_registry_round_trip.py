@@ -17,23 +17,9 @@ from kvquant_jax.cache.registry import FAMILIES, NAMES, make_scheme, scheme_from
 from kvquant_jax.quant.ledger import LedgerShape, ledger, measured_nbytes
 
 from example_scheme import K16V8Scheme
+from family_specs import KIVI, SPECS  # noqa: F401 - one spec per registered family (a new family adds its line)
 
 L, B, H, D, C, T = 2, 2, 2, 32, 48, 21
-KIVI = {"name": "kivi2", "group_size": 8, "v_group_size": 8, "residual": 16}
-# one config spec per registered family (a new family must add its line: the round trip covers every family)
-SPECS = {
-    "full": "bf16",
-    "fp8": "fp8_e4m3:scales=warmup,axis=head",
-    "per_token": "int4:group_size=8",
-    "per_token_any": "int3",
-    "static_int": "static_int4",
-    "qserve": "qserve4",
-    "kivi": KIVI,
-    "kvquant": {"name": "kvquant", "bits": 3, "k_sparse_capacity": 1, "v_outliers": 1, "sink": 1},
-    "prefix": {"name": "prefix", "prefix_len": 3, "body": KIVI},
-    "axis_ablation": {"name": "kivi_axes", "k_axis": "token", "group_size": 8, "token_group_size": 8,
-                      "residual": 16},
-}
 
 
 def _filled(scheme, seed=0):

@@ -3,6 +3,9 @@ per-device ledger against the arrays' addressable shards, and bit-identical appe
 (the unsharded append is the oracle).  CPU, 8 host devices (tests/conftest.py)."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,25 +22,15 @@ from kvquant_jax.models.testing import random_params, tiny_config
 from kvquant_jax.models.w8a8 import W8A8Policy, quantize_params
 from kvquant_jax.quant.ledger import measured_nbytes
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cache"))
+from family_specs import SPECS as FAMILY_SPECS  # noqa: E402
+
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
 
 B, H, D, C = 2, 8, 32, 48
-KIVI = {"name": "kivi2", "group_size": 8, "v_group_size": 8, "residual": 16}
-# one spec per registered family, plus the scale-axis variants whose layouts differ
-SPECS = {
-    "full": "bf16",
-    "fp8": "fp8_e4m3:scales=warmup",
-    "fp8_head": "fp8_e4m3:scales=warmup,axis=head",
-    "per_token": "int4:group_size=8",
-    "per_token_any": "int3",
-    "static_int": "static_int4",
-    "qserve": "qserve4",
-    "kivi": KIVI,
-    "kvquant": {"name": "kvquant", "bits": 3, "k_sparse_capacity": 1, "v_outliers": 1, "sink": 1},
-    "prefix": {"name": "prefix", "prefix_len": 3, "body": KIVI},
-    "axis_ablation": {"name": "kivi_axes", "k_axis": "token", "group_size": 8, "token_group_size": 8,
-                      "residual": 16},
-}
+# one spec per registered family (tests/cache/family_specs.py) plus the scale-axis variants whose layouts differ
+SPECS = {**FAMILY_SPECS, "fp8": "fp8_e4m3:scales=warmup", "fp8_head": "fp8_e4m3:scales=warmup,axis=head",
+         "static_int_head": "static_int4:axis=head"}
 
 
 def _scheme(key):
@@ -133,7 +126,7 @@ def test_every_cache_field_has_its_spec_and_device_ledger_matches_shards(key):
     # per-tensor scales replicated on every shard
     if key in ("fp8", "static_int"):
         assert cache.groups[0].k_scale.sharding.is_fully_replicated
-    if key == "fp8_head":
+    if key in ("fp8_head", "static_int_head"):
         assert cache.groups[0].k_scale.sharding.spec == P(None, "model")
     per_dev = S.addressable_bytes(cache)
     assert len(per_dev) == 8 and len(set(per_dev.values())) == 1
@@ -209,7 +202,7 @@ def _steps(seed=0):
     return out
 
 
-_CORE = ["fp8", "fp8_head", "kivi", "kvquant", "per_token", "qserve"]   # per-token / per-head / KIVI / KVQuant / FP8
+_CORE = ["fp8", "fp8_head", "kivi", "kvquant", "per_token", "qserve", "static_int"]   # per-token / per-head / KIVI / KVQuant / FP8
 _MESHES = [("data=1,model=2", _CORE), ("data=1,model=4", _CORE), ("data=1,model=8", sorted(SPECS)),
            ("data=2,model=4", sorted(SPECS))]
 _REF: dict = {}

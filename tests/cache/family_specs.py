@@ -1,0 +1,17 @@
+"""One config spec per registered cache family (a new family must add its line: the registry round trip and the
+sharding tests cover every family).  Imported by name (the test directory is on sys.path)."""
+
+KIVI = {"name": "kivi2", "group_size": 8, "v_group_size": 8, "residual": 16}
+SPECS = {
+    "full": "bf16",
+    "fp8": "fp8_e4m3:scales=warmup,axis=head",
+    "per_token": "int4:group_size=8",
+    "per_token_any": "int3",
+    "static_int": "static_int4",
+    "qserve": "qserve4",
+    "kivi": KIVI,
+    "kvquant": {"name": "kvquant", "bits": 3, "k_sparse_capacity": 1, "v_outliers": 1, "sink": 1},
+    "prefix": {"name": "prefix", "prefix_len": 3, "body": KIVI},
+    "axis_ablation": {"name": "kivi_axes", "k_axis": "token", "group_size": 8, "token_group_size": 8,
+                      "residual": 16},
+}
