@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices 
     (["generate", "--prompt", "hi", "--mesh", "data=1,modle=2"], "unknown axis 'modle'"),
     (["generate", "--prompt", "hi", "--mesh", "data=4,model=4"], "needs 16 devices, 8 available"),
     (["generate", "--prompt", "hi", "--coordinator", "nohost"], "'nohost' is not HOST:PORT"),
-    (["generate", "--prompt", "hi", "--coordinator", "h:1", "--num-processes", "2"], "process_id is not set"),
+    (["generate", "--prompt", "hi", "--coordinator", "h:1", "--num-processes", "2"], "process_id is not (flag"),
     (["ppl", "--mesh", "data=2", "--max-segments", "3"], "--max-segments 3 must be a multiple of the mesh's data=2"),
     (["eval", "missing.yaml", "--mesh", "data=x"], "missing.yaml"),
 ])
