@@ -679,9 +679,9 @@ def decode_attention_transposed_v(q, fmt, state, lengths, k_new=None, v_new=None
     ``q [B, Hq, D]``; ``fmt, state``: the layer's static format and arrays (see :func:`transposed_v_operands`);
     ``lengths`` int ``[B]``; ``k_new, v_new`` optional ``[B, Hkv, D]``.  ``interpret``: anything but False/None
     on a non-GPU platform runs the plain-JAX partials on the same reinterpreted operands (CPU tests).  Returns
-    ``[B, Hq, D]`` in ``q.dtype``.
+    ``[B, Hq, D]`` float32 (the dispatcher casts).
     """
     ops = transposed_v_operands(fmt, state, lengths)
     interp = bool(interpret) if interpret is not None else jax.devices()[0].platform != "gpu"
     return decode_attention_mgpu_prepared(q, ops, k_new=k_new, v_new=v_new, sm_scale=sm_scale, config=config,
-                                          interpret=interp)
+                                          interpret=interp, out_dtype=_F32)

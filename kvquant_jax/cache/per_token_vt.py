@@ -23,6 +23,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from kvquant_jax.abi import transposed_v as tv
@@ -47,25 +48,30 @@ class TransposedVLayerState:
 
 def _write_token_columns(buf: jax.Array, q: jax.Array, pos: jax.Array, keep: jax.Array, bits: int) -> jax.Array:
     """Write signed codes ``q [B, H, T, D]`` of tokens at positions ``pos [B, T]`` (where ``keep``) into the
-    token-minor buffer ``buf uint8 [B, H, D, C*bits/8]``; every other code keeps its value."""
+    token-minor buffer ``buf uint8 [B, H, D, C*bits/8]``; every other code keeps its value.
+
+    The buffer is viewed as ``[B*H*D, bytes]`` (a bitcast) and written by scatters of single bytes indexed on
+    both axes, so every write stays in place in the donated buffer."""
     b, h, d, nbytes = buf.shape
+    t = q.shape[2]
     per = 8 // bits
     mask = (1 << bits) - 1
-    u = jnp.bitwise_and(q.astype(jnp.int32), mask).astype(jnp.uint8)                  # [B, H, T, D]
-    bi = jnp.arange(b, dtype=jnp.int32)[:, None, None]
-    hi = jnp.arange(h, dtype=jnp.int32)[None, :, None]
-    if per == 1:
-        idx = jnp.where(keep, pos, jnp.int32(nbytes))[:, None, :]
-        return buf.at[bi, hi, :, idx].set(u, mode="drop")                            # buf[b, h, :, pos] = u
+    flat = buf.reshape(b * h * d, nbytes)
+    u = jnp.swapaxes(jnp.bitwise_and(q.astype(jnp.int32), mask).astype(jnp.uint8), 2, 3)   # [B, H, D, T] (new rows)
+    row = jnp.arange(b * h * d, dtype=jnp.int32).reshape(b, h, d, 1)
+    row = jnp.broadcast_to(row, (b, h, d, t))
     for lane in range(per):                       # one pass per nibble lane: the bytes a pass writes are distinct
-        sel = keep & (pos % per == lane)
-        byte = jnp.where(sel, pos // per, jnp.int32(nbytes))[:, None, :]
-        old = buf.at[bi, hi, :, byte].get(mode="fill", fill_value=0)                  # [B, H, T, D]
-        shift = jnp.uint8(lane * bits)
-        new = jnp.bitwise_or(jnp.bitwise_and(old, jnp.uint8(~(mask << (lane * bits)) & 0xFF)),
-                             jnp.left_shift(u, shift))
-        buf = buf.at[bi, hi, :, byte].set(new, mode="drop")
-    return buf
+        sel = keep & (pos % per == lane) if per > 1 else keep
+        col = jnp.broadcast_to(jnp.where(sel, pos // per, jnp.int32(nbytes))[:, None, None, :], (b, h, d, t))
+        if per == 1:
+            flat = flat.at[row, col].set(u, mode="drop")
+            continue
+        # clear the lane's nibble, then add the code into it: two in-place scatters that read nothing but their
+        # own operand (a gather + set of the same bytes fuses into one scatter that copies the whole buffer)
+        keep_bits = ~(mask << (lane * bits)) & 0xFF
+        flat = flat.at[row, col].apply(lambda x, kb=keep_bits: jnp.bitwise_and(x, np.uint8(kb)), mode="drop")
+        flat = flat.at[row, col].add(jnp.left_shift(u, jnp.uint8(lane * bits)), mode="drop")
+    return flat.reshape(b, h, d, nbytes)
 
 
 @dataclasses.dataclass(frozen=True)
