@@ -148,15 +148,15 @@ def _scored(entries, metric) -> str:
 
 def _main_table(entries, baseline) -> list[str]:
     head = ["point", "cache policy", "bits/elem", "bytes/token", "ppl", "Δppl", "serving ppl", "Δ serving",
-            "greedy match", "top-1", "K nmse", "V nmse", "attn out err", "passkey"]
+            "KL serving", "top-1 serving", "greedy match", "top-1", "K nmse", "V nmse", "attn out err", "passkey"]
     lines = ["## Summary", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     bl = {m: next((e["baseline_" + m] for e in entries if e.get("baseline_" + m)), None)
           for m in ("ppl", "serving_ppl", "passkey")}
     if any(bl.values()):
         cells = [f"**baseline** `{baseline}`", "", "", "",
                  _fmt(bl["ppl"]["values"]["ppl"]) if bl["ppl"] else "–", "",
-                 _fmt(bl["serving_ppl"]["values"]["ppl"]) if bl["serving_ppl"] else "–", "", "", "", "", "", "",
-                 _fmt(bl["passkey"]["values"]["mean"], 2) if bl["passkey"] else "–"]
+                 _fmt(bl["serving_ppl"]["values"]["ppl"]) if bl["serving_ppl"] else "–", "", "", "", "", "", "", "",
+                 "", _fmt(bl["passkey"]["values"]["mean"], 2) if bl["passkey"] else "–"]
         lines.append("| " + " | ".join(cells) + " |")
     for e in entries:
         p = e["point"]
@@ -167,13 +167,16 @@ def _main_table(entries, baseline) -> list[str]:
                  _fmt(_v(e, "bytes", "values", "bytes_per_token"), 0),
                  _fmt(_v(e, "ppl", "values", "ppl")), _delta_cell(e, "ppl"),
                  _fmt(_v(e, "serving_ppl", "values", "ppl")), _delta_cell(e, "serving_ppl"),
+                 _fmt(_v(e, "serving_ppl", "values", "kl")), _fmt(_v(e, "serving_ppl", "values", "top1"), 3),
                  _fmt(_v(e, "agreement", "values", "match"), 3), _fmt(_v(e, "agreement", "values", "top1"), 3),
                  _fmt(_v(e, "kv_error", "values", "k_nmse")), _fmt(_v(e, "kv_error", "values", "v_nmse")),
                  _fmt(_v(e, "kv_error", "values", "out_rel")), _fmt(_v(e, "passkey", "values", "mean"), 2)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Δ [95% CI]: paired bootstrap of Δppl over the scored segments against the baseline on the same "
                   f"segments (BCa, 10,000 resamples, `kvquant_jax.eval.stats`); **n.s.** marks an interval that "
-                  f"contains 0 (no distinguishable difference). Scored tokens per point: ppl {_scored(entries, 'ppl')}, "
+                  f"contains 0 (no distinguishable difference). KL serving: mean KL(baseline ‖ point) of the next-token "
+                  f"distributions at every scored serving step (same tokens, teacher-forced); top-1 serving: the "
+                  f"fraction of those steps whose argmax equals the baseline's. Scored tokens per point: ppl {_scored(entries, 'ppl')}, "
                   f"serving ppl {_scored(entries, 'serving_ppl')}.", "",
               "bits/elem: logical bytes at the bytes-task length (codes + qparams + residual rows + the "
                   "`lengths` metadata) × 8 / (2·L·Hkv·D·T); `(sim)`: simulated ablation scheme, bits of the "
