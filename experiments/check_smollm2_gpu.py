@@ -104,6 +104,8 @@ def main():
     ap.add_argument("--model", default=None)
     ap.add_argument("--record", default=None, help="write the reference-path tokens here")
     ap.add_argument("--expect", default=None, help="compare this device's default path with these tokens")
+    ap.add_argument("--same-device", action="store_true",
+                    help="also run the reference path HERE and compare the default path with it")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     if args.compare:
@@ -129,6 +131,14 @@ def main():
                      for a, b in zip(got[spec], want[spec])]
             report[spec] = dict(equal=all(same), first_difference=first)
             print(f"{spec}: GPU default path == CPU reference path for 64 tokens: {same} (first diff {first})")
+    if args.same_device:
+        here = run(m, reference=True)
+        for spec in SCHEMES:
+            same = [a == b for a, b in zip(got[spec], here[spec])]
+            first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                     for a, b in zip(got[spec], here[spec])]
+            report[spec + "_same_device"] = dict(equal=all(same), first_difference=first)
+            print(f"{spec}: default path == reference path on this device for 64 tokens: {same} (first diff {first})")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "smollm2_greedy.json"), "w") as f:
