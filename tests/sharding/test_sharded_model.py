@@ -193,3 +193,24 @@ def test_smollm2_tp3_dp2_matches_unsharded(smollm):
         np.testing.assert_array_equal(got_tok, ref_tok, err_msg=spec)
         assert np.abs(got_nll - ref_nll).max() <= tol_max * np.abs(ref_nll).max(), spec
         assert abs(got_nll.mean() - ref_nll.mean()) <= tol_mean * ref_nll.mean(), spec
+
+
+@pytest.mark.parametrize("spec", ["bf16", "int4"])
+def test_one_by_one_mesh_decode_step_stays_in_place(spec):
+    """The sharded code path on a 1 x 1 mesh (what the single-H200 overhead benchmark measures) keeps the serving
+    layout's in-place decode step: every cache buffer aliased input -> output, no copy of a code / K-V buffer
+    (the [.., C, 1] per-token scale re-layout of XLA:CPU aside, as in tests/serving/test_serving_layout.py)."""
+    from kvquant_jax.models.llama import forward, unstack_layers
+    from kvquant_jax.serving.inspect import aliased_parameters, cache_buffer_copies
+
+    cfg = tiny_config(num_layers=2, num_heads=8, num_kv_heads=4, head_dim=32, hidden_size=64, intermediate_size=128,
+                      vocab_size=128)
+    mesh = S.make_mesh("data=1,model=1")
+    with S.mesh_context(mesh):
+        params = S.params_on_current_mesh(unstack_layers(random_params(cfg, dtype="bf16")), cfg)
+        cache = S.on_current_mesh(init_cache(make_scheme(spec), num_layers=2, batch=2, capacity=512, num_kv_heads=4,
+                                             head_dim=32, layer_groups="per_layer"))
+        step = jax.jit(lambda p, t, c: forward(p, cfg, t, c, attention_impl="auto"), donate_argnums=2)
+        hlo = step.lower(params, jnp.zeros((2, 1), jnp.int32), cache).compile().as_text()
+    assert not [c for c in cache_buffer_copies(hlo, cache) if not c[1].endswith(",1]")]
+    assert aliased_parameters(hlo) >= len(jax.tree.leaves(cache.groups))

@@ -208,6 +208,7 @@ _MESHES = [("data=1,model=2", _CORE), ("data=1,model=4", _CORE), ("data=1,model=
 _REF: dict = {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh,keys", _MESHES, ids=[m for m, _ in _MESHES])
 def test_codes_and_qparams_bit_identical_across_model_sizes(mesh, keys):
     """The same K/V appended (prefill of 11 rows, one decode row) unsharded (the oracle; it is model = 1) and on
