@@ -102,7 +102,8 @@ def field_layouts(scheme: CacheScheme, page_size: int, num_kv_heads: int,
             continue
         a = r_axes[0]
         alpha = Fraction(more_c[name][a] - s[a], c2 - c1)
-        offsets.add(c1 - Fraction(s[a]) / alpha)
+        if alpha == 1:                   # per-position rows fix the hidden rows; per-group rows may floor them
+            offsets.add(c1 - s[a])
         rpp = alpha * page_size
         if rpp.denominator != 1 or rpp < 1:
             raise ValueError(f"paged layout: field {name!r} of {type(scheme).__name__} holds {alpha} rows per "
@@ -192,6 +193,13 @@ def init_paged(schemes, *, num_layers: int, batch: int, num_pages: int, page_siz
     if len(offs) != 1:
         raise ValueError(f"paged cache: layer groups disagree on the hidden prefix rows ({sorted(offs)})")
     off = offs.pop()
+    for (s, _, _), lay in zip(runs, layouts):          # the view must be exactly the pages laid end to end
+        view = jax.eval_shape(lambda s=s: s.init_layer(batch, off + max_pages * page_size, num_kv_heads, head_dim))
+        for f in lay:
+            got = getattr(view, f.name).shape[f.row_axis] if f.kind == PAGED else None
+            if f.kind == PAGED and got != max_pages * f.rows_per_page:
+                raise ValueError(f"paged layout: field {f.name!r} of {type(s).__name__} has {got} rows at capacity "
+                                 f"{off + max_pages * page_size}, not {max_pages} pages x {f.rows_per_page}")
     small = dict(num_layers=num_layers, capacity=off + page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
                  layer_groups=layer_groups)
     pools = init_cache(per_layer, batch=num_pages + 1, **small)
