@@ -33,7 +33,7 @@ from kvquant_jax.cache.registry import FAMILIES, make_scheme
 
 from cache_helpers import B, CASES, D, H, L, T_PREFILL, rows
 
-PAGE, MAX_PAGES, NUM_PAGES = 4, 6, 13            # 13 < B * MAX_PAGES = 18: the pool can run out
+PAGE, MAX_PAGES, NUM_PAGES = 4, 6, 10            # 10 < B * MAX_PAGES = 18: the pool runs out
 KIVI = {"name": "kivi2", "group_size": 4, "v_group_size": 4, "residual": 8}
 EXTRA = {
     "int3": "int3",
@@ -61,15 +61,17 @@ def _init(case):
     return cache, pool, ref.replace(lengths=ref.lengths + cache.row_offset)
 
 
-def _put_seq(ref, dst: int, src_ref, src: int):
+def _put_seq(ref, dst: int, src_ref, src: int, length: int):
     """Contiguous oracle of a prefix-cache hit: sequence ``dst`` of ``ref`` becomes sequence ``src`` of
-    ``src_ref`` (batched fields only; shared fields are equal by construction)."""
+    ``src_ref`` cut to ``length`` positions (batched fields only; shared fields are equal by construction; an
+    entry shorter than its source's length only exists for schemes whose rows are final, where a shorter length
+    is just the cut)."""
     groups = []
     for (s, _, _), a, b in zip(ref.schemes, ref.groups, src_ref.groups):
         groups.append(a.replace(**{f: getattr(a, f) if f in s.unbatched_fields else
                                    getattr(a, f).at[:, dst].set(getattr(b, f)[:, src])
                                    for f in a.__dataclass_fields__}))
-    return ref.replace(groups=tuple(groups), lengths=ref.lengths.at[dst].set(src_ref.lengths[src]))
+    return ref.replace(groups=tuple(groups), lengths=ref.lengths.at[dst].set(length))
 
 
 class PagedMachine(RuleBasedStateMachine):
@@ -222,17 +224,26 @@ class PagedMachine(RuleBasedStateMachine):
                                           self.tokens[seq][:n])
             event("prefix registered")
 
+    @rule(src=st.integers(0, B - 1), dst=st.integers(0, B - 1))
+    def register_and_hit(self, src, dst):
+        """The serving pattern: a finished prompt's pages are stored, a later request with that prompt maps them."""
+        self.register_prefix(src)
+        if self.pcache.entries:
+            self._hit(self.pcache.entries[-1][0], dst)
+
     @precondition(lambda self: bool(self.pcache.entries))
     @rule(data=st.data(), seq=st.integers(0, B - 1))
     def prefix_hit(self, data, seq):
-        content = data.draw(st.sampled_from([c for c, _ in self.pcache.entries]))
+        self._hit(data.draw(st.sampled_from([c for c, _ in self.pcache.entries])), seq)
+
+    def _hit(self, content, seq):
         ref, src, hist, tokens = self.entry_refs[content]
         self.release(seq)
         found = pc_.lookup(self.pcache, self.cache, tokens + [7], model_hash=MODEL, tokenizer_hash=TOK)
         assert found is not None and found.length >= self.off + len(tokens)
         entry = self.pcache.as_dict()[content]
         self.pcache, self.cache, self.pool = pc_.attach(self.pcache, self.cache, self.pool, entry, seq)
-        self.ref = _put_seq(self.ref, seq, ref, src)
+        self.ref = _put_seq(self.ref, seq, ref, src, entry.length)
         self.hist[seq], self.tokens[seq] = hist, tokens
         event("prefix hit")
 
