@@ -33,7 +33,7 @@ from kvquant_jax.cache.registry import FAMILIES, make_scheme
 
 from cache_helpers import B, CASES, D, H, L, T_PREFILL, rows
 
-PAGE, MAX_PAGES, NUM_PAGES = 4, 6, 10            # 10 < B * MAX_PAGES = 18: the pool runs out
+PAGE, MAX_PAGES, NUM_PAGES = 4, 6, 7             # 7 < B * MAX_PAGES = 18: the pool runs out
 KIVI = {"name": "kivi2", "group_size": 4, "v_group_size": 4, "residual": 8}
 EXTRA = {
     "int3": "int3",
