@@ -102,31 +102,33 @@ def _has_slots(cache: PagedKVCache) -> bool:
 def insert(pc: PrefixCache, cache: PagedKVCache, pool: pp.PoolState, seq: int, tokens, *, model_hash: str,
            tokenizer_hash: str, calibration_id: str = "") -> tuple[PrefixCache, pp.PoolState]:
     """Store the full pages of sequence ``seq`` (``tokens``: its ids at positions ``row_offset ..
-    lengths[seq] - 1``).  With per-sequence fields (KIVI rings) only a page-aligned current length can be stored
-    (the snapshot is exact only there); otherwise the longest page-aligned prefix is.  No-op when nothing fits or
-    the content is stored already."""
+    lengths[seq] - 1``): one entry per page-aligned prefix not stored yet (so a later prompt that shares only the
+    first pages hits too), each holding one reference per page.  With per-sequence fields (KIVI rings) only a
+    page-aligned CURRENT length can be stored (the snapshot is exact only there).  No-op when nothing fits."""
     length = int(np.asarray(cache.lengths)[seq])
     body = length - cache.row_offset
     toks = np.asarray(tokens).reshape(-1)
     if toks.shape[0] != body:
         raise ValueError(f"prefix insert: {toks.shape[0]} token ids for {body} positions of sequence {seq}")
-    n = body // cache.page_size
-    if n == 0 or (_has_slots(cache) and body % cache.page_size):
+    full = body // cache.page_size
+    if full == 0 or (_has_slots(cache) and body % cache.page_size):
         return pc, pool
-    end = cache.row_offset + n * cache.page_size
-    content = content_key(toks[: n * cache.page_size], cache.row_offset, model_hash, tokenizer_hash)
-    entries = pc.as_dict()
-    if content in entries:
-        return pc, pool
-    pages = tuple(int(p) for p in np.asarray(cache.page_table)[seq, :n])
-    pool = pp.incref(pool, pages)
+    table = np.asarray(cache.page_table)[seq]
     schema = cache_schema(cache, calibration_id)
-    slots = tuple({f.name: getattr(st, f.name)[:, seq] for f in lay if f.kind == SLOT}
-                  for lay, st in zip(cache.layouts, cache.groups))
-    entry = PrefixEntry(key=_sha({"content": content, "schema": schema}), content=content, length=end,
-                        pages=pages, slots=slots, schema=schema, last_use=pc.clock)
-    entries[content] = entry
-    return PrefixCache(tuple(entries.items()), pc.clock + 1), pool
+    entries, clock = pc.as_dict(), pc.clock
+    for n in ([full] if _has_slots(cache) else range(1, full + 1)):
+        content = content_key(toks[: n * cache.page_size], cache.row_offset, model_hash, tokenizer_hash)
+        if content in entries:
+            continue
+        pages = tuple(int(p) for p in table[:n])
+        pool = pp.incref(pool, pages)
+        slots = tuple({f.name: getattr(st, f.name)[:, seq] for f in lay if f.kind == SLOT}
+                      for lay, st in zip(cache.layouts, cache.groups))
+        entries[content] = PrefixEntry(key=_sha({"content": content, "schema": schema}), content=content,
+                                       length=cache.row_offset + n * cache.page_size, pages=pages, slots=slots,
+                                       schema=schema, last_use=clock)
+        clock += 1
+    return PrefixCache(tuple(entries.items()), clock), pool
 
 
 def schema_differences(have: dict, want: dict) -> Compatibility:

@@ -194,8 +194,16 @@ class Engine:
         return min(self.cfg.max_position, self.cache.capacity) - self.cache.row_offset
 
     def submit(self, req: Request) -> None:
-        """Queue a request.  Raises ``ValueError`` for an empty prompt, out-of-vocabulary ids, a bad
-        ``max_new_tokens``, a request over the context or one that needs more pages than the whole pool."""
+        """Queue a request (after :meth:`check`)."""
+        self.check(req)
+        if req.id in self.results:
+            raise ValueError(f"request id {req.id} submitted twice")
+        self.results[req.id] = Result(req.id, [], arrival=req.arrival)
+        self.queue.append(req)
+
+    def check(self, req: Request) -> None:
+        """Raise ``ValueError`` for an empty prompt, out-of-vocabulary ids, a bad ``max_new_tokens``, a request
+        over the context or one that needs more pages than the whole pool (it could never run)."""
         if not req.prompt:
             raise ValueError(f"request {req.id}: empty prompt")
         bad = [t for t in req.prompt if not 0 <= int(t) < self.cfg.vocab_size]
@@ -213,10 +221,6 @@ class Engine:
         if pages > self.cache.num_pages:
             raise ValueError(f"request {req.id} needs {pages} pages of {self.cache.page_size} rows but the pool has "
                              f"{self.cache.num_pages}: it cannot fit even alone")
-        if req.id in self.results:
-            raise ValueError(f"request id {req.id} submitted twice")
-        self.results[req.id] = Result(req.id, [], arrival=req.arrival)
-        self.queue.append(req)
 
     @property
     def running(self) -> int:

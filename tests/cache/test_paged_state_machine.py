@@ -214,15 +214,15 @@ class PagedMachine(RuleBasedStateMachine):
 
     @rule(seq=st.integers(0, B - 1))
     def register_prefix(self, seq):
-        before = len(self.pcache.entries)
+        before = {c for c, _ in self.pcache.entries}
         self.pcache, self.pool = pc_.insert(self.pcache, self.cache, self.pool, seq, self.tokens[seq],
                                             model_hash=MODEL, tokenizer_hash=TOK)
-        if len(self.pcache.entries) > before:
-            e = [e for _, e in self.pcache.entries][-1]
-            n = e.length - self.off
-            self.entry_refs[e.content] = (self.ref, seq, [(hk[:n], hv[:n]) for hk, hv in self.hist[seq]],
-                                          self.tokens[seq][:n])
-            event("prefix registered")
+        for c, e in self.pcache.entries:
+            if c not in before:
+                n = e.length - self.off
+                self.entry_refs[c] = (self.ref, seq, [(hk[:n], hv[:n]) for hk, hv in self.hist[seq]],
+                                      self.tokens[seq][:n])
+                event("prefix registered")
 
     @rule(src=st.integers(0, B - 1), dst=st.integers(0, B - 1))
     def register_and_hit(self, src, dst):

@@ -140,3 +140,20 @@ def test_prefix_from_another_schema_is_refused_naming_fields():
     f.submit(dataclasses.replace(reqs[0], id=99))
     with pytest.raises(IncompatibleSchemaError, match=r"layer0\.key\.payload: 'int8' != 'fp32'"):
         f.step()
+
+
+def test_kvq_serve_bench_cli(capsys):
+    import json
+
+    from kvquant_jax.cli import main
+
+    rc = main(["serve-bench", "--model", "tiny", "--cache", "int4", "--synthetic", "6", "--rate", "50",
+               "--prompt-len", "8", "40", "--output-len", "4", "12", "--shared-prefix", "16", "--slots", "3",
+               "--page-size", "8", "--num-pages", "40", "--chunk", "16"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["requests"] == 6 and out["output_tokens"] > 0 and out["prefix_hit_tokens"] > 0
+    assert out["peak_concurrent"] >= 2 and out["ttft_p50_s"] > 0
+    rc = main(["serve-bench", "--model", "tiny", "--synthetic", "2", "--page-size", "8", "--num-pages", "2",
+               "--prompt-len", "30", "30"])
+    assert rc == 2 and "cannot fit even alone" in capsys.readouterr().err
