@@ -58,7 +58,7 @@ def serve_bench(params, cfg, scheme, requests, engine_config, *, realtime: bool 
     out = summarize(res, seconds, eng.peak_running)
     out.update(steps=eng.steps, num_pages=engine_config.num_pages, page_size=engine_config.page_size,
                num_slots=engine_config.num_slots, chunk=engine_config.chunk,
-               cache=getattr(scheme, "family", "full") if scheme is not None else "full")
+               family=getattr(scheme, "family", "full") if scheme is not None else "full")
     return out
 
 
