@@ -10,14 +10,18 @@ from __future__ import annotations
 import json
 import time
 
+import jax
+import numpy as np
+
+from kvquant_jax.cache import paged
+from kvquant_jax.cache.registry import make_scheme
+from kvquant_jax.models import load_model
+from kvquant_jax.models.testing import random_params, tiny_config
+from kvquant_jax.serving.engine import Engine, EngineConfig, Request, read_trace, summarize, synthetic_trace
+
 
 def page_bytes(scheme, cfg, page_size: int) -> int:
     """Bytes of one page across every layer's pools for ``scheme`` (shape arithmetic only, nothing allocated)."""
-    import jax
-    import numpy as np
-
-    from kvquant_jax.cache import paged
-
     shapes = jax.eval_shape(lambda: paged.init_paged(
         scheme, num_layers=cfg.num_layers, batch=1, num_pages=1, page_size=page_size, max_pages=1,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)[0])
@@ -42,8 +46,6 @@ def serve_bench(params, cfg, scheme, requests, engine_config, *, realtime: bool 
                 ) -> dict:
     """Run ``requests`` through a fresh :class:`~kvquant_jax.serving.engine.Engine`; returns ``summarize``'s
     dict plus the geometry.  ``warmup`` first compiles both step shapes on a throw-away engine."""
-    from kvquant_jax.serving.engine import Engine, Request, summarize
-
     eng = Engine(params, cfg, scheme, engine_config)
     for r in requests:                                   # refuse a trace with a request that can never run
         eng.check(r)
@@ -64,20 +66,13 @@ def serve_bench(params, cfg, scheme, requests, engine_config, *, realtime: bool 
 
 def _load_model(name: str, dtype: str):
     if name == "tiny":
-        from kvquant_jax.models.testing import random_params, tiny_config
-
         cfg = tiny_config(max_position=4096)
         return random_params(cfg, seed=0, dtype=dtype), cfg
-    from kvquant_jax.models import load_model
-
     m = load_model(name if name != "smollm2" else None, dtype=dtype)
     return m.params, m.cfg
 
 
 def cmd_serve_bench(args) -> None:
-    from kvquant_jax.cache.registry import make_scheme
-    from kvquant_jax.serving.engine import EngineConfig, read_trace, synthetic_trace
-
     params, cfg = _load_model(args.model, args.dtype)
     scheme = None if args.cache is None else make_scheme(args.cache, rope_theta=cfg.rope_theta,
                                                          rope_pairing=cfg.rope_pairing)
