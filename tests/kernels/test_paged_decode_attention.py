@@ -68,7 +68,7 @@ def _build(name, seed):
 
 def _oracle(q, scheme, state, lengths, kn, vn):
     """float64: the contiguous cache's regions dequantized in float64, one softmax."""
-    regions, _ = dispatch.layer_regions(scheme, state, lengths)
+    regions, _ = jax.jit(lambda st, n: dispatch.layer_regions(scheme, st, n))(state, lengths)
     host = jax.tree.map(np.asarray, regions)
     return decode_attention_reference(np.asarray(q), host, k_new=np.asarray(kn), v_new=np.asarray(vn))
 
@@ -77,8 +77,8 @@ def _rel(a, b):
     return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
 
 
-GPU_SUBSET = ("fp32", "int4_g8", "qserve4", "kivi2", "prefix_kivi")      # the Triton interpreter is slower
-CASES = [(n, "tpu") for n in sorted(SPECS)] + [(n, "gpu") for n in GPU_SUBSET]
+GPU_SUBSET = ("fp32", "int4_g8", "qserve4", "kivi2", "prefix_kivi", "kvquant", "kivi_axes")
+CASES = [(n, "tpu") for n in sorted(SPECS) if n not in NOT_IN_PLACE] + [(n, "gpu") for n in GPU_SUBSET]
 
 
 @pytest.mark.parametrize("name,backend", CASES)
@@ -96,14 +96,15 @@ def test_paged_equals_contiguous_equals_oracle(name, backend):
             pool_region.k.data.shape[0] == cache.num_pages + 1
     got_paged = jax.jit(lambda c, q, kn, vn: paged_attn.decode_attention(
         q, c, 0, kn, vn, impl="kernel", backend=backend, interpret=True))(cache, q, kn, vn)
-    got_ref = paged_attn.decode_attention(q, cache, 0, kn, vn, impl="reference")
+    got_ref = jax.jit(lambda c, q, kn, vn: paged_attn.decode_attention(q, c, 0, kn, vn, impl="reference"))(
+        cache, q, kn, vn)
     rel_ref = _rel(got_ref, want)
     rel_paged = _rel(got_paged, want)
     assert rel_ref < 1e-5, rel_ref
     assert rel_paged < 1e-5, rel_paged                           # issue bound 1e-3; f32 operands interpreted
     if name not in NOT_IN_PLACE:
-        got_contig = dispatch.decode_attention(q, scheme, state, ref.lengths, kn, vn, impl="kernel",
-                                               backend="gpu", interpret=True)   # Triton interpreter: faster
+        got_contig = jax.jit(lambda st, n, q, kn, vn: dispatch.decode_attention(
+            q, scheme, st, n, kn, vn, impl="kernel", backend="gpu", interpret=True))(state, ref.lengths, q, kn, vn)
         assert _rel(got_contig, want) < 1e-5
         np.testing.assert_allclose(np.asarray(got_paged), np.asarray(got_contig), rtol=1e-5, atol=1e-6)
 
