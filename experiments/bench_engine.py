@@ -3,8 +3,8 @@
     # H200 (issue M): LLaMA-3-8B shape (random bf16 weights) and SmolLM2, bf16 / int8 / int4 / KIVI-2 caches at
     # a fixed KV budget
     python experiments/bench_engine.py --model llama3-8b-shaped smollm2 --cache bf16 int8 int4 kivi2 \
-        --requests 64 --rate 2 --prompt-len 512 8192 --output-len 64 1024 --hbm-gb 40 --slots 64 \
-        --page-size 64 --chunk 512 --out docs/results/engine
+        --requests 64 --rate 2 --prompt-len 512 8192 --output-len 64 1024 --hbm-gb 16 --slots 128 \
+        --page-size 64 --chunk 256 --out docs/results/engine
     # CPU smoke run (tiny model, short requests; a minute)
     python experiments/bench_engine.py --small
 
@@ -84,10 +84,10 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[512, 8192])
     ap.add_argument("--output-len", type=int, nargs=2, default=[64, 1024])
     ap.add_argument("--shared-prefix", type=int, default=0)
-    ap.add_argument("--hbm-gb", type=float, default=40.0, help="KV-cache budget (the same for every cache)")
-    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--hbm-gb", type=float, default=16.0, help="KV-cache budget (the same for every cache)")
+    ap.add_argument("--slots", type=int, default=128, help="upper bound; capped per cache (see below)")
     ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-static", action="store_true", help="skip the static-batch baseline")
     ap.add_argument("--small", action="store_true", help="CPU smoke sizes (tiny model, short requests)")
@@ -109,7 +109,11 @@ def main(argv=None):
             scheme = make_scheme(spec, rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
             budget = args.hbm_gb * 2**30
             num_pages = pages_for_budget(scheme, cfg, args.page_size, budget)
-            ec = E.EngineConfig(num_slots=args.slots, page_size=args.page_size, num_pages=num_pages,
+            # slots: at most twice the requests the pool can hold at the trace's mean length (the engine step
+            # gathers a contiguous view of num_slots x context rows in the stored format: bounded memory)
+            mean_len = float(np.mean([len(r.prompt) + r.max_new_tokens for r in reqs]))
+            slots = max(1, min(args.slots, int(2 * num_pages * args.page_size / mean_len)))
+            ec = E.EngineConfig(num_slots=slots, page_size=args.page_size, num_pages=num_pages,
                                 max_pages=-(-longest // args.page_size), chunk=args.chunk, seed=args.seed)
             row = {"model": model, "cache": spec, "system": "engine", "hbm_gb": args.hbm_gb,
                    "page_bytes": page_bytes(scheme, cfg, args.page_size),
