@@ -103,8 +103,11 @@ class KernelConfig:
 
 
 def default_config(fmt_k: KVFormat, rows: int, batch: int, num_kv_heads: int, *, backend: str,
-                   interpret: bool) -> KernelConfig:
+                   interpret: bool, query_dtype=None) -> KernelConfig:
     """Per-backend defaults (GPU values were picked on an H200, see docs/benchmarks_decode.md).
+
+    A float32 query (``query_dtype``: a float32 model) gets ``precision="f32"`` on every backend: a float32 model
+    keeps float32 parity with the reference path (issue I), the same reason as below.
 
     Interpreted runs (CPU) use ``precision="f32"``: there the kernel is the correctness path that serving compares
     against the float32 reference, and ``"bf16x2"`` is NOT float32-grade -- hi + lo bf16 parts carry ~16 mantissa
@@ -113,6 +116,9 @@ def default_config(fmt_k: KVFormat, rows: int, batch: int, num_kv_heads: int, *,
     """
     if interpret and backend == "gpu":
         return KernelConfig(block_t=32, num_splits=2, precision="f32")
+    if query_dtype is not None and jnp.dtype(query_dtype) == jnp.float32:
+        return dataclasses.replace(default_config(fmt_k, rows, batch, num_kv_heads, backend=backend,
+                                                  interpret=interpret), precision="f32")
     if backend == "tpu":
         return KernelConfig(block_t=128 if interpret is False else 32, num_splits=1,
                             precision="bf16x2" if interpret is False else "f32")
@@ -749,7 +755,8 @@ def decode_attention(q, regions: Sequence[Region] = (), *, k_new=None, v_new=Non
             parts.append(_small_region_partial(q4, qs, reg))
             continue
         if cfg is None:
-            cfg = default_config(reg.k.fmt, rows, b, hkv, backend=backend, interpret=bool(interpret))
+            cfg = default_config(reg.k.fmt, rows, b, hkv, backend=backend, interpret=bool(interpret),
+                                     query_dtype=q.dtype)
         parts.append(_region_partial(q4, qs, q.dtype, reg, cfg, backend, interpret))
     if k_new is not None:
         parts.append(_dense_partial(q4, qs, k_new.astype(_F32)[:, :, None], v_new.astype(_F32)[:, :, None],

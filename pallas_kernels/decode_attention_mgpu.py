@@ -104,7 +104,8 @@ from pallas_kernels.decode_attention import _combine, _dense_partial
 
 __all__ = ["MgpuConfig", "MgpuOperands", "prepare_region", "unprepare_codes", "mgpu_unsupported",
            "decode_attention_mgpu", "decode_attention_mgpu_prepared", "decode_attention_mgpu_partials",
-           "decode_attention_mgpu_reference", "decode_attention_mgpu_reference_f64"]
+           "decode_attention_mgpu_reference", "decode_attention_mgpu_reference_f64", "transposed_v_operands",
+           "transposed_v_unsupported", "decode_attention_transposed_v"]
 
 _F32 = jnp.float32
 _NEG = -1e30
@@ -622,3 +623,65 @@ def decode_attention_mgpu_reference_f64(q, region: Region, *, k_new=None, v_new=
                                         sm_scale: float | None = None) -> np.ndarray:
     """The float64 NumPy oracle (``kvquant_jax.abi.reference``) on the same layout-v1 inputs."""
     return _oracle_f64(q, [region], k_new=k_new, v_new=v_new, sm_scale=sm_scale)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A cache stored in the kernel's layout (kvquant_jax.abi.transposed_v): no per-step conversion
+# --------------------------------------------------------------------------------------------------------------
+def _reinterpret(codes_u8, bits: int, count: int):
+    """uint8 two's-complement bytes ``[..., count*bits/8]`` -> int8 / int4 ``[..., count]`` (a bitcast: free on
+    the H200 when it feeds the kernel, see ``experiments/probe_subbyte_append.py``)."""
+    x = lax.bitcast_convert_type(codes_u8, _INT_DTYPES[bits])
+    return x.reshape(codes_u8.shape[:-1] + (count,))
+
+
+def transposed_v_operands(fmt, state, lengths) -> MgpuOperands:
+    """:class:`MgpuOperands` over a transposed-V layer (``fmt``: ``abi.transposed_v.TransposedVFormat``; ``state``
+    with ``k_codes [B, Hkv, C, D*b/8]``, ``v_codes [B, Hkv, D, C*b/8]``, ``k_scale, v_scale [B, Hkv, C, 1]``),
+    live rows ``[0, lengths[b])``.  Codes are reinterpreted in place; the scales are cast to float32 (a pass over
+    ``4 * C`` bytes per head, ~3 % of an INT4 layer)."""
+    b, hkv, c, pk = state.k_codes.shape
+    d = pk * 8 // fmt.bits
+    kf = KVFormat(fmt.payload, "token", "symmetric")
+    k = _reinterpret(state.k_codes, fmt.bits, d).reshape(b * hkv, c, d)
+    v = _reinterpret(state.v_codes, fmt.bits, c).reshape(b * hkv, d, c)
+    ks = state.k_scale.astype(_F32).reshape(b * hkv, c)
+    vs = state.v_scale.astype(_F32).reshape(b * hkv, c)
+    return MgpuOperands(k=k, v=v, k_scale=ks, v_scale=vs, k_head_scale=None, v_head_scale=None,
+                        start=jnp.zeros((b,), jnp.int32), end=lengths.astype(jnp.int32), kf=kf, vf=kf,
+                        num_kv_heads=hkv)
+
+
+def transposed_v_unsupported(q, fmt, state) -> Optional[str]:
+    """Why the Mosaic GPU kernel cannot serve this transposed-V layer on this device (None when it can): not a
+    Hopper GPU, a float32 query, head_dim not a multiple of 64, capacity not a multiple of the format's block."""
+    dev = jax.devices()[0]
+    cc = str(getattr(dev, "compute_capability", ""))
+    if dev.platform != "gpu" or not (cc.startswith("9") or any(h in dev.device_kind for h in ("H100", "H200"))):
+        return f"the Mosaic GPU swap-AB kernel needs a Hopper (sm_90) GPU, have {dev.device_kind}"
+    if jnp.dtype(q.dtype) == jnp.float32:
+        return ("float32 query: the kernel rounds q to bf16 (~1e-3 relative); a float32 model keeps float32 parity "
+                "on the reference path")
+    c = state.k_codes.shape[-2]
+    d = q.shape[-1]
+    bt = default_mgpu_config(KVFormat(fmt.payload, "token", "symmetric")).block_t
+    if d % 64:
+        return f"head_dim {d} is not a multiple of 64"
+    if c % bt:
+        return f"capacity {c} is not a multiple of block_t={bt} (round the capacity up)"
+    return None
+
+
+def decode_attention_transposed_v(q, fmt, state, lengths, k_new=None, v_new=None, *, sm_scale: float | None = None,
+                                  interpret: Any = None, config: MgpuConfig | None = None):
+    """Attention of one new token over a transposed-V layer (+ the exact current token), ONE softmax.
+
+    ``q [B, Hq, D]``; ``fmt, state``: the layer's static format and arrays (see :func:`transposed_v_operands`);
+    ``lengths`` int ``[B]``; ``k_new, v_new`` optional ``[B, Hkv, D]``.  ``interpret``: anything but False/None
+    on a non-GPU platform runs the plain-JAX partials on the same reinterpreted operands (CPU tests).  Returns
+    ``[B, Hq, D]`` float32 (the dispatcher casts).
+    """
+    ops = transposed_v_operands(fmt, state, lengths)
+    interp = bool(interpret) if interpret is not None else jax.devices()[0].platform != "gpu"
+    return decode_attention_mgpu_prepared(q, ops, k_new=k_new, v_new=v_new, sm_scale=sm_scale, config=config,
+                                          interpret=interp, out_dtype=_F32)

@@ -5,7 +5,11 @@ layer state is read in place (docs/architecture.md, "Physical layouts"): every s
 (``CacheScheme.decode_regions(state, lengths) -> (regions, tail_rows)``, region boundaries derived from
 ``lengths`` with the scheme's own frontier functions; the default is the materialize view as one dense region).
 A scheme whose format has its own fused kernel also answers ``fused_decode_operand(state) -> (format, arrays)``;
-this module routes by the format's type (:data:`FUSED_KERNELS`: KVQuant's LUT + sparse + in-kernel RoPE kernel).
+this module routes by the format's type (:data:`FUSED_KERNELS`: KVQuant's LUT + sparse + in-kernel RoPE kernel; the
+Mosaic GPU swap-AB kernel for per-token INT8/INT4 stored in its transposed-V layout).
+
+Which path served each layer is logged once per (path, format, shape) on the ``kvquant_jax.attention`` logger at
+trace time (INFO; a WARNING when a GPU falls back to the float materialize path) and kept in :data:`SERVED`.
 
 This module keeps only: the key-stage guard, the scheme's regions (or fused operand), kernel or reference.  The
 current token's exact ``k_new, v_new`` join the same softmax.  ``impl``: ``"kernel"`` (Pallas; interpreted on
@@ -15,6 +19,7 @@ the Pallas interpreter would be slow).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
@@ -23,19 +28,37 @@ import jax.numpy as jnp
 from kvquant_jax.abi.kvquant import KVQuantFormat
 from kvquant_jax.abi.reference import decode_attention_jnp
 from kvquant_jax.abi.regions import Region
+from kvquant_jax.abi.transposed_v import TransposedVFormat
 from pallas_kernels import decode_attention as kernel
 from pallas_kernels import decode_attention_kvquant as kvquant_kernel
+from pallas_kernels import decode_attention_mgpu as mgpu_kernel
 from pallas_kernels.backend import platform
 
-__all__ = ["decode_attention", "layer_regions", "IMPLS", "FUSED_KERNELS"]
+__all__ = ["decode_attention", "layer_regions", "IMPLS", "FUSED_KERNELS", "SERVED"]
 
 IMPLS = ("auto", "kernel", "reference")
 
+_log = logging.getLogger("kvquant_jax.attention")
+
 #: fused decode kernels by static format type: ``(kernel(q, fmt, arrays, lengths, k_new, v_new, *, sm_scale,
-#: interpret), platforms that run it natively)``
-FUSED_KERNELS: dict[type, tuple[Any, tuple[str, ...]]] = {
-    KVQuantFormat: (kvquant_kernel.decode_attention_kvquant, ("gpu",)),
+#: interpret), platforms that run it natively, unsupported(q, fmt, arrays) -> reason or None)``
+FUSED_KERNELS: dict[type, tuple[Any, tuple[str, ...], Any]] = {
+    KVQuantFormat: (kvquant_kernel.decode_attention_kvquant, ("gpu",), None),
+    TransposedVFormat: (mgpu_kernel.decode_attention_transposed_v, ("gpu",), mgpu_kernel.transposed_v_unsupported),
 }
+
+#: ``(path, format description, q shape) -> reason`` for every decode-attention trace so far (what served what)
+SERVED: dict[tuple[str, str, tuple[int, ...]], str] = {}
+
+
+def _served(path: str, what: str, q, reason: str = "") -> None:
+    key = (path, what, tuple(q.shape))
+    if key in SERVED:
+        return
+    SERVED[key] = reason
+    fallback = path == "reference" and platform() == "gpu"
+    (_log.warning if fallback else _log.info)("decode attention: %s served %s, q %s%s", path, what,
+                                              tuple(q.shape), f" ({reason})" if reason else "")
 
 
 def _check_key_stage(scheme) -> None:
@@ -57,9 +80,15 @@ def _fused(q, scheme, layer_state, lengths, k_new, v_new, impl, interpret, sm_sc
     if operand is None:
         return None
     fmt, arrays = operand
-    fused, platforms = FUSED_KERNELS[type(fmt)]
-    if impl == "auto" and (platform() not in platforms or q.shape[-1] % 16):
-        return None
+    fused, platforms, unsupported = FUSED_KERNELS[type(fmt)]
+    if impl == "auto":
+        why = None if platform() in platforms else f"no native {type(fmt).__name__} kernel on {platform()}"
+        why = why or (f"head_dim {q.shape[-1]} is not a multiple of 16" if q.shape[-1] % 16 else None)
+        why = why or (unsupported(q, fmt, arrays) if unsupported is not None else None)
+        if why:
+            _served("reference", str(fmt), q, why)
+            return None
+    _served(getattr(fused, "__name__", "fused"), str(fmt), q)
     out = fused(q, fmt, arrays, lengths.astype(jnp.int32), k_new, v_new, sm_scale=sm_scale, interpret=interpret)
     return out.astype(q.dtype if out_dtype is None else out_dtype)
 
@@ -83,10 +112,16 @@ def decode_attention(q: jax.Array, scheme, layer_state, lengths: jax.Array, k_ne
         return out
     regions, tail_rows = layer_regions(scheme, layer_state, lengths)
     d = q.shape[-1]
+    what = f"{regions[0].k.fmt}/{regions[0].v.fmt}"
     if impl == "auto":
         plat = platform()
-        ok = plat in ("gpu", "tpu") and not kernel.kernel_unsupported(regions[0], d, "tpu" if plat == "tpu" else "gpu")
-        impl = "kernel" if ok else "reference"
+        why = (f"no region kernel on {plat}" if plat not in ("gpu", "tpu")
+               else kernel.kernel_unsupported(regions[0], d, "tpu" if plat == "tpu" else "gpu"))
+        impl = "reference" if why else "kernel"
+        if why:
+            _served("reference", what, q, why)
+    if impl == "kernel":
+        _served("pallas_decode_v1", what, q)
     if impl == "reference":
         return decode_attention_jnp(q, regions, k_new=k_new, v_new=v_new, sm_scale=sm_scale, out_dtype=out_dtype)
     return kernel.decode_attention(q, regions, k_new=k_new, v_new=v_new, sm_scale=sm_scale, backend=backend,

@@ -23,7 +23,7 @@ from kvquant_jax.eval.footprint import cache_footprint
 from kvquant_jax.eval.passkey import passkey_accuracy
 from kvquant_jax.eval.policy import Policy, build_policy, needs_fp8_artifact, needs_kvquant_artifact
 from kvquant_jax.eval.ppl import perplexity
-from kvquant_jax.eval.quantized_ppl import make_nll_fn, serving_nll
+from kvquant_jax.eval.quantized_ppl import make_nll_fn, serving_decode
 from kvquant_jax.models.w8a8 import apply_policy
 
 # metrics whose rows carry a delta against the full-precision baseline (same tokens, same settings)
@@ -45,6 +45,7 @@ class Session:
         self._corpora: dict[tuple, TokenizedCorpus] = {}
         self._fp8: dict[tuple, object] = {}
         self._refs: dict[tuple, np.ndarray] = {}
+        self._serving_refs: dict[tuple, jax.Array] = {}
         self._kvquant: dict[tuple, object] = {}
 
     # ----- shared inputs
@@ -155,6 +156,19 @@ class Session:
             self.log(f"kvquant calibration: {self._kvquant[key].calibration_id} ({path})")
         return self._kvquant[key]
 
+    def serving_reference(self, cfg: ExperimentConfig, baseline: SchemeSpec, segs: np.ndarray, prefill: int,
+                          attention_impl: str):
+        """The baseline cache's log-softmax ``[S, N, V]`` (device float32) at every scored step of the serving path
+        on ``segs``: the reference of the serving KL / top-1 (cached per model, data, baseline and segments)."""
+        key = (cfg.digest("model"), cfg.digest("data"), str(baseline), segs.tobytes(), prefill, attention_impl)
+        if key not in self._serving_refs:
+            m = self.model(cfg)
+            self._serving_refs = {key: serving_decode(m.params, m.cfg, segs,
+                                                      self.policy(baseline_config(cfg, baseline)), prefill,
+                                                      attention_impl=attention_impl,
+                                                      return_logprobs=True)["logprobs"]}   # keep only the latest
+        return self._serving_refs[key]
+
     def reference_generation(self, cfg: ExperimentConfig, baseline: SchemeSpec, prompts: np.ndarray, n: int):
         key = (cfg.digest("model"), cfg.digest("data"), str(baseline), prompts.tobytes(), n)
         if key not in self._refs:
@@ -189,12 +203,17 @@ def compute(session: Session, cfg: ExperimentConfig, metric: str, *,
                 "chunk": t.chunk, "segment_nll": r.segment_nll}
     if metric == "serving_ppl":
         segs = corpus.take(t.prefill + t.decode + 1, t.segments, "tasks.serving_ppl")
-        nll = np.asarray(serving_nll(m.params, m.cfg, segs, policy, t.prefill, attention_impl=t.attention),
-                         np.float64)
+        ref = session.serving_reference(cfg, baseline, segs, t.prefill, t.attention)
+        r = serving_decode(m.params, m.cfg, segs, policy, t.prefill, attention_impl=t.attention,
+                           reference_logprobs=ref)
+        nll, kl = np.asarray(r["nll"], np.float64), np.asarray(r["kl"], np.float64)
         return {"ppl": math.exp(float(nll.mean())), "nll": float(nll.mean()), "tokens": int(nll.size),
                 "prefill": t.prefill, "decode": t.decode, "segments": t.segments,
                 "segment_nll": nll.mean(axis=1).tolist(),
-                "nll_by_step": bin_means(nll.mean(axis=0), 16)}
+                "nll_by_step": bin_means(nll.mean(axis=0), 16),
+                # against the baseline cache on the same tokens, every scored step of the serving path
+                "kl": float(kl.mean()), "segment_kl": kl.mean(axis=1).tolist(),
+                "top1": float(np.mean(r["agree"]))}
     if metric == "passkey":
         return passkey_accuracy(m.params, m.cfg, m.tokenizer, policy, lengths=t.lengths, depths=t.depths,
                                 trials=t.trials, digits=t.digits, max_new_tokens=t.max_new_tokens,

@@ -99,41 +99,58 @@ def _prefill(params, cfg, tokens, cache):
     return logits[:, -1], cache, ok
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attention_impl"), donate_argnames=("cache",))
-def _decode_scan(params, cfg, cache, first, forced, targets, free_running, *, attention_impl: str):
+@functools.partial(jax.jit, static_argnames=("cfg", "attention_impl", "mode"), donate_argnames=("cache",))
+def _decode_scan(params, cfg, cache, first, forced, targets, free_running, ref=None, *, attention_impl: str,
+                 mode: str = "nll"):
     """Decode ``N`` steps (T = 1 forwards) in one compiled scan.
 
     first: int32 [B] input of step 0; forced: int32 [B, N] teacher inputs of steps 1.. (column i feeds step i + 1;
     ignored when ``free_running`` (a traced bool, so both modes share one compilation): then step i + 1 feeds step
-    i's argmax); targets: int32 [B, N] scored tokens.
-    Returns (nll [B, N], argmax [B, N], cache, ok).
+    i's argmax); targets: int32 [B, N] scored tokens.  ``mode``: "nll"; "logprobs" (also the float32 log-softmax
+    ``[B, N, V]`` of every step); "compare" (``ref``: a reference's log-softmax ``[B, N, V]``; also
+    ``KL(ref || this)`` ``[B, N]`` and top-1 agreement ``[B, N]`` with the reference).
+    Returns (nll [B, N], argmax [B, N], extra (tuple per mode), cache, ok).
     """
     b = first.shape[0]
     ones = jnp.ones((b,), jnp.int32)
 
     def body(carry, xs):
         cache, tok, ok = carry
-        nxt_forced, target = xs
+        nxt_forced, target = xs[:2]
         logits, cache, ok2 = forward(params, cfg, tok[:, None], cache, ones, attention_impl=attention_impl)
         lg = logits[:, 0]
         nll = _gather_nll(lg, target)
         am = jnp.argmax(lg, axis=-1).astype(jnp.int32)
         nxt = jnp.where(free_running, am, nxt_forced)
-        return (cache, nxt, ok & ok2), (nll, am)
+        extra = ()
+        if mode != "nll":
+            lp = jax.nn.log_softmax(lg.astype(jnp.float32), axis=-1)
+            if mode == "logprobs":
+                extra = (lp,)
+            else:
+                lr = xs[2]
+                kl = jnp.sum(jnp.exp(lr) * (lr - lp), axis=-1)
+                extra = (kl, (jnp.argmax(lr, axis=-1) == am).astype(jnp.float32))
+        return (cache, nxt, ok & ok2), (nll, am) + extra
 
-    (cache, _, ok), (nll, am) = jax.lax.scan(body, (cache, first, jnp.bool_(True)),
-                                             (forced.T, targets.T))
-    return nll.T, am.T, cache, ok
+    xs = (forced.T, targets.T) + ((jnp.swapaxes(ref, 0, 1),) if mode == "compare" else ())
+    (cache, _, ok), outs = jax.lax.scan(body, (cache, first, jnp.bool_(True)), xs)
+    nll, am = outs[0].T, outs[1].T
+    extra = tuple(jnp.swapaxes(o, 0, 1) for o in outs[2:])
+    return nll, am, extra, cache, ok
 
 
 def decode(params, cfg, policy, prompt, n: int, *, targets=None, free_running: bool = False,
-           attention_impl: str = "auto"):
+           attention_impl: str = "auto", reference_logprobs=None, return_logprobs: bool = False):
     """Prefill ``prompt`` (int32 [B, P]) then decode ``n`` tokens through a fresh cache of ``policy``.
 
     Teacher-forced (``free_running=False``): ``targets`` int32 [B, n + 1] are the tokens after the prompt; step i
     feeds ``targets[:, i]`` and scores ``targets[:, i + 1]``.  Free-running: step 0 feeds the prefill's argmax,
     step i feeds step i - 1's argmax (greedy), and ``targets`` (optional, [B, n + 1]) are scored as above.
-    Returns dict(first=[B] prefill argmax, nll=[B, n], argmax=[B, n]) as NumPy arrays.
+    ``return_logprobs``: also ``logprobs`` float32 [B, n, V] (a device array).  ``reference_logprobs`` ([B, n, V],
+    e.g. the full-precision cache's ``logprobs`` on the same tokens): also ``kl`` = KL(reference || this) and
+    ``agree`` (argmax equal to the reference's), both float32 [B, n].
+    Returns dict(first=[B] prefill argmax, nll=[B, n], argmax=[B, n], ...) as NumPy arrays.
     """
     policy = as_policy(policy)
     prompt = np.asarray(prompt, np.int32)
@@ -145,6 +162,10 @@ def decode(params, cfg, policy, prompt, n: int, *, targets=None, free_running: b
     targets = np.asarray(targets, np.int32)
     if targets.shape != (b, n + 1):
         raise ValueError(f"targets must be [B, n + 1] = {(b, n + 1)}, got {targets.shape}")
+    if reference_logprobs is not None and tuple(reference_logprobs.shape[:2]) != (b, n):
+        raise ValueError(f"reference_logprobs must be [B, n, V] with [B, n] = {(b, n)}, got "
+                         f"{tuple(reference_logprobs.shape)}")
+    mode = "compare" if reference_logprobs is not None else "logprobs" if return_logprobs else "nll"
     cache = policy.init(cfg, b, p + n)
     last, cache, ok = _prefill(params, cfg, jnp.asarray(prompt), cache)
     if not bool(ok):
@@ -152,11 +173,18 @@ def decode(params, cfg, policy, prompt, n: int, *, targets=None, free_running: b
     first_am = jnp.argmax(last, axis=-1).astype(jnp.int32)
     first = first_am if free_running else jnp.asarray(targets[:, 0])
     forced = jnp.asarray(np.concatenate([targets[:, 1:n], np.zeros((b, 1), np.int32)], axis=1))
-    nll, am, cache, ok = _decode_scan(params, cfg, cache, first, forced, jnp.asarray(targets[:, 1:]),
-                                      jnp.bool_(free_running), attention_impl=attention_impl)
+    ref = None if reference_logprobs is None else jnp.asarray(reference_logprobs, jnp.float32)
+    nll, am, extra, cache, ok = _decode_scan(params, cfg, cache, first, forced, jnp.asarray(targets[:, 1:]),
+                                             jnp.bool_(free_running), ref, attention_impl=attention_impl,
+                                             mode=mode)
     if not bool(ok):
         raise CacheEvalError("a decode step produced non-finite K/V")
-    return {"first": np.asarray(first_am), "nll": np.asarray(nll), "argmax": np.asarray(am)}
+    out = {"first": np.asarray(first_am), "nll": np.asarray(nll), "argmax": np.asarray(am)}
+    if mode == "logprobs":
+        out["logprobs"] = extra[0]
+    elif mode == "compare":
+        out["kl"], out["agree"] = np.asarray(extra[0]), np.asarray(extra[1])
+    return out
 
 
 def serving_nll(params, cfg, tokens, policy, prefill: int, *, attention_impl: str = "auto") -> np.ndarray:
@@ -165,6 +193,13 @@ def serving_nll(params, cfg, tokens, policy, prefill: int, *, attention_impl: st
 
     ``nll[:, i]`` is the prediction of ``tokens[:, P + 1 + i]``, i.e. ``chunked_nll(...)[:, P + i]``.
     """
+    return serving_decode(params, cfg, tokens, policy, prefill, attention_impl=attention_impl)["nll"]
+
+
+def serving_decode(params, cfg, tokens, policy, prefill: int, *, attention_impl: str = "auto",
+                   reference_logprobs=None, return_logprobs: bool = False) -> dict:
+    """The serving path of :func:`serving_nll` with :func:`decode`'s extras (``logprobs`` of every scored
+    prediction, or ``kl`` / ``agree`` against ``reference_logprobs`` of the same tokens)."""
     tokens = np.asarray(tokens, np.int32)
     b, t = tokens.shape
     n = t - prefill - 1
@@ -172,4 +207,5 @@ def serving_nll(params, cfg, tokens, policy, prefill: int, *, attention_impl: st
         raise ValueError(f"serving path needs 1 <= prefill and at least one decode prediction: prefill {prefill}, "
                          f"{t} tokens")
     return decode(params, cfg, policy, tokens[:, :prefill], n, targets=tokens[:, prefill:],
-                  attention_impl=attention_impl)["nll"]
+                  attention_impl=attention_impl, reference_logprobs=reference_logprobs,
+                  return_logprobs=return_logprobs)

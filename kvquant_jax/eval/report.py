@@ -8,6 +8,7 @@ from pathlib import Path
 from kvquant_jax.config import METRICS, Point, SchemeSpec
 from kvquant_jax.eval.metrics import DELTA_FIELDS, baseline_config
 from kvquant_jax.eval.rows import read_rows, row_key
+from kvquant_jax.eval.stats import ppl_delta_ci, wilson_interval
 
 
 def _load(path: Path) -> dict[str, dict]:
@@ -121,17 +122,41 @@ def _task_line(cfg: dict) -> str:
     return "; ".join(parts)
 
 
+def delta_ci(e, metric):
+    """Paired-bootstrap CI of the point's Δppl against the baseline row of the same segments (None when either row
+    or its per-segment NLL is missing)."""
+    x = _v(e, metric, "values", "segment_nll")
+    b = (e.get("baseline_" + metric) or {}).get("values", {}).get("segment_nll")
+    if x is None or b is None or len(x) != len(b) or len(x) < 2:
+        return None
+    return ppl_delta_ci(x, b)
+
+
+def _delta_cell(e, metric) -> str:
+    d = _v(e, metric, "delta", "delta_ppl")
+    ci = delta_ci(e, metric)
+    if d is None or ci is None:
+        one = len(_v(e, metric, "values", "segment_nll") or ()) == 1
+        return _fmt(d, 3, True) + (" (1 segment: no CI)" if d is not None and one else "")
+    return f"{_fmt(d, 3, True)} [{_fmt(ci.lo, 3, True)}, {_fmt(ci.hi, 3, True)}]" + ("" if ci.excludes_zero else " n.s.")
+
+
+def _scored(entries, metric) -> str:
+    toks = {int(t) for e in entries if (t := _v(e, metric, "values", "tokens")) is not None}
+    return "/".join(str(t) for t in sorted(toks)) if toks else "–"
+
+
 def _main_table(entries, baseline) -> list[str]:
     head = ["point", "cache policy", "bits/elem", "bytes/token", "ppl", "Δppl", "serving ppl", "Δ serving",
-            "greedy match", "top-1", "K nmse", "V nmse", "attn out err", "passkey"]
+            "KL serving", "top-1 serving", "greedy match", "top-1", "K nmse", "V nmse", "attn out err", "passkey"]
     lines = ["## Summary", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     bl = {m: next((e["baseline_" + m] for e in entries if e.get("baseline_" + m)), None)
           for m in ("ppl", "serving_ppl", "passkey")}
     if any(bl.values()):
         cells = [f"**baseline** `{baseline}`", "", "", "",
                  _fmt(bl["ppl"]["values"]["ppl"]) if bl["ppl"] else "–", "",
-                 _fmt(bl["serving_ppl"]["values"]["ppl"]) if bl["serving_ppl"] else "–", "", "", "", "", "", "",
-                 _fmt(bl["passkey"]["values"]["mean"], 2) if bl["passkey"] else "–"]
+                 _fmt(bl["serving_ppl"]["values"]["ppl"]) if bl["serving_ppl"] else "–", "", "", "", "", "", "", "",
+                 "", _fmt(bl["passkey"]["values"]["mean"], 2) if bl["passkey"] else "–"]
         lines.append("| " + " | ".join(cells) + " |")
     for e in entries:
         p = e["point"]
@@ -140,14 +165,20 @@ def _main_table(entries, baseline) -> list[str]:
         cells = [p.label, "–" if not pol else f"`{pol}`" if len(pol) < 60 else f"`{pol[:57]}…`",
                  _fmt(_v(e, "bytes", "values", "bits_per_element"), 2) + (" (sim)" if sim else ""),
                  _fmt(_v(e, "bytes", "values", "bytes_per_token"), 0),
-                 _fmt(_v(e, "ppl", "values", "ppl")), _fmt(_v(e, "ppl", "delta", "delta_ppl"), 3, True),
-                 _fmt(_v(e, "serving_ppl", "values", "ppl")),
-                 _fmt(_v(e, "serving_ppl", "delta", "delta_ppl"), 3, True),
+                 _fmt(_v(e, "ppl", "values", "ppl")), _delta_cell(e, "ppl"),
+                 _fmt(_v(e, "serving_ppl", "values", "ppl")), _delta_cell(e, "serving_ppl"),
+                 _fmt(_v(e, "serving_ppl", "values", "kl")), _fmt(_v(e, "serving_ppl", "values", "top1"), 3),
                  _fmt(_v(e, "agreement", "values", "match"), 3), _fmt(_v(e, "agreement", "values", "top1"), 3),
                  _fmt(_v(e, "kv_error", "values", "k_nmse")), _fmt(_v(e, "kv_error", "values", "v_nmse")),
                  _fmt(_v(e, "kv_error", "values", "out_rel")), _fmt(_v(e, "passkey", "values", "mean"), 2)]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "bits/elem: logical bytes at the bytes-task length (codes + qparams + residual rows + the "
+    lines += ["", f"Δ [95% CI]: paired bootstrap of Δppl over the scored segments against the baseline on the same "
+                  f"segments (BCa, 10,000 resamples, `kvquant_jax.eval.stats`); **n.s.** marks an interval that "
+                  f"contains 0 (no distinguishable difference). KL serving: mean KL(baseline ‖ point) of the next-token "
+                  f"distributions at every scored serving step (same tokens, teacher-forced); top-1 serving: the "
+                  f"fraction of those steps whose argmax equals the baseline's. Scored tokens per point: ppl {_scored(entries, 'ppl')}, "
+                  f"serving ppl {_scored(entries, 'serving_ppl')}.", "",
+              "bits/elem: logical bytes at the bytes-task length (codes + qparams + residual rows + the "
                   "`lengths` metadata) × 8 / (2·L·Hkv·D·T); `(sim)`: simulated ablation scheme, bits of the "
                   "equivalent packed layout. nmse: mean over layers of mean((x̂−x)²)/mean(x²). attn out err: "
                   "relative L2 error of the attention output at the probes. greedy match: fraction of free-running "
@@ -164,11 +195,17 @@ def _passkey_tables(entries) -> list[str]:
         if not lines:
             lines = ["## Passkey retrieval (accuracy per context length × needle depth)", ""]
         b = _v(e, "baseline_passkey", "values")
-        lines += [f"**{e['point'].label}**" + (f" (baseline mean {_fmt(b['mean'], 2)})" if b else ""), "",
+        trials = e["point"].config.tasks.passkey.trials
+        lines += [f"**{e['point'].label}**" + (f" (baseline mean {_fmt(b['mean'], 2)})" if b else "")
+                  + f"; {trials} trials per cell, [95% Wilson interval]", "",
                   "| length \\ depth | " + " | ".join(f"{d:g}" for d in v["depths"]) + " |",
                   "|---|" + "---|" * len(v["depths"])]
         for n, accs in zip(v["lengths"], v["accuracy"]):
-            lines.append(f"| {n} | " + " | ".join(_fmt(a, 2) for a in accs) + " |")
+            cells = []
+            for a in accs:
+                lo, hi = wilson_interval(round(a * trials), trials)
+                cells.append(f"{_fmt(a, 2)} [{lo:.2f}, {hi:.2f}]")
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
         lines.append("")
     return lines
 

@@ -143,7 +143,7 @@ def generate(params, cfg: LlamaConfig, prompts: list[list[int]], *, max_new_toke
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     need = max(lens) + max_new_tokens
     if capacity is None:
-        capacity = bucket(need, 64)
+        capacity = bucket(need, 128)   # a multiple of every kernel block (Mosaic GPU: 128 rows)
     check_fits(cfg, need, capacity, f"prompt of {max(lens)} tokens + {max_new_tokens} new tokens")
     scheme = scheme or FullPrecisionScheme(rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
     check_memory(cfg, scheme, len(prompts), capacity)

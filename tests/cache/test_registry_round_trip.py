@@ -25,6 +25,7 @@ SPECS = {
     "full": "bf16",
     "fp8": "fp8_e4m3:scales=warmup,axis=head",
     "per_token": "int4:group_size=8",
+    "per_token_vt": "int4_vt",
     "per_token_any": "int3",
     "static_int": "static_int4",
     "qserve": "qserve4",

@@ -90,3 +90,26 @@ def test_smollm_paths_agree_and_int8_is_close(smollm, wikitext_test_path):
     np.testing.assert_allclose(serving, plain[:, 64:], rtol=0, atol=2e-3)
     q = np.asarray(serving_nll(p, c, toks, make_scheme("int8", rope_theta=c.rope_theta), 64), np.float64)
     assert abs(math.exp(q.mean()) / math.exp(plain[:, 64:].mean()) - 1) < 0.01
+
+
+def test_serving_kl_and_top1_against_a_float64_oracle(tiny, tokens):
+    """KL(reference || point) and top-1 agreement inside the decode scan equal a float64 NumPy computation on the
+    two runs' own log-softmaxes; the baseline against itself gives KL 0 and agreement 1."""
+    from kvquant_jax.eval.quantized_ppl import serving_decode
+
+    cfg, params = tiny
+    toks = tokens(2, 30, seed=5)
+    ref = serving_decode(params, cfg, toks, make_scheme("fp32"), 9, return_logprobs=True)
+    q = serving_decode(params, cfg, toks, make_scheme("int2"), 9, return_logprobs=True)
+    got = serving_decode(params, cfg, toks, make_scheme("int2"), 9, reference_logprobs=ref["logprobs"])
+    lr, lq = np.asarray(ref["logprobs"], np.float64), np.asarray(q["logprobs"], np.float64)
+    want = np.sum(np.exp(lr) * (lr - lq), axis=-1)
+    assert want.shape == (2, 20) and want.mean() > 1e-4            # a lossy cache: a KL the test can see
+    np.testing.assert_allclose(got["kl"], want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(got["agree"], (lr.argmax(-1) == lq.argmax(-1)).astype(np.float32))
+    np.testing.assert_allclose(got["nll"], q["nll"], rtol=0, atol=0)
+    same = serving_decode(params, cfg, toks, make_scheme("fp32"), 9, reference_logprobs=ref["logprobs"])
+    np.testing.assert_allclose(same["kl"], 0.0, atol=1e-6)
+    assert np.all(same["agree"] == 1.0)
+    with pytest.raises(ValueError, match="reference_logprobs must be"):
+        serving_decode(params, cfg, toks, make_scheme("fp32"), 9, reference_logprobs=ref["logprobs"][:, :3])
