@@ -1,4 +1,4 @@
-"""``kvq`` command line: fetch-model, generate, ppl, ledger, calibrate, eval, sweep."""
+"""``kvq`` command line: fetch-model, generate, ppl, ledger, calibrate, eval, sweep, serve-bench."""
 from __future__ import annotations
 
 import argparse
@@ -220,6 +220,10 @@ def main(argv=None):
     from kvquant_jax.calibration.commands import add_parsers as add_prefix_parsers
 
     add_prefix_parsers(sub)
+
+    from kvquant_jax.serving.engine_cli import add_parsers as add_engine_parsers
+
+    add_engine_parsers(sub)
 
     args = ap.parse_args(argv)
     try:

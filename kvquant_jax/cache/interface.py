@@ -146,6 +146,15 @@ class CacheScheme(abc.ABC):
         del new_lengths, k, v, start
         return state
 
+    def sealed_rows(self, lengths):
+        """Host-side (NumPy int ``[B]``): positions ``[0, sealed)`` whose stored bytes no later append changes.
+
+        A paged cache (``cache/paged.py``) may share such rows' pages between owners; an append writes only pages
+        at or past ``sealed_rows(lengths)`` (copy-on-write first where shared).  Default: every committed row is
+        final (``lengths``).  KIVI writes codes of rows that sit in its residual window when they close, so its
+        sealed frontier is ``min(k_frontier, v_frontier)``."""
+        return np.asarray(lengths, np.int64)
+
     # ----- consumers: decode attention and the byte ledger (a scheme owns how it is read and counted) -----
 
     #: True when :meth:`decode_regions` / :meth:`materialize_layer` return POST-RoPE keys although the schema's

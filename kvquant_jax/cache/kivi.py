@@ -278,6 +278,11 @@ class KIVIScheme(SchemeBase):
 
         return combine(kq, state.k_res, fk), combine(vq, state.v_res, fv), valid
 
+    def sealed_rows(self, lengths):
+        """Rows below both frontiers: their codes are written; rows above are (re)written when they close."""
+        fk, fv = self.frontiers(np.asarray(lengths, np.int64))
+        return np.minimum(fk, fv)
+
     # ----- truncation -----
     def rebuild_start(self, old_lengths, new_lengths):
         old = np.asarray(old_lengths, np.int64)

@@ -460,6 +460,11 @@ class PrefixScheme(CacheScheme):
             out[("sink_prefix", t)] = out.get(("sink_prefix", t), 0) + n
         return out
 
+    def sealed_rows(self, lengths):
+        p = self.prefix_len
+        body = np.maximum(np.asarray(lengths, np.int64) - p, 0)
+        return np.asarray(self.body.sealed_rows(body), np.int64) + p
+
     def rebuild_start(self, old_lengths, new_lengths):
         old, new = np.asarray(old_lengths, np.int64), np.asarray(new_lengths, np.int64)
         if (new < self.prefix_len).any():

@@ -1,0 +1,159 @@
+"""Continuous batching on the paged quantized KV cache vs the static-batch loop, on one seeded Poisson trace.
+
+    # H200 (issue M): LLaMA-3-8B shape (random bf16 weights) and SmolLM2, bf16 / int8 / int4 / KIVI-2 caches at
+    # a fixed KV budget
+    python experiments/bench_engine.py --model llama3-8b-shaped smollm2 --cache bf16 int8 int4 kivi2 \
+        --requests 64 --rate 2 --prompt-len 512 8192 --output-len 64 1024 --hbm-gb 16 --slots 128 \
+        --page-size 64 --chunk 256 --out docs/results/engine
+    # CPU smoke run (tiny model, short requests; a minute)
+    python experiments/bench_engine.py --small
+
+For every (model, cache): the engine (``kvquant_jax.serving.engine``: admission by free pages, chunked prefill
+mixed with decode, preemption by recompute, prefix cache) replays the trace in real time with a page pool of
+``--hbm-gb`` of KV (``engine_cli.pages_for_budget``: a quantized cache gets proportionally more pages); the
+static-batch loop (``serving.generate`` on a contiguous cache) serves the same trace in arrival order in batches
+as large as the same budget holds at full length, each batch waiting for its last arrival and its longest output
+(run once untimed first, so neither side pays compilation in the timed run).
+Reported: output tokens/s, TTFT p50/p99, inter-token latency p50/p99, peak concurrent requests, and the int4 /
+bf16 throughput ratio (issue M target: >= 1.8 at the same budget).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from kvquant_jax.cache.registry import make_scheme  # noqa: E402
+from kvquant_jax.serving import engine as E  # noqa: E402
+from kvquant_jax.serving.engine_cli import page_bytes, pages_for_budget, serve_bench  # noqa: E402
+from kvquant_jax.serving.generate import generate  # noqa: E402
+
+
+def load(name: str, dtype: str):
+    import bench_serving as BS
+
+    if name == "llama3-8b-shaped":
+        cfg = BS.llama3_8b_shaped()
+        return BS.random_params(cfg, dtype=jnp.dtype(dtype)), cfg
+    if name == "smollm2":
+        cfg, params = BS.load_smollm2(dtype)
+        return params, cfg
+    cfg = BS.tiny()
+    return BS.random_params(cfg, dtype=jnp.dtype(dtype)), cfg
+
+
+def static_batches(params, cfg, scheme, reqs, batch: int, chunk: int) -> dict:
+    """The static-batch loop: arrival-order batches of ``batch``; a batch starts when its last request arrived
+    and the previous batch finished; every request waits for the batch's longest output."""
+    results, t0, peak = {}, time.perf_counter(), 0
+    for i in range(0, len(reqs), batch):
+        group = reqs[i:i + batch]
+        now = time.perf_counter() - t0
+        if group[-1].arrival > now:
+            time.sleep(group[-1].arrival - now)
+        start = time.perf_counter() - t0
+        res = generate(params, cfg, [list(r.prompt) for r in group], max_new_tokens=max(r.max_new_tokens for r in group),
+                       scheme=scheme, prefill_chunk=chunk, eos_id=-1)
+        peak = max(peak, len(group))
+        first = start + res.prefill_seconds
+        step = res.decode_seconds / max(res.decode_steps - 1, 1)
+        for r, toks in zip(group, res.tokens):
+            n = min(len(toks), r.max_new_tokens)
+            results[r.id] = E.Result(r.id, toks[:n], "length", r.arrival, first,
+                                     [first + k * step for k in range(n)])
+    return E.summarize(results, time.perf_counter() - t0, peak)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", nargs="+", default=["llama3-8b-shaped"], choices=["llama3-8b-shaped", "smollm2", "tiny"])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--cache", nargs="+", default=["bf16", "int8", "int4", "kivi2"])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[512, 8192])
+    ap.add_argument("--output-len", type=int, nargs=2, default=[64, 1024])
+    ap.add_argument("--shared-prefix", type=int, default=0)
+    ap.add_argument("--hbm-gb", type=float, default=16.0, help="KV-cache budget (the same for every cache)")
+    ap.add_argument("--slots", type=int, default=128, help="upper bound; capped per cache (see below)")
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-static", action="store_true", help="skip the static-batch baseline")
+    ap.add_argument("--small", action="store_true", help="CPU smoke sizes (tiny model, short requests)")
+    ap.add_argument("--out", default=None, help="directory for results.jsonl + README.md")
+    args = ap.parse_args(argv)
+    if args.small:
+        args.model, args.dtype, args.requests, args.rate = ["tiny"], "float32", 12, 20.0
+        args.prompt_len, args.output_len, args.hbm_gb = [32, 256], [8, 48], 0.001
+        args.slots, args.page_size, args.chunk = 6, 32, 64
+    rows = []
+    for model in args.model:
+        params, cfg = load(model, args.dtype)
+        reqs = E.synthetic_trace(args.requests, rate=args.rate, prompt_range=tuple(args.prompt_len),
+                                 output_range=tuple(args.output_len), vocab_size=cfg.vocab_size, seed=args.seed,
+                                 shared_prefix=args.shared_prefix)
+        reqs = [r.__class__(r.id, r.prompt, r.max_new_tokens, r.sampling, (-1,), r.arrival) for r in reqs]  # no EOS
+        longest = max(len(r.prompt) + r.max_new_tokens for r in reqs)
+        for spec in args.cache:
+            scheme = make_scheme(spec, rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
+            budget = args.hbm_gb * 2**30
+            num_pages = pages_for_budget(scheme, cfg, args.page_size, budget)
+            # slots: at most twice the requests the pool can hold at the trace's mean length (the engine step
+            # gathers a contiguous view of num_slots x context rows in the stored format: bounded memory)
+            mean_len = float(np.mean([len(r.prompt) + r.max_new_tokens for r in reqs]))
+            slots = max(1, min(args.slots, int(2 * num_pages * args.page_size / mean_len)))
+            ec = E.EngineConfig(num_slots=slots, page_size=args.page_size, num_pages=num_pages,
+                                max_pages=-(-longest // args.page_size), chunk=args.chunk, seed=args.seed)
+            row = {"model": model, "cache": spec, "system": "engine", "hbm_gb": args.hbm_gb,
+                   "page_bytes": page_bytes(scheme, cfg, args.page_size),
+                   **serve_bench(params, cfg, scheme, reqs, ec, realtime=True)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            if not args.no_static:
+                per_seq = page_bytes(scheme, cfg, args.page_size) * -(-longest // args.page_size)
+                batch = max(1, int(budget // per_seq))
+                warm = [r.__class__(r.id, r.prompt, r.max_new_tokens, r.sampling, r.stop, 0.0) for r in reqs]
+                static_batches(params, cfg, scheme, warm, batch, args.chunk)     # compile every batch shape
+                srow = {"model": model, "cache": spec, "system": "static", "hbm_gb": args.hbm_gb,
+                        "batch": batch, **static_batches(params, cfg, scheme, reqs, batch, args.chunk)}
+                print(json.dumps(srow), flush=True)
+                rows.append(srow)
+        del params
+        jax.clear_caches()
+    ratio = {}
+    for model in args.model:
+        tps = {r["cache"]: r["output_tok_per_s"] for r in rows if r["model"] == model and r["system"] == "engine"}
+        if "int4" in tps and "bf16" in tps:
+            ratio[model] = round(tps["int4"] / tps["bf16"], 3)
+    print(json.dumps({"int4_over_bf16_engine_tok_per_s": ratio, "target": 1.8}))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.jsonl"), "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        keys = ["model", "cache", "system", "output_tok_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
+                "itl_p99_s", "peak_concurrent", "preemptions", "num_pages"]
+        with open(os.path.join(args.out, "README.md"), "w") as f:
+            f.write(f"# Engine benchmark\n\n`python experiments/bench_engine.py {' '.join(argv or sys.argv[1:])}`\n\n")
+            f.write("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys) + "\n")
+            for r in rows:
+                f.write("| " + " | ".join(str(round(r[k], 4) if isinstance(r.get(k), float) else r.get(k, ""))
+                                          for k in keys) + " |\n")
+            f.write(f"\nint4 / bf16 engine output tokens/s: {ratio} (target >= 1.8)\n")
+    return rows
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=4)
+    main()

@@ -1,0 +1,454 @@
+"""Continuous-batching engine over the paged quantized KV cache (``cache/paged.py``).
+
+One :class:`Engine` owns ``num_slots`` sequence slots, a page pool and (optionally) a prefix cache.  Every
+:meth:`Engine.step`:
+
+1. **admits** queued requests (FCFS) into free slots while the pool has pages for their prompt (prefix-cache hits
+   map stored pages first and need only the rest) plus one page per running request of headroom;
+2. **plans** one static-shape step: every running slot feeds ``min(chunk, pending)`` tokens -- a prefill chunk
+   of its prompt, or its last sampled token -- so chunked prefill and decode share ONE jit-compiled forward of
+   shape ``[num_slots, T]`` with ``T`` bucketed to 1 (all slots decoding) or ``chunk``; idle slots feed nothing
+   (``num_new = 0``, masked);
+3. **reserves** pages (``paged.reserve``: map new pages, copy-on-write shared ones); when the pool runs out it
+   evicts least-recently-used prefix-cache entries, then **preempts** the most recently admitted request (its pages
+   are released and it re-queues at the front to be *recomputed*: prompt + generated tokens are prefilled again,
+   its output continues where it stopped) -- never writing into a page another request holds;
+4. runs the step (``begin_step``/``retire_step`` bracket it: pages released while it runs are reclaimed only once
+   its outputs are ready), samples every slot's next token with its own sampling parameters (temperature / top-k /
+   top-p; a per-request PRNG stream, so results do not depend on batch composition) and **streams** a
+   :class:`StreamEvent` per new token; a request stops at its stop tokens (EOS by default; the stop token is not
+   emitted, as in ``serving.generate``) or its ``max_new_tokens``.
+
+The forward runs on the paged cache's contiguous view (``paged.gather`` -> ``llama.forward`` ->
+``paged.scatter``), so every registry scheme serves and the results equal ``serving.generate`` one request at a
+time (same prefill chunking) token for token: ``tests/serving/test_engine.py``.
+
+Bad input raises ``ValueError`` at :meth:`Engine.submit`: an empty prompt, a token outside the vocabulary, a
+request longer than the model's context or the cache's, a request that needs more pages than the whole pool.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import json
+import time
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvquant_jax.cache import page_pool as pp
+from kvquant_jax.cache import paged
+from kvquant_jax.cache import prefix_cache as pcache
+from kvquant_jax.cache.full import FullPrecisionScheme
+from kvquant_jax.models.config import LlamaConfig
+from kvquant_jax.models.llama import forward
+from kvquant_jax.serving.sampling import SamplingParams
+
+__all__ = ["EngineConfig", "Request", "StreamEvent", "Result", "Engine", "sample_rows", "synthetic_trace",
+           "read_trace", "write_trace", "summarize"]
+
+
+class CacheAppendError(RuntimeError):
+    """A step produced non-finite K/V (nothing of it was published)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static engine geometry.
+
+    Attributes:
+      num_slots: sequences per step (the static batch of the jitted step).
+      page_size: rows per page (a multiple of every KIVI group size).
+      num_pages: pages in the pool (the HBM budget).
+      max_pages: pages per sequence (context = hidden prefix rows + max_pages * page_size).
+      chunk: prefill tokens per step and slot (the static T of mixed steps).
+      prefix_cache: store full prompt pages and map them into later requests with the same prefix.
+      seed: base PRNG seed of the per-request sampling streams.
+      attention_impl: ``llama.forward``'s attention implementation.
+    """
+
+    num_slots: int = 8
+    page_size: int = 16
+    num_pages: int = 256
+    max_pages: int = 32
+    chunk: int = 64
+    prefix_cache: bool = True
+    seed: int = 0
+    attention_impl: str = "auto"
+
+    def __post_init__(self):
+        for f in ("num_slots", "page_size", "num_pages", "max_pages", "chunk"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"engine: {f} must be a positive int, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One generation request: ``prompt`` token ids, ``max_new_tokens``, sampling and ``stop`` token ids (None:
+    the model's EOS), ``arrival`` seconds after the trace start (trace replay)."""
+
+    id: int
+    prompt: tuple
+    max_new_tokens: int = 32
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple | None = None
+    arrival: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamEvent:
+    """A new output token of request ``request_id`` (``token`` None when it finished without one)."""
+
+    request_id: int
+    token: int | None
+    index: int
+    finished: bool
+    reason: str = ""           # "stop" | "length" when finished
+    time: float = 0.0
+
+
+@dataclasses.dataclass
+class Result:
+    request_id: int
+    tokens: list
+    reason: str = ""
+    arrival: float = 0.0
+    first_token: float | None = None
+    token_times: list = dataclasses.field(default_factory=list)
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0
+
+
+@dataclasses.dataclass
+class _Slot:
+    req: Request
+    cached: list               # token ids whose K/V are committed (positions row_offset ..)
+    todo: list                 # tokens still to feed (prompt remainder, or the last sampled token)
+    admitted: int              # admission counter (preemption picks the latest)
+    prefilling: bool = True
+
+
+def sample_rows(logits, keys, temperature, top_k, top_p):
+    """Per-row sampling: ``logits`` float32 ``[S, V]``, ``keys`` ``[S, 2]`` uint32, ``temperature`` float32
+    ``[S]`` (0 = greedy), ``top_k`` int32 ``[S]`` (0 = off), ``top_p`` float32 ``[S]`` (1 = off).  Returns int32
+    ``[S]``.  Row ``s`` follows ``serving.sampling.sample`` with that row's parameters."""
+    v = logits.shape[-1]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    srt = jnp.sort(x, axis=-1)[:, ::-1]
+    kth = jnp.take_along_axis(srt, jnp.clip(top_k - 1, 0, v - 1)[:, None], axis=1)
+    x = jnp.where((top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
+    srt = jnp.sort(x, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(srt, axis=-1)
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+    thresh = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
+    x = jnp.where((top_p[:, None] < 1.0) & (x < thresh), -jnp.inf, x)
+    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, x).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attention_impl"), donate_argnames=("cache",))
+def _step(params, cfg: LlamaConfig, cache: paged.PagedKVCache, tokens, num_new, write, temperature, top_k, top_p,
+          base_key, req_ids, n_gen, attention_impl="auto"):
+    """One engine step: ``tokens`` int32 ``[S, T]`` (``num_new[s]`` valid), pages ``write`` bool ``[S, M]``.
+    Returns (next token int32 ``[S]``, cache', ok)."""
+    view = paged.gather(cache)
+    logits, view2, ok = forward(params, cfg, tokens, view, num_new, attention_impl=attention_impl)
+    cache2 = paged.scatter(cache, view2, write)
+    last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    keys = jax.vmap(lambda i, n: jax.random.fold_in(jax.random.fold_in(base_key, i), n))(req_ids, n_gen)
+    return sample_rows(last, keys, temperature, top_k, top_p), cache2, ok
+
+
+class Engine:
+    """Continuous batching over a paged cache (module docstring).  ``scheme``: one scheme or a per-layer tuple."""
+
+    def __init__(self, params, cfg: LlamaConfig, scheme=None, config: EngineConfig = EngineConfig(), *,
+                 model_hash: str = "", tokenizer_hash: str = "", calibration_id: str = ""):
+        self.params, self.cfg, self.config = params, cfg, config
+        scheme = scheme or FullPrecisionScheme(rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
+        self.cache, self.pool = paged.init_paged(
+            scheme, num_layers=cfg.num_layers, batch=config.num_slots, num_pages=config.num_pages,
+            page_size=config.page_size, max_pages=config.max_pages, num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, layer_groups="runs" if jax.default_backend() == "cpu" else "per_layer")
+        self.hashes = dict(model_hash=model_hash or cfg.name, tokenizer_hash=tokenizer_hash,
+                           calibration_id=calibration_id)
+        self.prefixes = pcache.PrefixCache()
+        self.queue: collections.deque = collections.deque()
+        self.slots: list[_Slot | None] = [None] * config.num_slots
+        self.results: dict[int, Result] = {}
+        self.base_key = jax.random.PRNGKey(config.seed)
+        self._admitted = 0
+        self.peak_running = 0
+        self.steps = 0
+        self.t0 = time.perf_counter()
+
+    # ----- requests -----
+    @property
+    def context(self) -> int:
+        """Longest request (prompt + new tokens) the engine serves: the model's and the cache's limit."""
+        return min(self.cfg.max_position, self.cache.capacity) - self.cache.row_offset
+
+    def submit(self, req: Request) -> None:
+        """Queue a request (after :meth:`check`)."""
+        self.check(req)
+        if req.id in self.results:
+            raise ValueError(f"request id {req.id} submitted twice")
+        self.results[req.id] = Result(req.id, [], arrival=req.arrival)
+        self.queue.append(req)
+
+    def check(self, req: Request) -> None:
+        """Raise ``ValueError`` for an empty prompt, out-of-vocabulary ids, a bad ``max_new_tokens``, a request
+        over the context or one that needs more pages than the whole pool (it could never run)."""
+        if not req.prompt:
+            raise ValueError(f"request {req.id}: empty prompt")
+        bad = [t for t in req.prompt if not 0 <= int(t) < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"request {req.id}: token ids {bad[:5]} outside the vocabulary [0, {self.cfg.vocab_size})")
+        if not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
+            raise ValueError(f"request {req.id}: max_new_tokens must be a positive int, got {req.max_new_tokens!r}")
+        need = len(req.prompt) + req.max_new_tokens
+        if need > self.context:
+            raise ValueError(f"request {req.id}: prompt of {len(req.prompt)} tokens + {req.max_new_tokens} new "
+                             f"tokens = {need} exceeds the context of {self.context} tokens (model max_position "
+                             f"{self.cfg.max_position}, cache {self.cache.max_pages} pages x "
+                             f"{self.cache.page_size})")
+        pages = -(-need // self.cache.page_size)
+        if pages > self.cache.num_pages:
+            raise ValueError(f"request {req.id} needs {pages} pages of {self.cache.page_size} rows but the pool has "
+                             f"{self.cache.num_pages}: it cannot fit even alone")
+
+    @property
+    def running(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def done(self) -> bool:
+        return not self.queue and not self.running
+
+    # ----- admission and preemption -----
+    def _stops(self, req: Request) -> set:
+        return set(req.stop) if req.stop is not None else {self.cfg.eos_id}
+
+    def _admit(self) -> None:
+        while self.queue and None in self.slots:
+            req = self.queue[0]
+            res = self.results[req.id]
+            tokens = list(req.prompt) + res.tokens                  # a preempted request recomputes its output
+            hit = None
+            if self.config.prefix_cache:
+                hit = pcache.lookup(self.prefixes, self.cache, tokens, max_tokens=len(tokens) - 1, **self.hashes)
+            hit_tokens = 0 if hit is None else hit.length - self.cache.row_offset
+            need = -(-(len(tokens) + 1) // self.cache.page_size) - hit_tokens // self.cache.page_size
+            headroom = self.running                              # one page per running request
+            others = [e for _, e in self.prefixes.entries if hit is None or e.content != hit.content]
+            for victim in sorted(others, key=lambda e: e.last_use):
+                if need + headroom <= self.pool.num_free:
+                    break
+                self.prefixes, self.pool = pcache.evict(self.prefixes, self.pool, victim.content)
+            if need + headroom > self.pool.num_free and self.running:
+                return
+            slot = self.slots.index(None)
+            self.queue.popleft()
+            if hit is not None:
+                self.prefixes, self.cache, self.pool = pcache.attach(self.prefixes, self.cache, self.pool, hit, slot)
+                res.prefix_hit_tokens += hit_tokens
+            self._admitted += 1
+            self.slots[slot] = _Slot(req, tokens[:hit_tokens], tokens[hit_tokens:], self._admitted)
+
+    def _preempt(self, keep: int | None = None) -> bool:
+        """Free pages: evict a prefix entry, else preempt the latest admitted request (not ``keep``)."""
+        if self.prefixes.entries:
+            self.prefixes, self.pool = pcache.evict(self.prefixes, self.pool)
+            return True
+        cands = [(s.admitted, i) for i, s in enumerate(self.slots) if s is not None and i != keep]
+        if not cands:
+            return False
+        _, i = max(cands)
+        s = self.slots[i]
+        self.cache, self.pool = paged.release(self.cache, self.pool, [i])
+        self.slots[i] = None
+        self.results[s.req.id].preemptions += 1
+        self.queue.appendleft(s.req)
+        return True
+
+    # ----- one step -----
+    def _plan(self):
+        n = np.zeros(self.config.num_slots, np.int64)
+        for i, s in enumerate(self.slots):
+            if s is not None:
+                n[i] = min(self.config.chunk, len(s.todo))
+        return n
+
+    def step(self) -> list[StreamEvent]:
+        """Admit, run one mixed prefill/decode step, return the new tokens as stream events."""
+        self._admit()
+        if not self.running:
+            return []
+        while True:
+            n = self._plan()
+            lengths = np.asarray(self.cache.lengths).astype(np.int64)
+            try:
+                owners = [s.req.id if s is not None else -1 for s in self.slots]
+                cache, pool, write = paged.reserve(self.cache, self.pool, lengths + n, owners)
+                break
+            except pp.PoolExhaustedError:
+                oldest = min((s.admitted, i) for i, s in enumerate(self.slots) if s is not None)[1]
+                if not self._preempt(keep=oldest):
+                    raise
+        self.cache, self.pool = cache, pool
+        t = 1 if n.max() <= 1 else self.config.chunk
+        toks = np.zeros((self.config.num_slots, t), np.int32)
+        temp = np.zeros(self.config.num_slots, np.float32)
+        topk = np.zeros(self.config.num_slots, np.int32)
+        topp = np.ones(self.config.num_slots, np.float32)
+        ids = np.zeros(self.config.num_slots, np.int32)
+        ngen = np.zeros(self.config.num_slots, np.int32)
+        for i, s in enumerate(self.slots):
+            if s is None:
+                continue
+            toks[i, : n[i]] = s.todo[: n[i]]
+            sp = s.req.sampling
+            temp[i], topk[i], topp[i], ids[i] = sp.temperature, sp.top_k, sp.top_p, s.req.id
+            ngen[i] = len(self.results[s.req.id].tokens)
+        self.pool, step_id = pp.begin_step(self.pool)
+        nxt, self.cache, ok = _step(self.params, self.cfg, self.cache, jnp.asarray(toks), jnp.asarray(n, jnp.int32),
+                                    jnp.asarray(write), jnp.asarray(temp), jnp.asarray(topk), jnp.asarray(topp),
+                                    self.base_key, jnp.asarray(ids), jnp.asarray(ngen),
+                                    attention_impl=self.config.attention_impl)
+        nxt = np.asarray(nxt)                                      # outputs ready: the step's reads are done
+        self.pool = pp.retire_step(self.pool, step_id)
+        if not bool(ok):
+            raise CacheAppendError("engine step produced non-finite K/V; nothing was published")
+        self.steps += 1
+        self.peak_running = max(self.peak_running, self.running)
+        now = time.perf_counter() - self.t0
+        events = []
+        for i, s in enumerate(self.slots):
+            if s is None or n[i] == 0:
+                continue
+            s.cached += s.todo[: n[i]]
+            s.todo = s.todo[n[i]:]
+            if s.prefilling and self.config.prefix_cache:
+                self._store_prefix(i, s)
+            if s.todo:
+                continue                                           # prompt chunks remain
+            s.prefilling = False
+            events.append(self._emit(i, s, int(nxt[i]), now))
+        return events
+
+    def _store_prefix(self, i: int, s: _Slot) -> None:
+        """After a prefill chunk: the full pages so far become a prefix-cache entry (``prefix_cache.insert``)."""
+        self.prefixes, self.pool = pcache.insert(self.prefixes, self.cache, self.pool, i, s.cached, **self.hashes)
+
+    def _emit(self, i: int, s: _Slot, tok: int, now: float) -> StreamEvent:
+        res = self.results[s.req.id]
+        if tok in self._stops(s.req):
+            return self._finish(i, s, None, "stop", now)
+        res.tokens.append(tok)
+        res.token_times.append(now)
+        if res.first_token is None:
+            res.first_token = now
+        if len(res.tokens) >= s.req.max_new_tokens:
+            return self._finish(i, s, tok, "length", now)
+        s.todo = [tok]
+        return StreamEvent(s.req.id, tok, len(res.tokens) - 1, False, time=now)
+
+    def _finish(self, i: int, s: _Slot, tok, reason: str, now: float) -> StreamEvent:
+        res = self.results[s.req.id]
+        res.reason = reason
+        self.cache, self.pool = paged.release(self.cache, self.pool, [i])
+        self.slots[i] = None
+        return StreamEvent(s.req.id, tok, len(res.tokens) - (tok is not None), True, reason, now)
+
+    # ----- drivers -----
+    def stream(self, requests: Iterable[Request] = (), *, realtime: bool = False):
+        """Submit ``requests`` (by ``arrival`` when ``realtime``: a request is queued once the engine clock
+        reaches its arrival; otherwise all at once) and yield :class:`StreamEvent` s until every request is done."""
+        pending = sorted(requests, key=lambda r: r.arrival)
+        self.t0 = time.perf_counter()
+        k = 0
+        while k < len(pending) or not self.done():
+            now = time.perf_counter() - self.t0
+            while k < len(pending) and (not realtime or pending[k].arrival <= now):
+                self.submit(pending[k])
+                k += 1
+            if self.done() and k < len(pending):
+                time.sleep(max(0.0, min(pending[k].arrival - now, 0.05)))
+                continue
+            yield from self.step()
+
+    def run(self, requests: Iterable[Request] = (), *, realtime: bool = False) -> dict[int, Result]:
+        """:meth:`stream` to the end; returns the results by request id."""
+        for _ in self.stream(requests, realtime=realtime):
+            pass
+        return self.results
+
+
+# --------------------------------------------------------------------------------------------------------------
+# traces
+# --------------------------------------------------------------------------------------------------------------
+def synthetic_trace(n: int, *, rate: float, prompt_range: tuple[int, int], output_range: tuple[int, int],
+                    vocab_size: int, seed: int = 0, shared_prefix: int = 0) -> list[Request]:
+    """``n`` requests with Poisson arrivals (``rate`` per second), prompt and output lengths uniform in the
+    inclusive ranges, random token ids (ids 0-2 avoided: BOS / EOS of the small models) and, with
+    ``shared_prefix``, a common prefix of that many tokens (a system prompt).  Seeded: the same trace every run."""
+    rng = np.random.default_rng(seed)
+    t = np.cumsum(rng.exponential(1.0 / rate, n)) if rate > 0 else np.zeros(n)
+    common = rng.integers(3, vocab_size, shared_prefix).tolist()
+    out = []
+    for i in range(n):
+        p = int(rng.integers(prompt_range[0], prompt_range[1] + 1))
+        body = rng.integers(3, vocab_size, max(p - shared_prefix, 1)).tolist()
+        out.append(Request(i, tuple(common + body), int(rng.integers(output_range[0], output_range[1] + 1)),
+                           arrival=float(t[i])))
+    return out
+
+
+def write_trace(requests: Iterable[Request], path: str) -> None:
+    with open(path, "w") as f:
+        for r in requests:
+            f.write(json.dumps({"id": r.id, "arrival": r.arrival, "prompt": list(r.prompt),
+                                "max_new_tokens": r.max_new_tokens, "temperature": r.sampling.temperature,
+                                "top_k": r.sampling.top_k, "top_p": r.sampling.top_p,
+                                "stop": None if r.stop is None else list(r.stop)}) + "\n")
+
+
+def read_trace(path: str) -> list[Request]:
+    """JSONL, one request per line: ``id``, ``arrival`` (s), ``prompt`` (ids), ``max_new_tokens``, optional
+    ``temperature`` / ``top_k`` / ``top_p`` / ``stop``.  Raises ``ValueError`` naming the line."""
+    out = []
+    with open(path) as f:
+        for no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+                out.append(Request(int(d["id"]), tuple(int(t) for t in d["prompt"]), int(d["max_new_tokens"]),
+                                   SamplingParams(float(d.get("temperature", 0.0)), int(d.get("top_k", 0)),
+                                                  float(d.get("top_p", 1.0))),
+                                   None if d.get("stop") is None else tuple(int(t) for t in d["stop"]),
+                                   float(d.get("arrival", 0.0))))
+            except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
+                raise ValueError(f"{path}:{no}: bad trace line ({e})") from None
+    return out
+
+
+def summarize(results: dict[int, Result], seconds: float, peak_running: int) -> dict:
+    """Output tokens/s, TTFT and inter-token latency p50/p99 (seconds), peak concurrent requests."""
+    toks = sum(len(r.tokens) for r in results.values())
+    ttft = [r.first_token - r.arrival for r in results.values() if r.first_token is not None]
+    itl = [b - a for r in results.values() for a, b in zip(r.token_times, r.token_times[1:])]
+
+    def pct(x, q):
+        return float(np.percentile(x, q)) if x else float("nan")
+
+    return {"requests": len(results), "output_tokens": toks, "seconds": round(seconds, 3),
+            "output_tok_per_s": round(toks / max(seconds, 1e-9), 2), "ttft_p50_s": pct(ttft, 50),
+            "ttft_p99_s": pct(ttft, 99), "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
+            "peak_concurrent": peak_running,
+            "preemptions": sum(r.preemptions for r in results.values()),
+            "prefix_hit_tokens": sum(r.prefix_hit_tokens for r in results.values())}

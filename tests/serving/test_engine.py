@@ -1,0 +1,159 @@
+"""The continuous-batching engine (serving/engine.py) on a tiny random model.
+
+Engine outputs on a seeded trace equal ``serving.generate`` run one request at a time (same prefill chunk)
+token for token -- full precision with a pool small enough to force preemption (recompute) and prefix-cache
+hits, and quantized caches (INT8 per token, KIVI-2) -- plus streaming, per-request sampling and the bad-input
+errors of the issue.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kvquant_jax.cache import paged
+from kvquant_jax.cache.kivi import KIVIScheme
+from kvquant_jax.cache.per_token import PerTokenScheme
+from kvquant_jax.cache.schema import IncompatibleSchemaError
+from kvquant_jax.models.testing import random_params, tiny_config
+from kvquant_jax.serving.engine import (Engine, EngineConfig, Request, read_trace, summarize, synthetic_trace,
+                                        write_trace)
+from kvquant_jax.serving.generate import generate
+from kvquant_jax.serving.sampling import SamplingParams
+
+CFG = tiny_config(max_position=128)
+PARAMS = dict(random_params(CFG, seed=0))
+PARAMS["embed"] = PARAMS["embed"] * 0.2          # small embeddings: diverse greedy continuations, not one token
+CHUNK = PAGE = 8
+
+
+def _trace(n=7, seed=1, shared=16):
+    return synthetic_trace(n, rate=0, prompt_range=(3, 40), output_range=(4, 14), vocab_size=CFG.vocab_size,
+                           seed=seed, shared_prefix=shared)
+
+
+def _one_at_a_time(reqs, scheme=None):
+    return {r.id: generate(PARAMS, CFG, [list(r.prompt)], max_new_tokens=r.max_new_tokens, scheme=scheme,
+                           prefill_chunk=CHUNK).tokens[0] for r in reqs}
+
+
+@pytest.fixture(scope="module")
+def fp32_reference():
+    reqs = _trace()
+    return reqs, _one_at_a_time(reqs)
+
+
+def test_full_precision_equals_one_at_a_time_with_preemption_and_prefix_hits(fp32_reference):
+    reqs, want = fp32_reference
+    distinct = {t for toks in want.values() for t in toks}
+    assert len(distinct) >= 10, "degenerate reference outputs would make the comparison weak"
+    eng = Engine(PARAMS, CFG, None, EngineConfig(num_slots=3, page_size=PAGE, num_pages=12, max_pages=8,
+                                                 chunk=CHUNK))
+    res = eng.run(reqs)
+    for r in reqs:
+        assert res[r.id].tokens == want[r.id], f"request {r.id}"
+    stats = summarize(res, 1.0, eng.peak_running)
+    assert stats["preemptions"] > 0, "the pool must run out (preemption path untested otherwise)"
+    assert stats["prefix_hit_tokens"] > 0 and eng.peak_running == 3
+    paged.validate(eng.cache, eng.pool, eng.prefixes.references())      # no leak: pool == table + prefix refs
+    assert not (np.asarray(eng.cache.page_table) >= 0).any(), "finished requests must release their pages"
+
+
+def test_comparison_has_teeth(fp32_reference):
+    """Changing one early token of a prompt changes the continuation: outputs depend on the whole history."""
+    reqs, want = fp32_reference
+    r = reqs[2]
+    mutated = dataclasses.replace(r, prompt=(r.prompt[0] % 90 + 5,) + r.prompt[1:])
+    assert _one_at_a_time([mutated])[r.id] != want[r.id]
+
+
+@pytest.mark.parametrize("scheme", [PerTokenScheme(bits=8, rope_theta=CFG.rope_theta),
+                                    KIVIScheme(k_bits=2, v_bits=2, group_size=4, v_group_size=4, residual=8,
+                                               rope_theta=CFG.rope_theta)], ids=["int8", "kivi2"])
+def test_quantized_equals_one_at_a_time(scheme):
+    reqs = _trace(n=5, seed=2)
+    want = _one_at_a_time(reqs, scheme)
+    eng = Engine(PARAMS, CFG, scheme, EngineConfig(num_slots=3, page_size=PAGE, num_pages=40, max_pages=8,
+                                                   chunk=CHUNK))
+    res = eng.run(reqs)
+    for r in reqs:
+        assert res[r.id].tokens == want[r.id], f"request {r.id}"
+    assert sum(x.prefix_hit_tokens for x in res.values()) > 0
+
+
+def test_streaming_and_per_request_sampling():
+    base = _trace(n=3, seed=3, shared=0)
+    reqs = [base[0], dataclasses.replace(base[1], sampling=SamplingParams(temperature=0.8, top_k=5, top_p=0.9)),
+            dataclasses.replace(base[2], sampling=SamplingParams(temperature=1.0, top_k=1), stop=(999,))]
+    eng = Engine(PARAMS, CFG, None, EngineConfig(num_slots=2, page_size=PAGE, num_pages=20, max_pages=8,
+                                                 chunk=CHUNK, prefix_cache=False))
+    events = list(eng.stream(reqs))
+    streamed = {r.id: [e.token for e in events if e.request_id == r.id and e.token is not None] for r in reqs}
+    assert streamed == {k: v.tokens for k, v in eng.results.items()}
+    assert all(sum(e.finished for e in events if e.request_id == r.id) == 1 for r in reqs)
+    greedy = _one_at_a_time([reqs[0], reqs[2]])
+    assert eng.results[reqs[0].id].tokens == greedy[reqs[0].id]
+    assert eng.results[reqs[2].id].tokens == greedy[reqs[2].id][: len(eng.results[reqs[2].id].tokens)]  # top-k 1
+    # the sampled request's stream depends only on its own key: alone in another engine it is the same
+    alone = Engine(PARAMS, CFG, None, EngineConfig(num_slots=2, page_size=PAGE, num_pages=20, max_pages=8,
+                                                   chunk=CHUNK, prefix_cache=False)).run([reqs[1]])
+    assert alone[reqs[1].id].tokens == eng.results[reqs[1].id].tokens
+    assert all(0 <= t < CFG.vocab_size for t in eng.results[reqs[1].id].tokens)
+
+
+def test_trace_round_trip(tmp_path):
+    reqs = _trace(n=4, seed=5)
+    p = tmp_path / "trace.jsonl"
+    write_trace(reqs, str(p))
+    assert read_trace(str(p)) == reqs
+    p.write_text('{"id": 1, "prompt": [1, 2]}\n')
+    with pytest.raises(ValueError, match="trace.jsonl:1: bad trace line"):
+        read_trace(str(p))
+
+
+def test_bad_input_errors():
+    eng = Engine(PARAMS, CFG, None, EngineConfig(num_slots=2, page_size=PAGE, num_pages=4, max_pages=8,
+                                                 chunk=CHUNK))
+    with pytest.raises(ValueError, match="exceeds the context of 64 tokens"):
+        eng.submit(Request(0, tuple(range(3, 60)), 10))
+    with pytest.raises(ValueError, match="needs 5 pages of 8 rows but the pool has 4: it cannot fit even alone"):
+        eng.submit(Request(1, tuple(range(3, 33)), 8))
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.submit(Request(2, (), 4))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.submit(Request(3, (5, 500), 4))
+    big = Engine(PARAMS, tiny_config(max_position=40), None, EngineConfig(num_slots=1, page_size=PAGE,
+                                                                            num_pages=8, max_pages=8))
+    with pytest.raises(ValueError, match="model max_position 40"):
+        big.submit(Request(4, tuple(range(3, 40)), 8))
+
+
+def test_prefix_from_another_schema_is_refused_naming_fields():
+    reqs = _trace(n=1, seed=6)
+    q = Engine(PARAMS, CFG, PerTokenScheme(bits=8, rope_theta=CFG.rope_theta),
+               EngineConfig(num_slots=1, page_size=PAGE, num_pages=12, max_pages=8, chunk=CHUNK))
+    q.run(reqs)
+    assert q.prefixes.entries
+    f = Engine(PARAMS, CFG, None, EngineConfig(num_slots=1, page_size=PAGE, num_pages=12, max_pages=8, chunk=CHUNK))
+    f.prefixes = q.prefixes                       # e.g. a prefix store shared between engines
+    f.submit(dataclasses.replace(reqs[0], id=99))
+    with pytest.raises(IncompatibleSchemaError, match=r"layer0\.key\.payload: 'int8' != 'fp32'"):
+        f.step()
+
+
+def test_kvq_serve_bench_cli(capsys):
+    import json
+
+    from kvquant_jax.cli import main
+
+    rc = main(["serve-bench", "--model", "tiny", "--cache", "int4", "--synthetic", "6", "--rate", "50",
+               "--prompt-len", "8", "40", "--output-len", "4", "12", "--shared-prefix", "16", "--slots", "3",
+               "--page-size", "8", "--num-pages", "40", "--chunk", "16"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["requests"] == 6 and out["output_tokens"] > 0 and out["prefix_hit_tokens"] > 0
+    assert out["peak_concurrent"] >= 2 and out["ttft_p50_s"] > 0
+    rc = main(["serve-bench", "--model", "tiny", "--synthetic", "2", "--page-size", "8", "--num-pages", "2",
+               "--prompt-len", "30", "30"])
+    assert rc == 2 and "cannot fit even alone" in capsys.readouterr().err
