@@ -12,7 +12,7 @@ convention).  The next forward starts at the committed length ``L``, so the hist
   body scheme sees its own committed length, so its frontiers (KIVI's closed groups and rings, FP8 warm-up...) are
   functions of ``lengths`` as everywhere else, and codes / qparams / residual rows of evicted positions are simply
   overwritten when their block starts a new chunk (body length 0);
-* the last ``nb`` chunks are retained: at least the ``W`` newest rows, at most ``W + block - 1`` (the ledger counts
+* the last ``nb`` chunks are retained: at least the ``W`` newest rows, at most ``W + block`` (the ledger counts
   exactly the retained rows of each block, :meth:`WindowScheme.ledger_layer`).
 
 The layer state is flat (``blk{j}__{field}`` for every field of the body state) so fork / reorder / publish /
@@ -266,7 +266,7 @@ class WindowScheme(CacheScheme):
 
     def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
         """Physical: every block's allocation (``block`` rows each).  Logical at T rows: each block's body bytes
-        at the rows it really retains at T (between min(T, W) and W + block - 1 in all)."""
+        at the rows it really retains at T (between min(T, W) and W + block in all)."""
         out: dict[tuple[str, str], int] = {}
         per_block = self.retained_rows(rows) if logical else [self.block] * self.num_blocks
         for r in per_block:
