@@ -15,6 +15,7 @@ from kvquant_jax.cache.fp8 import FP8Scheme, load_scales
 from kvquant_jax.cache.interface import CacheScheme, KVCache, init_cache
 from kvquant_jax.cache.mixed import describe, full_precision_like
 from kvquant_jax.cache.registry import make_scheme
+from kvquant_jax.models.cache_layout import layer_schemes
 from kvquant_jax.config import needs_artifact_scales, needs_fp8_artifact, needs_kvquant_artifact
 
 __all__ = ["Fp8Scales", "Policy", "as_policy", "build_policy", "needs_fp8_scales", "needs_fp8_artifact",
@@ -41,7 +42,7 @@ class Policy:
 
     def init(self, cfg, batch: int, capacity: int) -> KVCache:
         schemes = self.schemes[0] if len(self.schemes) == 1 else self.schemes
-        cache = init_cache(schemes, num_layers=cfg.num_layers, batch=batch, capacity=capacity,
+        cache = init_cache(layer_schemes(cfg, schemes), num_layers=cfg.num_layers, batch=batch, capacity=capacity,
                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
         if self.fp8 is not None:
             k, v = self.fp8.k, self.fp8.v

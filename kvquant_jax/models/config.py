@@ -99,6 +99,11 @@ class LlamaConfig:
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def bos_required(self) -> bool:
+        """The model is evaluated and prompted with a leading BOS (Gemma: quality collapses without it)."""
+        return self.arch == "gemma3"
+
     def layer_type(self, layer: int) -> str:
         """"local" (sliding window) or "global" for a static layer index."""
         if not 0 <= layer < self.num_layers:

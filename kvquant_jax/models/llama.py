@@ -254,6 +254,16 @@ def window_served(scheme, window) -> bool:
     return not window or getattr(scheme, "window", 0) == window
 
 
+def check_layer_window(cfg: LlamaConfig, scheme, layer, window) -> None:
+    """Trace-time guard: a sliding-window ring cache must sit on a local layer of exactly its window (a global
+    layer, or a wider window, would need rows the ring has dropped)."""
+    ring = getattr(scheme, "window", 0)
+    if ring and ring != window:
+        where = f"layer {layer}" if isinstance(layer, int) else "a layer"
+        raise ValueError(f"{cfg.name}: {where} has attention window {window or 'unbounded'} but its cache keeps only "
+                         f"the last {ring} rows (use kvquant_jax.models.cache_layout.layer_schemes)")
+
+
 def history_positions(scheme, lengths, capacity: int):
     """int32 ``[B, C]``: the position each materialized history row holds (``scheme.row_positions`` for a ring
     that stores rows out of order, row ``i`` = position ``i`` otherwise)."""
@@ -354,6 +364,7 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
             else:  # a long append may wrap residual rings onto slots still visible at the old lengths
                 view = st
             window = layer_window(cfg, layer)
+            check_layer_window(cfg, scheme, layer, window)
             if decode_impl != "reference" and t == 1 and window_served(scheme, window):
                 a = decode_attention(q[:, 0], scheme, view, lengths, k[:, 0], v[:, 0],
                                      impl=decode_impl)[:, None].astype(q.dtype)
