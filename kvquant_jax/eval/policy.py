@@ -100,11 +100,9 @@ def build_policy(cache_cfg, llama_cfg, *, fp8=None, kvquant=None) -> Policy:
     base = make(cache_cfg.scheme.to_spec(), "cache.scheme")
     per = [base] * n
     for i, rule in enumerate(cache_cfg.layers):
-        bad = [x for x in rule.layers if not 0 <= x < n]
-        if bad:
-            raise ValueError(f"cache.layers[{i}].layers: {bad} out of range for {n} layers")
+        layers = resolve_layers(rule.layers, llama_cfg, f"cache.layers[{i}].layers")
         s = make(rule.scheme.to_spec(), f"cache.layers[{i}].scheme")
-        for x in rule.layers:
+        for x in layers:
             per[x] = s
     first, last = cache_cfg.full_precision_first, cache_cfg.full_precision_last
     if first + last > n:
@@ -127,6 +125,26 @@ def build_policy(cache_cfg, llama_cfg, *, fp8=None, kvquant=None) -> Policy:
         needs_fp8_scales(s) for s in per) else None
     uses_kvquant = any(s.family == "kvquant" for s in per)
     return Policy(schemes=tuple(per), fp8=scales, kvquant=kvquant if uses_kvquant else None)
+
+
+def resolve_layers(items, llama_cfg, key: str) -> list[int]:
+    """Layer indices of a rule's ``layers`` (ints and the layer types "local" / "global" of the model); raises
+    ``ValueError`` naming ``key`` for an index out of range or a type the model does not have."""
+    n = llama_cfg.num_layers
+    types = [llama_cfg.layer_type(i) for i in range(n)]
+    out: list[int] = []
+    for x in items:
+        if isinstance(x, str):
+            hit = [i for i, t in enumerate(types) if t == x]
+            if not hit:
+                raise ValueError(f"{key}: model {llama_cfg.name} has no {x} layers (its layers are "
+                                 f"{sorted(set(types))}; 'local' = sliding-window layers)")
+            out += hit
+        elif not 0 <= x < n:
+            raise ValueError(f"{key}: {[x]} out of range for {n} layers")
+        else:
+            out.append(x)
+    return out
 
 
 def needs_fp8_scales(s: CacheScheme) -> bool:
