@@ -52,6 +52,7 @@ def main():
             print(f"segment {s}: mean nll {nll.mean().item():.4f}", flush=True)
         nll_all = np.concatenate(nlls)
         out["ppl_bos_protocol"] = {"segments": a.segments, "seq_len": a.seq_len, "bos": True,
+                                   "segment_nll": [float(x.mean()) for x in nlls],
                                    "tokens": int(nll_all.size), "mean_nll": float(nll_all.mean()),
                                    "ppl": float(math.exp(nll_all.mean()))}
         prompt = [bos] + tok("The capital of France is", add_special_tokens=False)["input_ids"]

@@ -521,7 +521,8 @@ def _layer_list(v: Any, key: str, origins: _Origins) -> tuple[int | str, ...]:
         try:
             lo, hi = int(a), int(b) if dash else int(a)
         except ValueError:
-            raise origins.error(key, f"layer range must look like '2-5', got {v!r}") from None
+            raise origins.error(key, f"layer range must look like '2-5' (or a layer type 'local' / 'global'), "
+                                     f"got {v!r}") from None
         if hi < lo:
             raise origins.error(key, f"empty layer range {v!r}")
         return tuple(range(lo, hi + 1))
