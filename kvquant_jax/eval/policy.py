@@ -42,7 +42,8 @@ class Policy:
 
     def init(self, cfg, batch: int, capacity: int) -> KVCache:
         schemes = self.schemes[0] if len(self.schemes) == 1 else self.schemes
-        cache = init_cache(layer_schemes(cfg, schemes), num_layers=cfg.num_layers, batch=batch, capacity=capacity,
+        cache = init_cache(layer_schemes(cfg, schemes, capacity=capacity), num_layers=cfg.num_layers, batch=batch,
+                           capacity=capacity,
                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
         if self.fp8 is not None:
             k, v = self.fp8.k, self.fp8.v

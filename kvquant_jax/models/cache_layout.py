@@ -26,8 +26,10 @@ def _with_theta(s: CacheScheme, theta: float) -> CacheScheme:
     return s
 
 
-def layer_schemes(cfg: LlamaConfig, schemes, *, ring: bool = True) -> tuple[CacheScheme, ...]:
-    """Per-layer schemes for ``cfg`` (module doc).  ``ring=False`` keeps full-length storage on local layers."""
+def layer_schemes(cfg: LlamaConfig, schemes, *, ring: bool = True, capacity: int | None = None
+                  ) -> tuple[CacheScheme, ...]:
+    """Per-layer schemes for ``cfg`` (module doc).  ``ring=False`` keeps full-length storage on local layers; so
+    does a ``capacity`` (the cache's rows) within the window, where the ring would only cost memory and time."""
     per = (schemes,) * cfg.num_layers if isinstance(schemes, CacheScheme) else tuple(schemes)
     if len(per) != cfg.num_layers:
         raise ValueError(f"{len(per)} cache schemes for the {cfg.num_layers} layers of {cfg.name}")
@@ -40,7 +42,7 @@ def layer_schemes(cfg: LlamaConfig, schemes, *, ring: bool = True) -> tuple[Cach
         if isinstance(s, WindowScheme) and s.window != w:
             raise ValueError(f"layer {i} of {cfg.name} ({cfg.layer_type(i)}, window {w or 'none'}) cannot use a "
                              f"{s.window}-row window cache")
-        if ring and w and not isinstance(s, WindowScheme):
+        if ring and w and (capacity is None or capacity > w) and not isinstance(s, WindowScheme):
             s = WindowScheme(s, window=w)
         out.append(s)
     return tuple(out)
@@ -49,6 +51,6 @@ def layer_schemes(cfg: LlamaConfig, schemes, *, ring: bool = True) -> tuple[Cach
 def init_model_cache(cfg: LlamaConfig, schemes, *, batch: int, capacity: int, layer_groups: str = "runs",
                      ring: bool = True) -> KVCache:
     """``init_cache`` with :func:`layer_schemes` for the model's geometry."""
-    return init_cache(layer_schemes(cfg, schemes, ring=ring), num_layers=cfg.num_layers, batch=batch,
-                      capacity=capacity, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+    return init_cache(layer_schemes(cfg, schemes, ring=ring, capacity=capacity), num_layers=cfg.num_layers,
+                      batch=batch, capacity=capacity, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                       layer_groups=layer_groups)

@@ -114,12 +114,6 @@ class LlamaConfig:
     def local_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "local")
 
-    @property
-    def uniform_layers(self) -> bool:
-        """Every layer has the same RoPE base and attention window (so a layer index is not needed)."""
-        return len(set(self.layer_types)) <= 1 and (not self.layer_types or self.layer_types[0] == "global" or
-                                                    self.rope_theta_local in (None, self.rope_theta))
-
     def layer_rope_theta(self, layer: int) -> float:
         if self.layer_type(layer) == "local" and self.rope_theta_local is not None:
             return float(self.rope_theta_local)

@@ -346,7 +346,13 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
     unstacked = is_unstacked(params)
     for (scheme, first, n), gstate in zip(cache.schemes, cache.groups):
 
-        def body(carry, inp, scheme=scheme, first=first):
+        # layers of one group share the scheme; when they also share the layer type (RoPE base, window), the group
+        # runs under lax.scan with that type as static facts (``kind``: a representative layer index)
+        same_type = len({cfg.layer_rope_theta(first + j) for j in range(n)}) == 1 and \
+            len({cfg.layer_window(first + j) for j in range(n)}) == 1
+        scan = not (unstacked or n == 1 or not same_type)
+
+        def body(carry, inp, scheme=scheme, first=first, scan=scan):
             # The group state rides in the carry. The append is written first (dynamic_update_slice of this layer's
             # slice) and attention then reads the UPDATED state at the OLD lengths: by the frontier rule that view
             # equals the old state's, and with no reader of the pre-append buffer left XLA updates the donated cache
@@ -354,7 +360,7 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
             # unrolled (then every slice is static; for one-layer groups a bitcast).
             x, ok, gst = carry
             lp, i = inp
-            layer = first + i
+            layer = first if scan else first + i                  # static: the group's layer type under the scan
             q, k, v = project_qkv(cfg, x, lp, positions, linear, layer=layer)
             st = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), gst)
             st2, fin = scheme.append_layer_with_status(st, lengths, k, v, num_new)
@@ -376,7 +382,7 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
             x = finish_layer(cfg, x, lp, a, linear)
             return (x, ok & jnp.all(fin), gst), None
 
-        if unstacked or n == 1 or not cfg.uniform_layers:   # unrolled: static per-layer slices of params and cache
+        if not scan:          # unrolled: static per-layer slices of params and cache
             carry = (x, ok, gstate)
             for j in range(n):
                 carry, _ = body(carry, (layer_params(params, first + j), j))

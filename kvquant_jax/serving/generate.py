@@ -150,7 +150,8 @@ def generate(params, cfg: LlamaConfig, prompts: list[list[int]], *, max_new_toke
     check_memory(cfg, scheme, len(prompts), capacity)
     if layer_groups is None:
         layer_groups = "runs" if jax.default_backend() == "cpu" else "per_layer"
-    cache = init_cache(layer_schemes(cfg, scheme), num_layers=cfg.num_layers, batch=len(prompts), capacity=capacity,
+    cache = init_cache(layer_schemes(cfg, scheme, capacity=capacity), num_layers=cfg.num_layers, batch=len(prompts),
+                       capacity=capacity,
                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, layer_groups=layer_groups)
     return run_batch(params, cfg, prompts, cache, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                      eos_id=eos_id, attention_impl=attention_impl, prefill_chunk=prefill_chunk)
