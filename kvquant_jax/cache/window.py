@@ -30,6 +30,7 @@ masks the window per query with it).  ``decode_regions`` returns one region per 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import jax
@@ -144,15 +145,11 @@ class WindowScheme(CacheScheme):
 
     @property
     def ring_fields(self):  # type: ignore[override]
-        cls = windowed_state_class(type(self._probe()), self.num_blocks)
-        return self._flat(cls.body_fields)
+        return self._flat(_body_field_names(self.body, self.block))
 
     @property
     def rotates_stored_keys(self):  # type: ignore[override]
         return self.body.rotates_stored_keys
-
-    def _probe(self):
-        return jax.eval_shape(lambda: self.body.init_layer(1, self.block, 1, 8))
 
     def append_keeps_old_view(self, num_rows: int) -> bool:
         return num_rows == 1 and self.body.append_keeps_old_view(1)
@@ -226,21 +223,22 @@ class WindowScheme(CacheScheme):
         return k, v, valid
 
     def decode_regions(self, state, lengths):
-        """One region per block, live rows restricted to the window ``[L - W + 1, L)``: the body's own region
-        read in place when it has a single row-indexed one, the block's materialized rows otherwise."""
+        """One region per block, live rows restricted to the window ``[L - W + 1, L)``.  ``regions[0]`` (what a
+        kernel streams) is block 0 in the body's own layout when the body reads as a single row-indexed region;
+        the other blocks (and block 0 otherwise) are their materialized float32 rows: the small dense regions of
+        the contract (``tail_rows`` counts them)."""
         regions, tail = [], 0
         for j, (bst, bl) in enumerate(zip(split_blocks(state), self.block_lengths(lengths))):
             chunk, _ = chunk_of_block(j, lengths, self.block, self.num_blocks)
             lo = jnp.clip(lengths - self.window + 1 - chunk * self.block, 0, self.block)   # local window start
-            body_regions, tail_rows = self.body.decode_regions(bst, bl)
+            body_regions, tail_rows = self.body.decode_regions(bst, bl) if j == 0 else ((), 1)
             if len(body_regions) == 1 and tail_rows == 0:
                 r = body_regions[0]
                 regions.append(dataclasses.replace(r, start=jnp.maximum(r.start, lo).astype(jnp.int32)))
             else:
                 k, v, _ = self.body.materialize_layer(bst, bl)
                 regions.append(region(dense_operand(k), dense_operand(v), bl, start=jnp.minimum(lo, bl)))
-            if j:
-                tail += self.block
+                tail += self.block if j else 0
         return regions, tail
 
     def validate_layer(self, state, lengths):
@@ -312,6 +310,20 @@ class WindowScheme(CacheScheme):
                        if self.body.unbatched_fields == () else
                        _select_batched(self.body, rebuild, fresh, bst))
         return join_blocks(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _body_field_names(body: CacheScheme, block: int) -> tuple[str, ...]:
+    """Field names of ``body``'s layer state (from an abstract allocation at a head_dim it accepts)."""
+    err = None
+    for d in (256, 128, 64, 512, 32, 16, 8):
+        try:
+            st = jax.eval_shape(lambda d=d: body.init_layer(1, block, 1, d))
+        except ValueError as e:
+            err = e
+            continue
+        return tuple(f.name for f in dataclasses.fields(st))
+    raise ValueError(f"WindowScheme: cannot allocate a {block}-row block of {body!r}: {err}")
 
 
 def _bcast(mask, a):
