@@ -28,7 +28,7 @@ from kvquant_jax.data import load_corpus  # noqa: E402
 from kvquant_jax.eval.ppl import segments  # noqa: E402
 from kvquant_jax.eval.quantized_ppl import chunked_nll  # noqa: E402
 from kvquant_jax.models import load_model  # noqa: E402
-from kvquant_jax.models.cache_layout import layer_schemes  # noqa: E402
+from kvquant_jax.models.cache_layout import layer_schemes, schemes_by_layer_type  # noqa: E402
 from kvquant_jax.quant.ledger import Ledger, LedgerShape, ledger  # noqa: E402
 
 #: name -> (spec of local layers, spec of global layers)
@@ -49,9 +49,7 @@ POLICIES = {
 
 
 def policy(cfg, name):
-    loc, glo = POLICIES[name]
-    return tuple(make_scheme(loc if cfg.layer_type(i) == "local" else glo, rope_theta=cfg.layer_rope_theta(i),
-                             rope_pairing=cfg.rope_pairing) for i in range(cfg.num_layers))
+    return schemes_by_layer_type(cfg, *POLICIES[name])
 
 
 def main():

@@ -25,33 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from kvquant_jax.cache.registry import make_scheme  # noqa: E402
 from kvquant_jax.eval.passkey import first_number, make_prompt  # noqa: E402
 from kvquant_jax.models import load_model  # noqa: E402
-from kvquant_jax.models.cache_layout import layer_schemes  # noqa: E402
+from kvquant_jax.models.cache_layout import layer_schemes, schemes_by_layer_type  # noqa: E402
 from kvquant_jax.quant.ledger import Ledger, LedgerShape, ledger  # noqa: E402
 from kvquant_jax.serving.generate import generate  # noqa: E402
 
-#: name -> (spec of local layers, spec of global layers)
-POLICIES = {
-    "bf16": ("bf16", "bf16"),
-    "int8": ("int8", "int8"),
-    "int4": ("int4", "int4"),
-    "fp8_e4m3": ("fp8_e4m3:scales=warmup,axis=head", "fp8_e4m3:scales=warmup,axis=head"),
-    "kivi2": ("kivi2", "kivi2"),
-    "local_bf16_global_kivi2": ("bf16", "kivi2"),
-    "local_kivi2_global_bf16": ("kivi2", "bf16"),
-    "local_int4_global_bf16": ("int4", "bf16"),
-}
-
+from gemma3_cache_sweep import POLICIES  # noqa: E402  (one table of policies for both Gemma-3 experiments)
 
 def policy(cfg, name):
-    loc, glo = POLICIES[name]
-    per = []
-    for i in range(cfg.num_layers):
-        spec = loc if cfg.layer_type(i) == "local" else glo
-        per.append(make_scheme(spec, rope_theta=cfg.layer_rope_theta(i), rope_pairing=cfg.rope_pairing))
-    return tuple(per)
+    return schemes_by_layer_type(cfg, *POLICIES[name])
 
 
 def main():
@@ -61,7 +44,9 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384, 32000])
     ap.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     ap.add_argument("--trials", type=int, default=4)
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--policies", nargs="+", default=["bf16", "int8", "int4", "fp8_e4m3 (warm-up per-head scales)",
+                                                      "kivi2", "local bf16 + global kivi2",
+                                                      "local kivi2 + global bf16", "local int4 + global bf16"])
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvquant_jax.cache.interface import CacheScheme, KVCache, init_cache
+from kvquant_jax.cache.registry import make_scheme
 from kvquant_jax.cache.window import WindowScheme
 from kvquant_jax.models.config import LlamaConfig
 
@@ -46,6 +47,14 @@ def layer_schemes(cfg: LlamaConfig, schemes, *, ring: bool = True, capacity: int
             s = WindowScheme(s, window=w)
         out.append(s)
     return tuple(out)
+
+
+def schemes_by_layer_type(cfg: LlamaConfig, local_spec, global_spec) -> tuple[CacheScheme, ...]:
+    """Per-layer schemes from two registry specs: ``local_spec`` on sliding-window layers, ``global_spec`` on the
+    others (each with its layer's RoPE base); pass the result through :func:`layer_schemes` for the rings."""
+    return tuple(make_scheme(local_spec if cfg.layer_type(i) == "local" else global_spec,
+                             rope_theta=cfg.layer_rope_theta(i), rope_pairing=cfg.rope_pairing)
+                 for i in range(cfg.num_layers))
 
 
 def init_model_cache(cfg: LlamaConfig, schemes, *, batch: int, capacity: int, layer_groups: str = "runs",
