@@ -17,7 +17,7 @@ from kvquant_jax.models.cache_layout import init_model_cache
 from kvquant_jax.models.llama import forward, forward_nocache
 from kvquant_jax.serving.generate import generate
 
-from conftest import transformers_from_gguf, wiki_test_ids
+from hf_reference import transformers_from_gguf, wiki_test_ids
 
 pytestmark = pytest.mark.model
 

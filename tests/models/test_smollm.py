@@ -11,7 +11,7 @@ import pytest
 from kvquant_jax.models.llama import forward_nocache
 from kvquant_jax.serving.generate import generate
 
-from conftest import transformers_from_gguf, wiki_test_ids
+from hf_reference import transformers_from_gguf, wiki_test_ids
 
 pytestmark = pytest.mark.model
 
