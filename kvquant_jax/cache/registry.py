@@ -8,7 +8,8 @@ new file plus one entry here (docs/architecture.md, "Adding a scheme").
 
 * a name (:data:`NAMES`): "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "int3"...,
   "int8_vt", "int4_vt" (the same per-token codes in the Mosaic GPU kernel's transposed-V layout),
-  "static_int4", "qserve4", "kivi2", "kivi4", "kvquant", "kivi_axes" (the simulated axis ablation), "prefix";
+  "static_int4", "qserve4", "kivi2", "kivi4", "kvquant", "kivi_axes" (the simulated axis ablation), "prefix",
+  "window" (a sliding-window ring around any body: ``{"name": "window", "window": 512, "body": "int4"}``);
 * a name with inline overrides: ``"kivi2:residual=64,residual_rule=synchronized"``;
 * a dict ``{"name": "kivi2", "residual": 64, ...}`` (``"scheme"`` is accepted for ``"name"``).
 
@@ -37,12 +38,13 @@ from kvquant_jax.cache.per_token_vt import TransposedVPerTokenScheme
 from kvquant_jax.cache.prefix import PrefixScheme
 from kvquant_jax.cache.qserve import QServeScheme
 from kvquant_jax.cache.static_int import PerTokenAnyBitsScheme, StaticIntScheme
+from kvquant_jax.cache.window import WindowScheme
 from kvquant_jax.quant.ledger import LedgerShape, ledger_table
 
 #: every registered scheme class (one entry per family)
 SCHEME_CLASSES: tuple[type, ...] = (FullPrecisionScheme, FP8Scheme, PerTokenScheme, TransposedVPerTokenScheme,
-                                    PerTokenAnyBitsScheme, StaticIntScheme, QServeScheme, KIVIScheme, KVQuantScheme, PrefixScheme,
-                                    AxisAblationScheme)
+                                    PerTokenAnyBitsScheme, StaticIntScheme, QServeScheme, KIVIScheme, KVQuantScheme,
+                                    PrefixScheme, AxisAblationScheme, WindowScheme)
 
 
 def _families(classes) -> dict[str, type]:

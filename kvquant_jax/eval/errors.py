@@ -29,7 +29,7 @@ import numpy as np
 
 from kvquant_jax.cache.interface import layer_state
 from kvquant_jax.eval.policy import as_policy
-from kvquant_jax.models.llama import attend, finish_layer, project_qkv
+from kvquant_jax.models.llama import attend, embed_tokens, finish_layer, layer_window, project_qkv
 
 NEG = jnp.float32(-1e30)
 
@@ -41,12 +41,15 @@ def exact_qkv(params, cfg, tokens):
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     num_new = jnp.full((b,), t, jnp.int32)
 
-    def body(x, lp):
-        q, k, v = project_qkv(cfg, x, lp, positions)
-        x = finish_layer(cfg, x, lp, attend(q, k, v, num_new, None))
+    def body(x, inp):
+        lp, i = inp                      # i: the layer (its RoPE base and attention window, Gemma-3)
+        q, k, v = project_qkv(cfg, x, lp, positions, layer=i)
+        x = finish_layer(cfg, x, lp, attend(q, k, v, num_new, None, window=layer_window(cfg, i)))
         return x, (q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
 
-    _, (q, k, v) = jax.lax.scan(body, params["embed"][tokens], params["layers"])
+    n = cfg.num_layers
+    _, (q, k, v) = jax.lax.scan(body, embed_tokens(params, cfg, tokens), (params["layers"],
+                                                                          jnp.arange(n, dtype=jnp.int32)))
     return q, k, v
 
 
@@ -151,6 +154,10 @@ def kv_errors(params, cfg, tokens, policy, *, prefill: int, probes: int, positio
     per_layer = []
     for layer in range(cfg.num_layers):
         scheme, state = layer_state(fresh, layer)
+        if getattr(scheme, "row_positions", None) is not None:
+            raise ValueError(f"kv_errors: layer {layer} keeps a sliding-window ring ({type(scheme).__name__}), whose "
+                             "rows are not positions; the per-position error metric does not support it yet "
+                             "(disable tasks.kv_error for sliding-window models)")
         out = layer_errors(scheme, state, q[layer, 0], k[layer, 0], v[layer, 0], jnp.asarray(pr), prefill=prefill)
         per_layer.append({name: np.asarray(a, np.float64) for name, a in out.items()})
     stack = {name: np.stack([p[name] for p in per_layer]) for name in per_layer[0]}

@@ -15,6 +15,7 @@ from kvquant_jax.cache.fp8 import FP8Scheme, load_scales
 from kvquant_jax.cache.interface import CacheScheme, KVCache, init_cache
 from kvquant_jax.cache.mixed import describe, full_precision_like
 from kvquant_jax.cache.registry import make_scheme
+from kvquant_jax.models.cache_layout import layer_schemes
 from kvquant_jax.config import needs_artifact_scales, needs_fp8_artifact, needs_kvquant_artifact
 from kvquant_jax.sharding import on_current_mesh
 
@@ -42,7 +43,8 @@ class Policy:
 
     def init(self, cfg, batch: int, capacity: int) -> KVCache:
         schemes = self.schemes[0] if len(self.schemes) == 1 else self.schemes
-        cache = init_cache(schemes, num_layers=cfg.num_layers, batch=batch, capacity=capacity,
+        cache = init_cache(layer_schemes(cfg, schemes, capacity=capacity), num_layers=cfg.num_layers, batch=batch,
+                           capacity=capacity,
                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
         if self.fp8 is not None:
             k, v = self.fp8.k, self.fp8.v
@@ -100,11 +102,9 @@ def build_policy(cache_cfg, llama_cfg, *, fp8=None, kvquant=None) -> Policy:
     base = make(cache_cfg.scheme.to_spec(), "cache.scheme")
     per = [base] * n
     for i, rule in enumerate(cache_cfg.layers):
-        bad = [x for x in rule.layers if not 0 <= x < n]
-        if bad:
-            raise ValueError(f"cache.layers[{i}].layers: {bad} out of range for {n} layers")
+        layers = resolve_layers(rule.layers, llama_cfg, f"cache.layers[{i}].layers")
         s = make(rule.scheme.to_spec(), f"cache.layers[{i}].scheme")
-        for x in rule.layers:
+        for x in layers:
             per[x] = s
     first, last = cache_cfg.full_precision_first, cache_cfg.full_precision_last
     if first + last > n:
@@ -127,6 +127,26 @@ def build_policy(cache_cfg, llama_cfg, *, fp8=None, kvquant=None) -> Policy:
         needs_fp8_scales(s) for s in per) else None
     uses_kvquant = any(s.family == "kvquant" for s in per)
     return Policy(schemes=tuple(per), fp8=scales, kvquant=kvquant if uses_kvquant else None)
+
+
+def resolve_layers(items, llama_cfg, key: str) -> list[int]:
+    """Layer indices of a rule's ``layers`` (ints and the layer types "local" / "global" of the model); raises
+    ``ValueError`` naming ``key`` for an index out of range or a type the model does not have."""
+    n = llama_cfg.num_layers
+    types = [llama_cfg.layer_type(i) for i in range(n)]
+    out: list[int] = []
+    for x in items:
+        if isinstance(x, str):
+            hit = [i for i, t in enumerate(types) if t == x]
+            if not hit:
+                raise ValueError(f"{key}: model {llama_cfg.name} has no {x} layers (its layers are "
+                                 f"{sorted(set(types))}; 'local' = sliding-window layers)")
+            out += hit
+        elif not 0 <= x < n:
+            raise ValueError(f"{key}: {[x]} out of range for {n} layers")
+        else:
+            out.append(x)
+    return out
 
 
 def needs_fp8_scales(s: CacheScheme) -> bool:

@@ -1,4 +1,12 @@
-"""Load a LLaMA-architecture GGUF into a params pytree (``gguf`` package for parsing and dequantization).
+"""Load a LLaMA- or Gemma-3-architecture GGUF into a params pytree (``gguf`` package for parsing and dequantization).
+
+Gemma-3 (``general.architecture == "gemma3"``) follows transformers' gemma3 GGUF path: the layer pattern is five
+sliding-window ("local") layers then one global layer (layer ``i`` is global iff ``(i + 1) % 6 == 0``), local RoPE
+base 10000 and global ``rope.freq_base``, query scale ``query_pre_attn_scalar ** -0.5`` with
+``query_pre_attn_scalar = 256``, GeGLU (tanh GELU), QK-norm, post-attention / post-MLP norms, embedding scale
+sqrt(hidden) and a tied head.  llama.cpp's converter stores Gemma norm weights as ``1 + w``; transformers subtracts
+the 1 on load and adds it back in ``Gemma3RMSNorm``, so the file's values are used as plain multipliers
+(``norm_offset = 0``).  Gemma's Q/K rows are in HF order (llama.cpp ropes Gemma in NEOX order; no permutation).
 
 llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` within each head so that llama.cpp can apply RoPE
 to adjacent channel pairs (2i, 2i+1). We either undo that permutation (``rope_pairing="half_split"``: Q/K rows in
@@ -87,11 +95,19 @@ def read_metadata(reader) -> dict:
                   "tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token", "tokenizer.ggml.padding_token_id")}
 
 
+ARCHITECTURES = ("llama", "gemma3")
+#: Gemma-3 facts transformers' gemma3 GGUF path takes from its config defaults (the file does not carry them)
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_ROPE_LOCAL_BASE = 10000.0
+GEMMA3_QUERY_PRE_ATTN_SCALAR = 256
+
+
 def config_from_gguf(reader, *, rope_pairing: str = "half_split", name: str = "", sha256: str = "") -> LlamaConfig:
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise GGUFError(f"GGUF architecture is {arch!r}; kvquant_jax loads 'llama' models only")
-    p = "llama."
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"GGUF architecture is {arch!r}; kvquant_jax loads {' / '.join(map(repr, ARCHITECTURES))} "
+                        "models only")
+    p = f"{arch}."
     hidden = int(_field(reader, p + "embedding_length"))
     heads = int(_field(reader, p + "attention.head_count"))
     kv = int(_field(reader, p + "attention.head_count_kv", heads))
@@ -108,6 +124,9 @@ def config_from_gguf(reader, *, rope_pairing: str = "half_split", name: str = ""
     for key in ("embedding_length", "attention.head_count", "feed_forward_length", "block_count"):
         if _field(reader, p + key) is None:
             raise GGUFError(f"GGUF metadata lacks required key {p + key}")
+    extra = {}
+    if arch == "gemma3":
+        extra = _gemma3_fields(reader, p, int(_field(reader, p + "block_count")), hidden, rope_pairing)
     return LlamaConfig(
         vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(_field(reader, p + "feed_forward_length")),
@@ -118,7 +137,26 @@ def config_from_gguf(reader, *, rope_pairing: str = "half_split", name: str = ""
         tie_embeddings="output.weight" not in names,
         bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
         eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
-        name=name or str(_field(reader, "general.name", "llama")), sha256=sha256)
+        name=name or str(_field(reader, "general.name", "llama")), sha256=sha256, **extra)
+
+
+def _gemma3_fields(reader, p: str, num_layers: int, hidden: int, rope_pairing: str) -> dict:
+    """The Gemma-3 component fields of :class:`LlamaConfig` (module doc)."""
+    if rope_pairing != "half_split":
+        raise GGUFError("gemma3: only rope_pairing='half_split' is supported (Gemma's Q/K rows are stored in HF "
+                        "order and QK-norm weights would need the same permutation)")
+    if _field(reader, p + "attn_logit_softcapping") is not None:
+        raise GGUFError(f"gemma3: {p}attn_logit_softcapping is set; attention logit soft-capping is not supported")
+    window = _field(reader, p + "attention.sliding_window")
+    if window is None:
+        raise GGUFError(f"GGUF metadata lacks required key {p}attention.sliding_window")
+    types = tuple("global" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "local" for i in range(num_layers))
+    softcap = _field(reader, p + "final_logit_softcapping")
+    return dict(arch="gemma3", norm_offset=0.0, qk_norm=True, post_norms=True, mlp_activation="gelu_tanh",
+                layer_types=types, sliding_window=int(window), rope_theta_local=GEMMA3_ROPE_LOCAL_BASE,
+                query_scale=GEMMA3_QUERY_PRE_ATTN_SCALAR ** -0.5,
+                embed_scale=float(np.float32(hidden ** 0.5)),
+                final_logit_softcap=float(softcap) if softcap else 0.0)
 
 
 def dequantize_tensor(t) -> np.ndarray:
@@ -147,7 +185,8 @@ def load_gguf(path: str | Path, *, rope_pairing: str = "half_split", sha256: str
 
     params: ``embed [V, H]``, ``final_norm [H]``, optional ``lm_head [H, V]``, and ``layers`` with arrays stacked
     on a leading layer axis: ``attn_norm [L, H]``, ``wq [L, H, Hq*D]``, ``wk/wv [L, H, Hkv*D]``,
-    ``wo [L, Hq*D, H]``, ``ffn_norm [L, H]``, ``w_gate/w_up [L, H, F]``, ``w_down [L, F, H]``.
+    ``wo [L, Hq*D, H]``, ``ffn_norm [L, H]``, ``w_gate/w_up [L, H, F]``, ``w_down [L, F, H]``; Gemma-3 adds
+    ``q_norm, k_norm [L, D]`` and ``post_attn_norm, post_ffn_norm [L, H]``.
     """
     path = Path(path)
     if not path.exists():
@@ -161,14 +200,18 @@ def load_gguf(path: str | Path, *, rope_pairing: str = "half_split", sha256: str
             raise GGUFError(f"{path}: missing tensor {name}")
         return dequantize_tensor(tensors[name])
 
-    keep_file_order = rope_pairing == "interleaved"
-    layers: dict[str, list] = {k: [] for k in ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up",
-                                               "w_down")}
+    keep_file_order = rope_pairing == "interleaved" or cfg.arch == "gemma3"
+    names = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
+    gemma = {"q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "post_attn_norm": "post_attention_norm",
+             "post_ffn_norm": "post_ffw_norm"} if cfg.arch == "gemma3" else {}
+    layers: dict[str, list] = {k: [] for k in names + list(gemma)}
     for i in range(cfg.num_layers):
         b = f"blk.{i}."
         wq, wk = get(b + "attn_q.weight"), get(b + "attn_k.weight")
         if not keep_file_order:
             wq, wk = unpermute_qk(wq, cfg.num_heads), unpermute_qk(wk, cfg.num_kv_heads)
+        for ours, theirs in gemma.items():
+            layers[ours].append(get(b + theirs + ".weight"))
         layers["attn_norm"].append(get(b + "attn_norm.weight"))
         layers["wq"].append(wq.T)
         layers["wk"].append(wk.T)
@@ -195,6 +238,7 @@ def tokenizer_metadata(path: str | Path) -> dict:
 
 def tokenizer_metadata_from_reader(reader) -> dict:
     out = {
+        "architecture": _field(reader, "general.architecture"),
         "model": _field(reader, "tokenizer.ggml.model"),
         "pre": _field(reader, "tokenizer.ggml.pre"),
         "tokens": list(_field(reader, "tokenizer.ggml.tokens") or []),

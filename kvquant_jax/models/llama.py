@@ -1,4 +1,12 @@
-"""LLaMA decoder as a pure function of (params, tokens, cache) -> (logits, cache', ok).
+"""The decoder (LLaMA, Gemma-3) as a pure function of (params, tokens, cache) -> (logits, cache', ok).
+
+LLaMA and Gemma-3 are two configs of this one decoder (``kvquant_jax.models.config``): the layer is composed from
+documented components -- norm convention, QK-norm, post-attention / post-MLP norms, SwiGLU or GeGLU, RoPE base per
+layer type, attention window per layer (sliding-window "local" layers: a query at ``p`` sees keys ``p - W < s <=
+p``), query scale, embedding scale, tied head, final logit soft-capping -- each a no-op at its LLaMA default.
+Extra params of Gemma-3 layers: ``q_norm, k_norm [L, D]``, ``post_attn_norm, post_ffn_norm [L, H]``.  Functions
+that depend on the layer's type take ``layer=`` (a Python int, or a traced int32 under ``lax.scan``); a config
+whose layers all look alike (LLaMA) needs none.
 
 Shapes: B batch, T tokens in this forward, H hidden, Hq query heads, Hkv KV heads, D head_dim, G = Hq // Hkv,
 C cache capacity, V vocab.  Parameters are stacked on a leading layer axis (``params["layers"]`` a dict of
@@ -50,11 +58,65 @@ def cast_params(params: dict, dtype: str = "fp32") -> dict:
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in float32; returns x's dtype. x: [..., H], w: [H]."""
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm in float32; returns x's dtype. x: [..., H], w: [H]; the multiplier is ``offset + w`` (Gemma's
+    ``1 + w`` in transformers' weight convention; llama.cpp stores Gemma norms with the 1 already added)."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + jnp.float32(eps))
-    return (y * w.astype(jnp.float32)).astype(x.dtype)
+    wf = w.astype(jnp.float32)
+    if offset:
+        wf = wf + jnp.float32(offset)
+    return (y * wf).astype(x.dtype)
+
+
+def _norm(cfg: LlamaConfig, x, w):
+    return rms_norm(x, w, cfg.rms_eps, cfg.norm_offset)
+
+
+def _norm_weight(cfg: LlamaConfig, w):
+    """A norm weight as a plain multiplier (what ``norm_linears`` hooks such as W8A8's fused producer take)."""
+    return w if not cfg.norm_offset else w.astype(jnp.float32) + jnp.float32(cfg.norm_offset)
+
+
+def mlp_activation(cfg: LlamaConfig, gate):
+    """The gated MLP's activation: SiLU (SwiGLU, LLaMA) or tanh-approximated GELU (GeGLU, Gemma)."""
+    if cfg.mlp_activation == "gelu_tanh":
+        return jax.nn.gelu(gate, approximate=True)
+    return jax.nn.silu(gate)
+
+
+def layer_rope_theta(cfg: LlamaConfig, layer):
+    """RoPE base of ``layer`` (a Python int -> float; a traced index -> float32 scalar; None only for configs whose
+    layers all share one base)."""
+    if cfg.rope_theta_local is None or "local" not in cfg.layer_types:
+        return cfg.rope_theta
+    if layer is None:
+        raise ValueError(f"{cfg.name}: layers have different RoPE bases (local {cfg.rope_theta_local}, global "
+                         f"{cfg.rope_theta}); pass layer= to the layer functions")
+    if isinstance(layer, int):
+        return cfg.layer_rope_theta(layer)
+    thetas = jnp.asarray([cfg.layer_rope_theta(i) for i in range(cfg.num_layers)], jnp.float32)
+    return thetas[layer]
+
+
+def layer_window(cfg: LlamaConfig, layer):
+    """Attention window of ``layer``: 0 (unbounded) / W as a Python int for a static index, an int32 scalar (0 =
+    unbounded) for a traced one."""
+    if "local" not in cfg.layer_types:
+        return 0
+    if layer is None:
+        raise ValueError(f"{cfg.name}: local and global layers differ; pass layer= to the layer functions")
+    if isinstance(layer, int):
+        return cfg.layer_window(layer)
+    return jnp.asarray([cfg.layer_window(i) for i in range(cfg.num_layers)], jnp.int32)[layer]
+
+
+def embed_tokens(params, cfg: LlamaConfig, tokens):
+    """Embedding rows ``[B, T, H]`` of tokens int32 ``[B, T]`` times ``cfg.embed_scale`` (Gemma: sqrt(H))."""
+    x = params["embed"][tokens]
+    if cfg.embed_scale != 1.0:
+        x = x * jnp.asarray(cfg.embed_scale, jnp.float32).astype(x.dtype)
+    return x
 
 
 def _precision(dtype):
@@ -87,33 +149,48 @@ def norm_linears(linear: Callable, x, norm_w, eps: float, projections) -> list:
     return [linear(h, w, name) for w, name in projections]
 
 
-def project_qkv(cfg: LlamaConfig, x, lp, positions, linear: Callable | None = None):
+def project_qkv(cfg: LlamaConfig, x, lp, positions, linear: Callable | None = None, *, layer=None):
     """Projections of one layer: x ``[B, T, H]``, lp one layer's params, positions int32 ``[B, T]`` ->
-    q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` in x's dtype (q, k post-RoPE).
-    ``linear(x, w, name)`` computes each projection (default ``cfg.activation`` or :func:`dense`)."""
+    q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` in x's dtype (q, k post-RoPE; with ``cfg.qk_norm`` q and k are
+    RMS-normalized over D before RoPE; a ``cfg.query_scale`` other than 1/sqrt(D) is folded into q, so attention
+    always scales by 1/sqrt(D)).  ``linear(x, w, name)`` computes each projection (default ``cfg.activation`` or
+    :func:`dense`); ``layer``: the layer index (needed when layers differ in RoPE base, see :func:`layer_rope_theta`)."""
     linear = linear or cfg.activation or dense
     b, t, _ = x.shape
-    q, k, v = norm_linears(linear, x, lp["attn_norm"], cfg.rms_eps, ((lp["wq"], "q"), (lp["wk"], "k"), (lp["wv"], "v")))
+    q, k, v = norm_linears(linear, x, _norm_weight(cfg, lp["attn_norm"]), cfg.rms_eps,
+                           ((lp["wq"], "q"), (lp["wk"], "k"), (lp["wv"], "v")))
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    return (apply_rope(q, positions, cfg.rope_theta, cfg.rope_pairing),
-            apply_rope(k, positions, cfg.rope_theta, cfg.rope_pairing), v)
+    if cfg.qk_norm:
+        q, k = _norm(cfg, q, lp["q_norm"]), _norm(cfg, k, lp["k_norm"])
+    if cfg.query_scale is not None and abs(cfg.query_scale * cfg.head_dim ** 0.5 - 1.0) > 1e-12:
+        q = (q.astype(jnp.float32) * jnp.float32(cfg.query_scale * cfg.head_dim ** 0.5)).astype(q.dtype)
+    theta = layer_rope_theta(cfg, layer)
+    return (apply_rope(q, positions, theta, cfg.rope_pairing),
+            apply_rope(k, positions, theta, cfg.rope_pairing), v)
 
 
 def finish_layer(cfg: LlamaConfig, x, lp, a, linear: Callable | None = None):
-    """Output projection + residual, then the SwiGLU MLP block: x ``[B, T, H]`` (the layer's input), a the attention
-    output ``[B, T, Hq, D]`` -> the layer's output ``[B, T, H]``."""
+    """Output projection + residual, then the gated MLP block: x ``[B, T, H]`` (the layer's input), a the attention
+    output ``[B, T, Hq, D]`` -> the layer's output ``[B, T, H]``.  LLaMA: ``x + o(a)``, ``x + down(silu(gate) *
+    up)`` on ``ffn_norm(x)``; Gemma-3 (``cfg.post_norms``): ``x + post_attn_norm(o(a))``, then ``x +
+    post_ffn_norm(down(gelu(gate) * up))`` on ``ffn_norm(x)``."""
     linear = linear or cfg.activation or dense
     b, t, _ = x.shape
-    x = x + linear(a.reshape(b, t, cfg.num_heads * cfg.head_dim), lp["wo"], "o")
-    gate, up = norm_linears(linear, x, lp["ffn_norm"], cfg.rms_eps, ((lp["w_gate"], "gate"), (lp["w_up"], "up")))
-    return x + linear(jax.nn.silu(gate) * up, lp["w_down"], "down")
+    o = linear(a.reshape(b, t, cfg.num_heads * cfg.head_dim), lp["wo"], "o")
+    x = x + (_norm(cfg, o, lp["post_attn_norm"]) if cfg.post_norms else o)
+    gate, up = norm_linears(linear, x, _norm_weight(cfg, lp["ffn_norm"]), cfg.rms_eps,
+                            ((lp["w_gate"], "gate"), (lp["w_up"], "up")))
+    m = linear(mlp_activation(cfg, gate) * up, lp["w_down"], "down")
+    return x + (_norm(cfg, m, lp["post_ffn_norm"]) if cfg.post_norms else m)
 
 
-def decoder_layer(cfg: LlamaConfig, x, lp, positions, attn_fn: Callable, linear: Callable | None = None):
-    """One decoder layer. ``attn_fn(q, k, v) -> [B, T, Hq, D]``. Returns (x', k, v) (this forward's exact K/V)."""
-    q, k, v = project_qkv(cfg, x, lp, positions, linear)
+def decoder_layer(cfg: LlamaConfig, x, lp, positions, attn_fn: Callable, linear: Callable | None = None, *,
+                  layer=None):
+    """One decoder layer. ``attn_fn(q, k, v) -> [B, T, Hq, D]`` (it applies the layer's window, see
+    :func:`layer_window`). Returns (x', k, v) (this forward's exact K/V)."""
+    q, k, v = project_qkv(cfg, x, lp, positions, linear, layer=layer)
     return finish_layer(cfg, x, lp, attn_fn(q, k, v), linear), k, v
 
 
@@ -157,13 +234,45 @@ def logits_from_hidden(params, cfg: LlamaConfig, x, linear: Callable | None = No
     activation policy names ``lm_head``) goes through ``linear``; otherwise the float head as before."""
     linear = linear or cfg.activation or dense
     if "lm_head_q" in params:
-        return norm_linears(linear, x, params["final_norm"], cfg.rms_eps,
-                            ((params["lm_head_q"], "lm_head"),))[0].astype(jnp.float32)
-    x = rms_norm(x, params["final_norm"], cfg.rms_eps)
-    if cfg.tie_embeddings:
-        return jnp.einsum("bth,vh->btv", x, params["embed"].astype(x.dtype),
-                          precision=_precision(x.dtype)).astype(jnp.float32)
-    return matmul(x, params["lm_head"]).astype(jnp.float32)
+        logits = norm_linears(linear, x, _norm_weight(cfg, params["final_norm"]), cfg.rms_eps,
+                              ((params["lm_head_q"], "lm_head"),))[0].astype(jnp.float32)
+    else:
+        x = _norm(cfg, x, params["final_norm"])
+        if cfg.tie_embeddings:
+            logits = jnp.einsum("bth,vh->btv", x, params["embed"].astype(x.dtype),
+                                precision=_precision(x.dtype)).astype(jnp.float32)
+        else:
+            logits = matmul(x, params["lm_head"]).astype(jnp.float32)
+    if cfg.final_logit_softcap:
+        c = jnp.float32(cfg.final_logit_softcap)
+        logits = c * jnp.tanh(logits / c)
+    return logits
+
+
+def window_served(scheme, window) -> bool:
+    """Can ``attention.dispatch.decode_attention`` serve a layer with attention ``window`` from this scheme's
+    regions?  Always for unbounded layers; for a local layer only when the scheme is a sliding-window ring of that
+    window (its regions hold exactly the window's rows), otherwise the model masks the materialized history."""
+    return not window or getattr(scheme, "window", 0) == window
+
+
+def check_layer_window(cfg: LlamaConfig, scheme, layer, window) -> None:
+    """Trace-time guard: a sliding-window ring cache must sit on a local layer of exactly its window (a global
+    layer, or a wider window, would need rows the ring has dropped)."""
+    ring = getattr(scheme, "window", 0)
+    if ring and ring != window:
+        where = f"layer {layer}" if isinstance(layer, int) else "a layer"
+        raise ValueError(f"{cfg.name}: {where} has attention window {window or 'unbounded'} but its cache keeps only "
+                         f"the last {ring} rows (use kvquant_jax.models.cache_layout.layer_schemes)")
+
+
+def history_positions(scheme, lengths, capacity: int):
+    """int32 ``[B, C]``: the position each materialized history row holds (``scheme.row_positions`` for a ring
+    that stores rows out of order, row ``i`` = position ``i`` otherwise)."""
+    rows = getattr(scheme, "row_positions", None)
+    if rows is not None:
+        return rows(lengths)
+    return jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (lengths.shape[0], capacity))
 
 
 def token_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -184,17 +293,21 @@ def forward_nocache(params, cfg: LlamaConfig, tokens: jax.Array, positions: jax.
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if num_new is None:
         num_new = jnp.full((b,), t, jnp.int32)
-    x = params["embed"][tokens]
+    x = embed_tokens(params, cfg, tokens)
 
-    def layer(x, lp):
-        x, _, _ = decoder_layer(cfg, x, lp, positions, lambda q, k, v: attend(q, k, v, num_new, None), linear)
+    def layer(x, lp, i):
+        window = layer_window(cfg, i)
+        x, _, _ = decoder_layer(cfg, x, lp, positions,
+                                lambda q, k, v: attend(q, k, v, num_new, None, window=window), linear, layer=i)
         return x
 
     if is_unstacked(params):
-        for lp in params["layers"]:
-            x = layer(x, lp)
+        for i, lp in enumerate(params["layers"]):
+            x = layer(x, lp, i)
     else:
-        x, _ = jax.lax.scan(lambda x, lp: (layer(x, lp), None), x, params["layers"])
+        n = num_param_layers(params)
+        x, _ = jax.lax.scan(lambda x, inp: (layer(x, *inp), None), x,
+                            (params["layers"], jnp.arange(n, dtype=jnp.int32)))
     return logits_from_hidden(params, cfg, x, linear)
 
 
@@ -229,14 +342,20 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
     positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     prefill_impl = resolve_prefill_impl(attention_impl, dtype=params["embed"].dtype)
     decode_impl = resolve_decode_impl(attention_impl)
-    x = params["embed"][tokens]
+    x = embed_tokens(params, cfg, tokens)
     new_groups = []
     ok = jnp.bool_(True)
     unstacked = is_unstacked(params)
     on_mesh = active_mesh() is not None
     for (scheme, first, n), gstate in zip(cache.schemes, cache.groups):
 
-        def body(carry, inp, scheme=scheme):
+        # layers of one group share the scheme; when they also share the layer type (RoPE base, window), the group
+        # runs under lax.scan with that type as static facts (``kind``: a representative layer index)
+        same_type = len({cfg.layer_rope_theta(first + j) for j in range(n)}) == 1 and \
+            len({cfg.layer_window(first + j) for j in range(n)}) == 1
+        scan = not (unstacked or n == 1 or not same_type)
+
+        def body(carry, inp, scheme=scheme, first=first, scan=scan):
             # The group state rides in the carry. The append is written first (dynamic_update_slice of this layer's
             # slice) and attention then reads the UPDATED state at the OLD lengths: by the frontier rule that view
             # equals the old state's, and with no reader of the pre-append buffer left XLA updates the donated cache
@@ -244,13 +363,19 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
             # unrolled (then every slice is static; for one-layer groups a bitcast).
             x, ok, gst = carry
             lp, i = inp
-            q, k, v = project_qkv(cfg, x, lp, positions, linear)
+            layer = first if scan else first + i                  # static: the group's layer type under the scan
+            q, k, v = project_qkv(cfg, x, lp, positions, linear, layer=layer)
             st = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), gst)
+            window = layer_window(cfg, layer)
+            check_layer_window(cfg, scheme, layer, window)
 
-            def attn(q, k, v, view, lengths, num_new, scheme=scheme):
-                if decode_impl != "reference" and t == 1:
+            def attn(q, k, v, view, lengths, num_new, scheme=scheme, window=window):
+                if decode_impl != "reference" and t == 1 and window_served(scheme, window):
                     return decode_attention(q[:, 0], scheme, view, lengths, k[:, 0], v[:, 0],
                                             impl=decode_impl)[:, None].astype(q.dtype)
+                if window:
+                    return attend(q, k, v, num_new, scheme.materialize_layer(view, lengths), window=window,
+                                  q_start=lengths, hist_pos=history_positions(scheme, lengths, cache.capacity))
                 return prefill_attention(q, k, v, num_new, scheme.materialize_layer(view, lengths),
                                          impl=prefill_impl)
 
@@ -268,7 +393,7 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
             x = finish_layer(cfg, x, lp, a, linear)
             return (x, ok & jnp.all(fin), gst), None
 
-        if unstacked or n == 1:      # unrolled: static per-layer slices of params and cache
+        if not scan:          # unrolled: static per-layer slices of params and cache
             carry = (x, ok, gstate)
             for j in range(n):
                 carry, _ = body(carry, (layer_params(params, first + j), j))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import sys
 import time
@@ -29,6 +30,25 @@ class LoadedModel:
 
 def _params_cache(path: Path, digest: str, pairing: str) -> Path:
     return cache_dir() / "dequantized" / f"{path.stem}.{digest[:16]}.{pairing}.npz"
+
+
+def _write_meta(path: Path, cfg: LlamaConfig, tok: Tokenizer) -> None:
+    """Config + tokenizer of a GGUF next to its dequantized weights (keyed by the same file sha256)."""
+    d = {"cfg": json.loads(cfg.to_json()), "tokenizer": {"backend": tok.backend.to_str(), "bos_id": tok.bos_id,
+                                                         "eos_id": tok.eos_id, "pad_id": tok.pad_id,
+                                                         "chat_template": tok.chat_template, "hash": tok.hash}}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(d))
+    os.replace(tmp, path)
+
+
+def _read_meta(path: Path) -> tuple[LlamaConfig, Tokenizer]:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    d = json.loads(path.read_text())
+    cfg = LlamaConfig(**{k: v for k, v in d["cfg"].items()})
+    t = dict(d["tokenizer"])
+    return cfg, Tokenizer(backend=HFTokenizer.from_str(t.pop("backend")), **t)
 
 
 def load_model(model: str | os.PathLike | None = None, *, dtype: str = "fp32", rope_pairing: str = "half_split",
@@ -62,8 +82,17 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str = "fp32", r
         if not digest:
             digest = sha256_file(path)
         cache = _params_cache(path, digest, rope_pairing)
-        reader = gg.open_reader(path)
-        cfg = gg.config_from_gguf(reader, rope_pairing=rope_pairing, name=path.stem, sha256=digest)
+        meta_file = cache.with_suffix(".meta-v1.json")
+        cfg = tok = None
+        if cache.exists() and meta_file.exists():       # skip the GGUF reader (~20 s on a 262K-token vocabulary)
+            try:
+                cfg, tok = _read_meta(meta_file)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                print(f"[kvq] ignoring unreadable {meta_file}: {e}", file=sys.stderr)
+        if cfg is None:
+            reader = gg.open_reader(path)
+            cfg = gg.config_from_gguf(reader, rope_pairing=rope_pairing, name=path.stem, sha256=digest)
+            tok = Tokenizer.from_gguf_metadata(gg.tokenizer_metadata_from_reader(reader))
         if cache.exists():
             with np.load(cache) as z:
                 flat = {k: z[k] for k in z.files}
@@ -84,6 +113,10 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str = "fp32", r
                 os.replace(tmp, cache)
             except OSError as e:  # a read-only cache dir only costs speed
                 print(f"[kvq] could not cache dequantized weights: {e}", file=sys.stderr)
-        tok = Tokenizer.from_gguf_metadata(gg.tokenizer_metadata_from_reader(reader))
+        if not meta_file.exists() and cache.exists():
+            try:
+                _write_meta(meta_file, cfg, tok)
+            except OSError as e:  # pragma: no cover
+                print(f"[kvq] could not cache the model metadata: {e}", file=sys.stderr)
     return LoadedModel(cfg=cfg, params=cast_params(params, dtype), tokenizer=tok, path=str(path),
                        load_seconds=time.perf_counter() - t0)

@@ -23,11 +23,16 @@ NEG_INF = -1e30
 
 
 def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
-           hist: tuple[jax.Array, jax.Array, jax.Array] | None) -> jax.Array:
+           hist: tuple[jax.Array, jax.Array, jax.Array] | None, *, window=0, q_start=None,
+           hist_pos=None) -> jax.Array:
     """One softmax over [history, current chunk].
 
     q: [B, T, Hq, D]; k_cur, v_cur: [B, T, Hkv, D]; num_new: int32 [B] (keys t >= num_new are padding);
     hist: optional (k [B, Hkv, C, D] f32, v [B, Hkv, C, D] f32, valid bool [B, C]).
+    window: sliding attention window W (0 = unbounded; a Python int, or an int32 scalar under ``lax.scan``): the
+    query at position p sees keys at positions s with ``p - W < s <= p`` (transformers' convention).  Query ``t``
+    sits at ``q_start[b] + t`` (int32 [B], default 0) and history row ``c`` at ``hist_pos[b, c]`` (int32 [B, C],
+    default ``c``).
     Returns [B, T, Hq, D] in q's dtype; scores and softmax in float32.
     """
     b, t, hq, d = q.shape
@@ -40,11 +45,21 @@ def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
     s_cur = jnp.einsum("btkgd,bskd->bkgts", qf, kc, precision=hp) * scale          # [B, Hkv, G, T, S=T]
     ti = jnp.arange(t)
     causal = (ti[None, :] <= ti[:, None])[None] & (ti[None, None, :] < num_new[:, None, None])  # [B, T, S]
+    bounded = not isinstance(window, int) or window > 0
+    win = jnp.where(jnp.asarray(window) > 0, jnp.asarray(window, jnp.int32), jnp.int32(2 ** 30)) if bounded else 0
+    if bounded:
+        causal = causal & ((ti[:, None] - ti[None, :]) < win)[None]
     s_cur = jnp.where(causal[:, None, None], s_cur, jnp.float32(NEG_INF))
     if hist is not None:
         hk, hv, valid = hist
         s_hist = jnp.einsum("btkgd,bkcd->bkgtc", qf, hk, precision=hp) * scale      # [B, Hkv, G, T, C]
-        s_hist = jnp.where(valid[:, None, None, None, :], s_hist, jnp.float32(NEG_INF))
+        keep = jnp.broadcast_to(valid[:, None, :], (b, t, valid.shape[-1]))           # [B, T, C]
+        if bounded:
+            c = valid.shape[-1]
+            qp = (jnp.zeros((b,), jnp.int32) if q_start is None else q_start.astype(jnp.int32))[:, None] + ti[None]
+            hpos = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c)) if hist_pos is None else hist_pos
+            keep = keep & (hpos[:, None, :] > qp[:, :, None] - win)
+        s_hist = jnp.where(keep[:, None, None], s_hist, jnp.float32(NEG_INF))
         s = jnp.concatenate([s_hist, s_cur], axis=-1)
     else:
         s = s_cur

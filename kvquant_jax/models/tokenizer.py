@@ -1,8 +1,13 @@
-"""Tokenizer built from GGUF metadata with HF ``tokenizers`` (byte-level BPE), plus the chat template.
+"""Tokenizer built from GGUF metadata with HF ``tokenizers``, plus the chat template.
 
-For ``tokenizer.ggml.model == "gpt2"`` the vocabulary and merges are byte-level BPE; tokens the file marks as
-CONTROL (type 3) are added as special tokens so they are matched whole. The result matches transformers'
-GGUF tokenizer token for token (tested on the whole WikiText-2 test split).
+* ``tokenizer.ggml.model == "gpt2"`` (SmolLM2): byte-level BPE from the file's vocabulary and merges.
+* ``"llama"`` (SentencePiece) in a Gemma file (Gemma-3): a SentencePiece-style BPE with byte fallback, built as
+  transformers' GGUF path builds it: spaces normalized to "▁", tokens made only of spaces respelled with "▁", and
+  -- the file lists no merges -- merges recovered from the vocabulary (every split of a token into two vocabulary
+  tokens), ranked by the token's position in the file (Gemma's scores do not follow its merge order).
+Tokens the file marks as CONTROL (type 3) are added as special tokens so they are matched whole, USER_DEFINED (4)
+ones as plain added tokens. The result matches transformers' GGUF tokenizer token for token (tested on the whole
+WikiText-2 test split).
 """
 from __future__ import annotations
 
@@ -18,6 +23,41 @@ USER_DEFINED = 4
 class UnsafeChatTemplateError(ValueError):
     """The model file's chat template failed in the sandbox (an unsafe operation, a syntax error or its own
     ``raise_exception``)."""
+
+
+def _respell(token: str) -> str:
+    """A Gemma token made only of spaces is stored with real spaces; the "▁"-normalized text looks it up as "▁"s."""
+    return "\u2581" * len(token) if " " in token and not token.strip() else token
+
+
+def recover_merges(tokens: list[str]) -> list[tuple[str, str]]:
+    """BPE merges implied by a vocabulary without merges: every split of a token into two vocabulary tokens,
+    best first by the token's position in the file (ties: the pieces' ids, then the longer left piece first),
+    as transformers' ``generate_merges`` ranks them for Gemma GGUF files."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    rank = {t: -i for i, t in enumerate(tokens)}     # a repeated spelling keeps its first place, its last id
+    merges = []
+    for tok, score in rank.items():
+        local = [(tok[:j], tok[j:]) for j in range(1, len(tok)) if tok[:j] in vocab and tok[j:] in vocab]
+        local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        merges.extend((lr[0], lr[1], score) for lr in local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def _gemma_backend(tokens: list[str]):
+    """The SentencePiece-style BPE backend of a Gemma GGUF vocabulary (module doc)."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
+
+    tokens = [_respell(t) for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=recover_merges(tokens), fuse_unk=True, unk_token="<unk>", dropout=None,
+                     byte_fallback=True)
+    tok = HFTokenizer(bpe)
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
 
 
 @dataclasses.dataclass
@@ -39,21 +79,29 @@ class Tokenizer:
     def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
         from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-        if meta.get("model") != "gpt2":
-            raise ValueError(f"tokenizer model {meta.get('model')!r} is not supported (byte-level BPE 'gpt2' only)")
+        kind = meta.get("model")
+        gemma = kind == "llama" and str(meta.get("architecture", "")).startswith("gemma")
+        if kind != "gpt2" and not gemma:
+            raise ValueError(f"tokenizer model {kind!r} (architecture {meta.get('architecture')!r}) is not supported: "
+                             "byte-level BPE 'gpt2', or SentencePiece 'llama' in a Gemma file")
         tokens = meta["tokens"]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
-        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
-        tok = HFTokenizer(bpe)
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        tok.decoder = decoders.ByteLevel()
+        if gemma:
+            tok = _gemma_backend(tokens)
+        else:
+            vocab = {t: i for i, t in enumerate(tokens)}
+            merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
+            bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+            tok = HFTokenizer(bpe)
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+            tok.decoder = decoders.ByteLevel()
         types = meta.get("token_type") or []
         specials = [AddedToken(t, special=True, normalized=False)
                     for t, ty in zip(tokens, types) if ty == CONTROL]
         if specials:
             tok.add_special_tokens(specials)
-        user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED]
+        spelled = set(map(_respell, tokens)) if gemma else set()    # transformers adds only those it can look up
+        user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED
+                and (not gemma or t in spelled)]
         if user:
             tok.add_tokens(user)
         h = hashlib.sha256()

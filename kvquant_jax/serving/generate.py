@@ -16,6 +16,7 @@ import numpy as np
 
 from kvquant_jax.cache.full import FullPrecisionScheme
 from kvquant_jax.cache.interface import CacheScheme, KVCache, init_cache
+from kvquant_jax.models.cache_layout import layer_schemes
 from kvquant_jax.models.config import LlamaConfig
 from kvquant_jax.models.llama import forward
 from kvquant_jax.quant.ledger import Ledger, LedgerShape, ledger
@@ -150,7 +151,8 @@ def generate(params, cfg: LlamaConfig, prompts: list[list[int]], *, max_new_toke
     check_memory(cfg, scheme, len(prompts), capacity)
     if layer_groups is None:
         layer_groups = "runs" if jax.default_backend() == "cpu" else "per_layer"
-    cache = init_cache(scheme, num_layers=cfg.num_layers, batch=len(prompts), capacity=capacity,
+    cache = init_cache(layer_schemes(cfg, scheme, capacity=capacity), num_layers=cfg.num_layers, batch=len(prompts),
+                       capacity=capacity,
                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, layer_groups=layer_groups)
     cache = on_current_mesh(cache)    # under sharding.mesh_context: batch over data, KV heads over model
     return run_batch(params, cfg, prompts, cache, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,

