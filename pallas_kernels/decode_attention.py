@@ -629,10 +629,7 @@ def _region_partial(q4, qs, q_dtype, reg: Region, cfg: KernelConfig, backend: st
     why = kernel_unsupported(reg, d, backend)
     if why:
         raise ValueError(f"decode-attention kernel: {why}")
-    op_k = _op_dtype(kf, cfg.precision)
-    dup = g if cfg.precision == "bf16x2" and _op_dtype(vf, cfg.precision) != _F32 else 0
-    rows_needed = 2 * g if dup else g
-    mp = max(16, 1 << (rows_needed - 1).bit_length()) if backend == "gpu" else -(-rows_needed // 8) * 8
+    op_k, dup, mp = _query_rows(g, kf, vf, cfg.precision, backend)
     group = kf.group if kf.scale == "channel" else 1
     mult = group
     if backend == "tpu" and kf.scale == "channel":   # the [bt / G, D] scale tile needs 8 sublanes (or all rows)
@@ -643,6 +640,30 @@ def _region_partial(q4, qs, q_dtype, reg: Region, cfg: KernelConfig, backend: st
     sp = _Spec(kf=kf, vf=vf, d=d, mp=mp, bt=bt, sub=group if kf.scale == "channel" else bt, ns=ns,
                nb=rows // bt, precision=cfg.precision, unpack=unpack,
                q_exact=kf.scale != "channel" and jnp.dtype(q_dtype) == jnp.dtype(op_k), dup=dup)
+    qk, qs, names, arrays = _launch_operands(q4, qs, reg, dup, mp)
+    start = jnp.clip(reg.start.astype(jnp.int32), 0, rows)
+    end = jnp.clip(reg.end.astype(jnp.int32), 0, rows)
+    if backend == "tpu":
+        o, m, l = _tpu_call(start, end, qk, qs, arrays, sp, names, interpret)
+    else:
+        o, m, l = _gpu_call(start, end, qk, qs, arrays, sp, names, cfg, interpret)
+    return _kernel_partials(o, m, l, reg, g, dup)
+
+
+def _query_rows(g: int, kf: KVFormat, vf: KVFormat, precision: str, backend: str):
+    """``(K operand dtype, dup, mp)``: ``dup`` > 0 duplicates the G query rows for the hi / lo parts of p
+    (bf16x2 with a 16-bit V operand); ``mp`` = query rows per KV head padded to the backend's tile."""
+    op_k = _op_dtype(kf, precision)
+    dup = g if precision == "bf16x2" and _op_dtype(vf, precision) != _F32 else 0
+    rows_needed = 2 * g if dup else g
+    mp = max(16, 1 << (rows_needed - 1).bit_length()) if backend == "gpu" else -(-rows_needed // 8) * 8
+    return op_k, dup, mp
+
+
+def _launch_operands(q4, qs, reg: Region, dup: int, mp: int):
+    """Kernel inputs of one region: query planes ``[B, Hkv, ..., mp, ...]``, logit scales ``[B, Hkv, mp, 1]``
+    (K per-head scale folded in), the operand names and arrays in :func:`_names` order."""
+    kf, vf = reg.k.fmt, reg.v.fmt
     if kf.scale == "head":
         qs = qs * reg.k.scale.astype(_F32)[None, :, None]
     if dup:
@@ -650,7 +671,6 @@ def _region_partial(q4, qs, q_dtype, reg: Region, cfg: KernelConfig, backend: st
         qs = jnp.concatenate([qs, qs], axis=2)
     qk = _query_planes(q4, kf, mp)
     qs = jnp.pad(qs, ((0, 0), (0, 0), (0, mp - qs.shape[2])))[..., None]
-    names = _names(kf, vf)
     arrays = []
     for op in (reg.k, reg.v):
         arrays.append(op.data)
@@ -658,17 +678,18 @@ def _region_partial(q4, qs, q_dtype, reg: Region, cfg: KernelConfig, backend: st
             arrays.append(op.scale)
         if op.fmt.has_zero_array:
             arrays.append(op.zero)
-    start = jnp.clip(reg.start.astype(jnp.int32), 0, rows)
-    end = jnp.clip(reg.end.astype(jnp.int32), 0, rows)
-    if backend == "tpu":
-        o, m, l = _tpu_call(start, end, qk, qs, arrays, sp, names, interpret)
-    else:
-        o, m, l = _gpu_call(start, end, qk, qs, arrays, sp, names, cfg, interpret)
+    return qk, qs, _names(kf, vf), arrays
+
+
+def _kernel_partials(o, m, l, reg: Region, g: int, dup: int):
+    """Kernel outputs ``o [B, Hkv, S, NGv, P, Mp, Gb]``, ``m, l [B, Hkv, S, Mp, 1]`` -> the partials
+    ``acc [B, Hkv, S, G, D]``, ``m, l [B, Hkv, S, G]`` (hi + lo rows added, V per-head scale applied)."""
+    b, hkv, ns, _, _, mp, _ = o.shape
     # [B, Hkv, S, NGv, P, Mp, Gb] -> [B, Hkv, S, Mp, D]: channel d = (group * Gb + col) * P + plane
-    o = jnp.transpose(o, (0, 1, 2, 5, 3, 6, 4)).reshape(b, hkv, ns, mp, d)
+    o = jnp.transpose(o, (0, 1, 2, 5, 3, 6, 4)).reshape(b, hkv, ns, mp, -1)
     if dup:
         o = o[:, :, :, :g] + o[:, :, :, g:2 * g]
-    if vf.scale == "head":
+    if reg.v.fmt.scale == "head":
         o = o * reg.v.scale.astype(_F32)[None, :, None, None, None]
     return o[:, :, :, :g], m[:, :, :, :g, 0], l[:, :, :, :g, 0]
 

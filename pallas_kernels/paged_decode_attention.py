@@ -34,9 +34,8 @@ from jax.experimental import pallas as pl
 from kvquant_jax.abi.regions import Region, check_query
 from pallas_kernels import decode_attention as dk
 from pallas_kernels.decode_attention import (_F32, PRECISIONS, _block, _combine, _dense_partial, _grid_kernel,
-                                             _init_state, _names, _op_dtype, _out_shapes, _outputs,
-                                             _query_planes, _query_values, _small_region_partial, _Spec,
-                                             _split_range, _Tile)
+                                             _init_state, _out_shapes, _outputs, _query_values,
+                                             _small_region_partial, _Spec, _split_range, _Tile)
 
 __all__ = ["paged_decode_attention", "paged_unsupported"]
 
@@ -144,28 +143,11 @@ def _paged_partial(q4, qs, q_dtype, reg: Region, table, backend, interpret, prec
         raise ValueError(f"paged decode-attention kernel: {why}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    op_k = _op_dtype(kf, precision)
-    dup = g if precision == "bf16x2" and _op_dtype(vf, precision) != _F32 else 0
-    rows_needed = 2 * g if dup else g
-    mp = max(16, 1 << (rows_needed - 1).bit_length()) if backend == "gpu" else -(-rows_needed // 8) * 8
+    op_k, dup, mp = dk._query_rows(g, kf, vf, precision, backend)
     sp = _Spec(kf=kf, vf=vf, d=d, mp=mp, bt=page_rows, sub=kf.group if kf.scale == "channel" else page_rows,
                ns=max(1, min(num_splits, m_pages)), nb=m_pages, precision=precision, unpack="magic",
                q_exact=kf.scale != "channel" and jnp.dtype(q_dtype) == jnp.dtype(op_k), dup=dup)
-    if kf.scale == "head":
-        qs = qs * reg.k.scale.astype(_F32)[None, :, None]
-    if dup:
-        q4 = jnp.concatenate([q4, q4], axis=2)
-        qs = jnp.concatenate([qs, qs], axis=2)
-    qk = _query_planes(q4, kf, mp)
-    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, mp - qs.shape[2])))[..., None]
-    names = _names(kf, vf)
-    arrays = []
-    for op in (reg.k, reg.v):
-        arrays.append(op.data)
-        if op.fmt.scale in ("token", "channel"):
-            arrays.append(op.scale)
-        if op.fmt.has_zero_array:
-            arrays.append(op.zero)
+    qk, qs, names, arrays = dk._launch_operands(q4, qs, reg, dup, mp)
     rows = m_pages * page_rows
     start = jnp.clip(reg.start.astype(jnp.int32), 0, rows)
     end = jnp.clip(reg.end.astype(jnp.int32), 0, rows)
@@ -174,12 +156,7 @@ def _paged_partial(q4, qs, q_dtype, reg: Region, table, backend, interpret, prec
         o, m, l = _tpu_call(start, end, table, qk, qs, arrays, sp, names, interpret)
     else:
         o, m, l = _gpu_call(start, end, table, qk, qs, arrays, sp, names, interpret, 4, 3)
-    o = jnp.transpose(o, (0, 1, 2, 5, 3, 6, 4)).reshape(b, hkv, sp.ns, mp, d)
-    if dup:
-        o = o[:, :, :, :g] + o[:, :, :, g:2 * g]
-    if vf.scale == "head":
-        o = o * reg.v.scale.astype(_F32)[None, :, None, None, None]
-    return o[:, :, :, :g], m[:, :, :, :g, 0], l[:, :, :, :g, 0]
+    return dk._kernel_partials(o, m, l, reg, g, dup)
 
 
 def paged_decode_attention(q, paged_region: Region, page_table, small_regions: Sequence[Region] = (), *,
