@@ -44,6 +44,9 @@ EXTRA = {
     "prefix_int4_copy": {"name": "prefix", "prefix_len": 3, "body": "int4", "shared": False},
     "kivi_axes": {"name": "kivi_axes", "k_axis": "token", "group_size": 4, "token_group_size": 4, "residual": 8},
 }
+#: families the paged layout refuses, and why (a test checks the refusal)
+NOT_PAGED = {"window": "a sliding-window ring keeps a bounded number of rows per sequence: no field grows with "
+                       "capacity, so nothing is paged (an engine keeps local layers' rings per sequence)"}
 PAGED_CASES = dict(CASES, **{k: mixed.uniform(make_scheme(v), L) for k, v in EXTRA.items()})
 CASE_IDS = sorted(PAGED_CASES)
 MODEL, TOK = "sha256:model", "sha256:tok"
@@ -51,7 +54,14 @@ MODEL, TOK = "sha256:model", "sha256:tok"
 
 def test_cases_cover_every_registry_family():
     fams = {s.family for pol in PAGED_CASES.values() for s in pol}
-    assert fams == set(FAMILIES)
+    assert fams | set(NOT_PAGED) == set(FAMILIES) and not fams & set(NOT_PAGED)
+
+
+def test_a_window_ring_is_refused_by_the_paged_layout():
+    pol = mixed.uniform(make_scheme({"name": "window", "window": 8, "block": 4, "body": "int4"}), L)
+    with pytest.raises(ValueError, match="WindowScheme has no field that grows with capacity"):
+        paged.init_paged(pol, num_layers=L, batch=B, num_pages=NUM_PAGES, page_size=PAGE, max_pages=MAX_PAGES,
+                         num_kv_heads=H, head_dim=D)
 
 
 def _init(case):
