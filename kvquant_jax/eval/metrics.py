@@ -171,15 +171,15 @@ class Session:
 
     def serving_reference(self, cfg: ExperimentConfig, baseline: SchemeSpec, segs: np.ndarray, prefill: int,
                           attention_impl: str):
-        """The baseline cache's log-softmax ``[S, N, V]`` (device float32) at every scored step of the serving path
-        on ``segs``: the reference of the serving KL / top-1 (cached per model, data, baseline and segments)."""
-        key = (cfg.digest("model"), cfg.digest("data"), str(baseline), segs.tobytes(), prefill, attention_impl)
+        """The baseline cache's serving-path run on ``segs``: ``nll [S, N]`` and the log-softmax ``logprobs
+        [S, N, V]`` (device float32) of every scored step, the reference of the serving KL / top-1.  Cached per
+        model (as the activation block transforms it), data, baseline and segments; only the latest is kept."""
+        key = (cfg.digest("model", "activation", "data"), str(baseline), segs.tobytes(), prefill, attention_impl)
         if key not in self._serving_refs:
             m = self.model(cfg)
             self._serving_refs = {key: serving_decode(m.params, m.cfg, segs,
                                                       self.policy(baseline_config(cfg, baseline)), prefill,
-                                                      attention_impl=attention_impl,
-                                                      return_logprobs=True)["logprobs"]}   # keep only the latest
+                                                      attention_impl=attention_impl, return_logprobs=True)}
         return self._serving_refs[key]
 
     def reference_generation(self, cfg: ExperimentConfig, baseline: SchemeSpec, prompts: np.ndarray, n: int):
@@ -217,8 +217,11 @@ def compute(session: Session, cfg: ExperimentConfig, metric: str, *,
     if metric == "serving_ppl":
         segs = corpus.take(t.prefill + t.decode + 1, t.segments, "tasks.serving_ppl")
         ref = session.serving_reference(cfg, baseline, segs, t.prefill, t.attention)
-        r = serving_decode(m.params, m.cfg, segs, policy, t.prefill, attention_impl=t.attention,
-                           reference_logprobs=ref)
+        if cfg.digest() == baseline_config(cfg, baseline).digest():      # the baseline row: its own reference
+            r = {"nll": ref["nll"], "kl": np.zeros_like(ref["nll"]), "agree": np.ones_like(ref["nll"])}
+        else:
+            r = serving_decode(m.params, m.cfg, segs, policy, t.prefill, attention_impl=t.attention,
+                               reference_logprobs=ref["logprobs"])
         nll, kl = np.asarray(r["nll"], np.float64), np.asarray(r["kl"], np.float64)
         return {"ppl": math.exp(float(nll.mean())), "nll": float(nll.mean()), "tokens": int(nll.size),
                 "prefill": t.prefill, "decode": t.decode, "segments": t.segments,

@@ -57,3 +57,15 @@ def test_smoothing_needs_calibration_text_and_keeps_float_model(session, tmp_pat
                 {"smooth_attention_alpha": 0.5, "smooth_windows": 2, "smooth_len": 64}):
         got = compute(session, from_dict({**base, "activation": act}), "ppl")["ppl"]
         np.testing.assert_allclose(got, ref, rtol=1e-5)          # float-exact folds
+
+
+def test_serving_kl_reference_is_the_baseline_cache_on_the_same_transformed_model(session):
+    """The serving KL / top-1 compare a point with the baseline cache on the SAME model (W8A8 / folds applied):
+    the baseline row scores KL 0 and top-1 1 whichever model was evaluated before it, a quantized cache KL > 0."""
+    for act in ({}, {"enabled": True}):
+        s = compute(session, _cfg(**act), "serving_ppl")
+        assert s["kl"] == 0.0 and s["top1"] == 1.0, (act, s["kl"], s["top1"])
+    cfg = from_dict({"model": {"name": "random", "random": TINY}, "data": {"corpus": "builtin"},
+                     "activation": {"enabled": True}, "tasks": TASKS, "cache": {"scheme": "int2"}})
+    q = compute(session, cfg, "serving_ppl")
+    assert q["kl"] > 1e-4 and len(q["segment_kl"]) == cfg.tasks.serving_ppl.segments
