@@ -426,7 +426,9 @@ def _split_range(start, end, s, sp: _Spec):
 # --------------------------------------------------------------------------------------------------------------
 # GPU (Pallas Triton) kernel: whole-array refs, one program per (b, kv head, split), loop over blocks
 # --------------------------------------------------------------------------------------------------------------
-def _loop_kernel(start_ref, end_ref, q_ref, qs_ref, *refs, sp: _Spec, names):
+def _loop_kernel(start_ref, end_ref, q_ref, qs_ref, *refs, sp: _Spec, names, tile_of=None):
+    """``tile_of(ins, b, h, blk) -> _Tile``: where block ``blk`` of sequence ``b`` lies (default: rows
+    ``[blk * bt, (blk + 1) * bt)`` of the contiguous arrays; the paged kernel passes its page-table lookup)."""
     ins = dict(zip(names, refs[:len(names)]))
     o_ref, m_ref, l_ref = refs[len(names):]
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -434,10 +436,12 @@ def _loop_kernel(start_ref, end_ref, q_ref, qs_ref, *refs, sp: _Spec, names):
     lo, hi = _split_range(start, end, s, sp)
     qv = _query_values(lambda g, r: q_ref[b, h, g, r], qs_ref[b, h], sp)
     groups_per_block = sp.bt // sp.sub
+    if tile_of is None:
+        def tile_of(ins, b, h, blk):
+            return _Tile(ins, (b, h), blk * sp.bt, blk * groups_per_block)
 
     def body(blk, state):
-        tile = _Tile(ins, (b, h), blk * sp.bt, blk * groups_per_block)
-        return _block(state, qv, tile, blk * sp.bt, start, end, sp)
+        return _block(state, qv, tile_of(ins, b, h, blk), blk * sp.bt, start, end, sp)
 
     m, l, outs = _outputs(lax.fori_loop(lo, hi, body, _init_state(sp)), sp)
     for g in range(sp.ngv):

@@ -28,14 +28,12 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from kvquant_jax.abi.regions import Region, check_query
 from pallas_kernels import decode_attention as dk
-from pallas_kernels.decode_attention import (_F32, PRECISIONS, _block, _combine, _dense_partial, _grid_kernel,
-                                             _init_state, _out_shapes, _outputs, _query_values,
-                                             _small_region_partial, _Spec, _split_range, _Tile)
+from pallas_kernels.decode_attention import (_F32, PRECISIONS, _combine, _dense_partial, _grid_kernel, _loop_kernel,
+                                             _out_shapes, _small_region_partial, _Spec, _split_range, _Tile)
 
 __all__ = ["paged_decode_attention", "paged_unsupported"]
 
@@ -100,23 +98,9 @@ def _tpu_call(start, end, table, qk, qs, arrays, sp: _Spec, names, interpret):
 
 
 def _paged_loop_kernel(start_ref, end_ref, table_ref, q_ref, qs_ref, *refs, sp: _Spec, names):
-    ins = dict(zip(names, refs[:len(names)]))
-    o_ref, m_ref, l_ref = refs[len(names):]
-    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    start, end = start_ref[b], end_ref[b]
-    lo, hi = _split_range(start, end, s, sp)
-    qv = _query_values(lambda g, r: q_ref[b, h, g, r], qs_ref[b, h], sp)
-
-    def body(blk, state):
-        tile = _Tile(ins, (table_ref[b, blk], h), 0, 0)             # the page where it lies
-        return _block(state, qv, tile, blk * sp.bt, start, end, sp)
-
-    m, l, outs = _outputs(lax.fori_loop(lo, hi, body, _init_state(sp)), sp)
-    for g in range(sp.ngv):
-        for r in range(sp.npv):
-            o_ref[b, h, s, g, r] = outs[g][r]
-    m_ref[b, h, s] = m
-    l_ref[b, h, s] = l
+    """The contiguous loop kernel with block ``blk`` of sequence ``b`` read from its page ``table[b, blk]``."""
+    _loop_kernel(start_ref, end_ref, q_ref, qs_ref, *refs, sp=sp, names=names,
+                 tile_of=lambda ins, b, h, blk: _Tile(ins, (table_ref[b, blk], h), 0, 0))
 
 
 def _gpu_call(start, end, table, qk, qs, arrays, sp: _Spec, names, interpret, num_warps, num_stages):
