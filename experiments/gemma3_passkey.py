@@ -7,8 +7,8 @@ history), greedy decode of ``--new-tokens`` tokens; correct when the first numbe
 records each policy's cache bytes at the longest length (the ledger over the real per-layer schemes, window rings
 included) and the accuracy delta vs the bf16 cache.
 
-    # GPU (the lead): 2K-32K x 5 depths x 4 trials, 6 policies
-    python experiments/gemma3_passkey.py --dtype bf16 --out docs/results/gemma3/passkey
+    # GPU: 2K-32K x 5 depths x 20 trials (Wilson 95% intervals per length), 6 policies
+    python experiments/gemma3_passkey.py --dtype bf16 --trials 20 --batch 10 --out docs/results/gemma3/passkey
     # CPU smoke run
     python experiments/gemma3_passkey.py --lengths 300 --depths 0 1 --trials 1 --policies bf16 int4 \
         --out /tmp/passkey
@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from kvquant_jax.eval.passkey import first_number, make_prompt  # noqa: E402
+from kvquant_jax.eval.stats import wilson_interval  # noqa: E402
 from kvquant_jax.models import load_model  # noqa: E402
 from kvquant_jax.models.cache_layout import layer_schemes, schemes_by_layer_type  # noqa: E402
 from kvquant_jax.quant.ledger import Ledger, LedgerShape, ledger  # noqa: E402
@@ -43,7 +44,8 @@ def main():
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384, 32000])
     ap.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
-    ap.add_argument("--trials", type=int, default=4)
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=10, help="prompts per generate call (a cell's trials in batches)")
     ap.add_argument("--policies", nargs="+", default=["bf16", "int8", "int4", "fp8_e4m3 (warm-up per-head scales)",
                                                       "kivi2", "local bf16 + global kivi2",
                                                       "local kivi2 + global bf16", "local int4 + global bf16"])
@@ -57,41 +59,57 @@ def main():
     rng = np.random.default_rng(a.seed)
     keys = {(n, d, t): str(rng.integers(10000, 100000)) for n in a.lengths for d in a.depths for t in range(a.trials)}
     out = {"model": m.path, "dtype": a.dtype, "lengths": a.lengths, "depths": a.depths, "trials": a.trials,
-           "policies": {}}
+           "command": "python " + " ".join(sys.argv), "policies": {}}
     longest = max(a.lengths) + a.new_tokens
     for name in a.policies:
         per = policy(cfg, name)
         led = ledger(layer_schemes(cfg, per), LedgerShape(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim,
                                                             longest, longest))
-        row = {"bytes_at_longest": Ledger.total(led.logical), "accuracy": [], "answers": []}
+        row = {"bytes_at_longest": Ledger.total(led.logical), "accuracy": [], "answers": [], "seconds": 0.0}
         for n in a.lengths:
             acc, ans = [], []
             for d in a.depths:
-                prompts = [[cfg.bos_id] + make_prompt(tok, n - 1, d, keys[(n, d, t)]) for t in range(a.trials)]
-                t0 = time.time()
-                res = generate(m.params, cfg, prompts, max_new_tokens=a.new_tokens, scheme=per,
-                               capacity=n + a.new_tokens + 64, prefill_chunk=a.chunk)
-                texts = [tok.decode(r) for r in res.tokens]
+                texts = []
+                for lo in range(0, a.trials, a.batch):
+                    prompts = [[cfg.bos_id] + make_prompt(tok, n - 1, d, keys[(n, d, t)])
+                               for t in range(lo, min(a.trials, lo + a.batch))]
+                    t0 = time.time()
+                    res = generate(m.params, cfg, prompts, max_new_tokens=a.new_tokens, scheme=per,
+                                   capacity=n + a.new_tokens + 64, prefill_chunk=a.chunk)
+                    row["seconds"] += time.time() - t0
+                    texts += [tok.decode(r) for r in res.tokens]
                 acc.append(float(np.mean([first_number(x) == keys[(n, d, t)] for t, x in enumerate(texts)])))
                 ans.append(texts)
-                print(f"{name} T={n} depth={d}: acc {acc[-1]:.2f} ({time.time() - t0:.1f} s) {texts[0]!r}",
-                      flush=True)
+                print(f"{name} T={n} depth={d}: acc {acc[-1]:.2f} {texts[0]!r}", flush=True)
             row["accuracy"].append(acc)
             row["answers"].append(ans)
         out["policies"][name] = row
+        write(a, out)                          # after every policy: a run stopped early keeps what it finished
+
+
+def write(a, out) -> None:
+    """passkey.json (every answer) and passkey.md: accuracy per length over its depths x trials with the Wilson
+    95% interval, and the difference to bf16."""
+    n_cell = len(out["depths"]) * out["trials"]
     base = out["policies"].get("bf16")
-    lines = ["| policy | bytes at %d tokens | " % longest + " | ".join(f"acc {n}" for n in a.lengths) + " | Δ vs bf16 |",
-             "|---|---|" + "---|" * len(a.lengths) + "---|"]
+    lines = [f"{out['trials']} trials x {len(out['depths'])} depths = {n_cell} prompts per length; "
+             f"[Wilson 95% interval]", "",
+             "| policy | bytes at %d tokens | " % (max(out["lengths"]) + a.new_tokens)
+             + " | ".join(f"acc {n}" for n in out["lengths"]) + " | mean Δ vs bf16 |",
+             "|---|---|" + "---|" * len(out["lengths"]) + "---|"]
     for name, row in out["policies"].items():
+        cells = []
+        for r in row["accuracy"]:
+            k = int(round(float(np.mean(r)) * n_cell))
+            lo, hi = wilson_interval(k, n_cell)
+            cells.append(f"{k / n_cell:.2f} [{lo:.2f}, {hi:.2f}]")
         means = [float(np.mean(r)) for r in row["accuracy"]]
         delta = "" if base is None else f"{np.mean(means) - np.mean([np.mean(r) for r in base['accuracy']]):+.3f}"
-        lines.append(f"| {name} | {row['bytes_at_longest']:,} | " + " | ".join(f"{x:.2f}" for x in means) +
-                     f" | {delta} |")
+        lines.append(f"| {name} | {row['bytes_at_longest']:,} | " + " | ".join(cells) + f" | {delta} |")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "passkey.json").write_text(json.dumps(out, indent=1) + "\n")
     (Path(a.out) / "passkey.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+    print("\n".join(lines), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -865,21 +865,64 @@ class LoadedConfig:
     raw: dict                      # merged raw mapping (after --set), sweep block included
     overrides: tuple               # ((dotted_key, value), ...) from --set
     origins: Any
+    sizes: str | None = None       # the size preset applied (name or file), None for the config's own sizes
 
     def points(self) -> list["Point"]:
         return sweep_points(self)
 
 
-def load_config(path: str | Path, overrides=()) -> LoadedConfig:
-    """Load ``path`` (with ``base:`` inheritance) and apply ``--set`` overrides (strings ``k=v`` or pairs)."""
+SIZE_PRESETS = {"cpu": "sweep_sizes.yaml", "gpu": "sweep_sizes_gpu.yaml"}
+
+
+def size_preset_file(sizes: str, config_path: str | Path) -> Path:
+    """The file of a size preset: a known name (:data:`SIZE_PRESETS`: ``cpu``, ``gpu``), found in the config's
+    folder or the nearest parent folder holding it (``configs/``), or a path to a YAML file."""
+    if sizes in SIZE_PRESETS:
+        start = Path(config_path).resolve().parent
+        for folder in (start, *start.parents):
+            if (folder / SIZE_PRESETS[sizes]).is_file():
+                return folder / SIZE_PRESETS[sizes]
+        raise ConfigError(f"sizes: preset {sizes!r}: {SIZE_PRESETS[sizes]} not found in {start} or its parents")
+    p = Path(sizes)
+    if not p.is_file():
+        raise ConfigError(f"sizes: {sizes!r} is neither a preset ({', '.join(SIZE_PRESETS)}) nor a file")
+    return p
+
+
+def apply_size_preset(raw: dict, preset: Path, origins: "_Origins") -> None:
+    """Merge the preset's own ``tasks`` block (its ``base:`` is not followed) into ``raw``'s tasks, in place.
+
+    A preset sets *sizes*: every task key but ``enabled`` (which metrics a config runs stays the config's choice).
+    It applies after inheritance and before ``--set``, so the command line still wins."""
+    data = _read_yaml(preset)
+    extra = sorted(set(data) - {"base", "name", "tasks"})
+    if extra:
+        raise ConfigError(f"{preset}: a size preset holds only a tasks block, found {extra}")
+    tasks = data.get("tasks") or {}
+    if not isinstance(tasks, dict) or not all(isinstance(v, dict) for v in tasks.values()):
+        raise ConfigError(f"{preset}: tasks: must map task names to mappings of sizes")
+    sized = {t: {k: v for k, v in block.items() if k != "enabled"} for t, block in tasks.items()}
+    origins.mark({"tasks": sized}, str(preset))
+    raw["tasks"] = _merge(raw.get("tasks") or {}, sized)
+
+
+def load_config(path: str | Path, overrides=(), sizes: str | None = None) -> LoadedConfig:
+    """Load ``path`` (with ``base:`` inheritance), apply a size preset (``sizes``, else the config's ``sizes:``
+    key; see :func:`apply_size_preset`) and ``--set`` overrides (strings ``k=v`` or pairs)."""
     path = Path(path)
     origins = _Origins(str(path))
     raw = _load_raw(path, origins)
+    key_sizes = raw.pop("sizes", None)
+    sizes = sizes if sizes is not None else key_sizes
+    if sizes is not None:
+        if not isinstance(sizes, str):
+            raise ConfigError(f"{origins.of('sizes')}: sizes: must be a preset name or a file, got {sizes!r}")
+        apply_size_preset(raw, size_preset_file(sizes, path), origins)
     pairs = [o if isinstance(o, tuple) else parse_overrides([o])[0] for o in overrides]
     for k, v in pairs:
         set_dotted(raw, k, v, origins)
     cfg = from_dict(raw, source=str(path), origins=origins.copy())
-    return LoadedConfig(config=cfg, path=str(path), raw=raw, overrides=tuple(pairs), origins=origins)
+    return LoadedConfig(config=cfg, path=str(path), raw=raw, overrides=tuple(pairs), origins=origins, sizes=sizes)
 
 
 # --------------------------------------------------------------------------------------------- sweeps

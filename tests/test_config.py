@@ -205,3 +205,49 @@ def test_missing_corpus_names_the_paths_tried(tmp_path, monkeypatch):
         Session().corpus(cfg)
     # without WikiText-2 and with the fallback allowed, the built-in text is used
     assert Session().corpus(from_dict({"model": {"name": "random"}})).name == "builtin-pydoc-topics"
+
+
+# ----------------------------------------------------------------------------------------- size presets
+
+REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_gpu_size_preset_sets_sizes_and_keeps_the_configs_metric_choice():
+    cpu = load_config(REPO_CONFIGS / "sweeps" / "passkey.yaml")
+    gpu = load_config(REPO_CONFIGS / "sweeps" / "passkey.yaml", sizes="gpu")
+    t = gpu.config.tasks
+    # sizes come from the preset ...
+    assert t.serving_ppl.segments * t.serving_ppl.decode >= 65536
+    assert t.passkey.trials >= 20 and t.passkey.lengths[-1] == 8000 and t.passkey.lengths != cpu.config.tasks.passkey.lengths
+    # ... which metrics run stays the config's (passkey.yaml turns everything but passkey off)
+    for name in ("ppl", "serving_ppl", "kv_error", "agreement", "passkey"):
+        assert getattr(t, name).enabled == getattr(cpu.config.tasks, name).enabled
+    assert gpu.sizes == "gpu" and cpu.sizes is None
+    # the points' configs carry the preset's sizes (so their row keys differ from the CPU rows')
+    assert all(p.config.tasks.passkey.trials == 20 for p in gpu.points())
+    assert {p.config.digest() for p in gpu.points()}.isdisjoint({p.config.digest() for p in cpu.points()})
+
+
+def test_size_preset_applies_before_set_and_from_the_config_key(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"base: {REPO_CONFIGS / 'base.yaml'}\nsizes: gpu\n")
+    with pytest.raises(ConfigError, match="sweep_sizes_gpu.yaml not found"):
+        load_config(cfg)                                   # a name is looked up beside the config and above it
+    (tmp_path / "sweep_sizes_gpu.yaml").write_text((REPO_CONFIGS / "sweep_sizes_gpu.yaml").read_text())
+    loaded = load_config(cfg, ["tasks.serving_ppl.segments=3"])
+    assert loaded.config.tasks.serving_ppl.segments == 3 and loaded.config.tasks.serving_ppl.decode == 1024
+    by_file = load_config(cfg, sizes=str(tmp_path / "sweep_sizes_gpu.yaml"))   # a file path works too
+    assert by_file.config.tasks == load_config(cfg).config.tasks
+
+
+def test_size_preset_bad_input_names_the_problem(tmp_path):
+    cfg = REPO_CONFIGS / "sweeps" / "int.yaml"
+    with pytest.raises(ConfigError, match="neither a preset"):
+        load_config(cfg, sizes="huge")
+    bad = tmp_path / "p.yaml"
+    bad.write_text("tasks: {ppl: {seq_len: 64}}\ncache: {scheme: int4}\n")
+    with pytest.raises(ConfigError, match="only a tasks block"):
+        load_config(cfg, sizes=str(bad))
+    bad.write_text("tasks: {ppl: 64}\n")
+    with pytest.raises(ConfigError, match="mappings of sizes"):
+        load_config(cfg, sizes=str(bad))

@@ -36,6 +36,9 @@ def _common(p) -> None:
     p.add_argument("config", help="YAML config (configs/...)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value: dotted key, YAML value (repeatable)")
+    p.add_argument("--sizes", default=None, metavar="PRESET|FILE",
+                   help="task-size preset applied after inheritance, before --set: cpu (configs/sweep_sizes.yaml), "
+                        "gpu (configs/sweep_sizes_gpu.yaml) or a YAML file (overrides the config's sizes key)")
     p.add_argument("--metrics", default=None,
                    help=f"comma-separated subset of the enabled metrics ({','.join(METRICS)})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -92,7 +95,7 @@ def _run(loaded, args):
 
 
 def cmd_eval(args) -> None:
-    loaded = load_config(args.config, args.overrides)
+    loaded = load_config(args.config, args.overrides, args.sizes)
     loaded = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, sweep=None))
     t0 = time.perf_counter()
     summary = _run(loaded, args)
@@ -103,7 +106,7 @@ def cmd_eval(args) -> None:
 
 
 def cmd_sweep(args) -> None:
-    loaded = load_config(args.config, args.overrides)
+    loaded = load_config(args.config, args.overrides, args.sizes)
     if args.list:
         for p in loaded.points():
             print(f"{p.index:3d}  {p.label}")

@@ -287,7 +287,8 @@ def sweep_baseline(loaded: LoadedConfig) -> SchemeSpec:
 def _write_manifest(out: Path, loaded: LoadedConfig, points: list[Point], command: str | None) -> None:
     import yaml
 
-    manifest = {"config_file": loaded.path, "command": command, "overrides": [list(o) for o in loaded.overrides],
+    manifest = {"config_file": loaded.path, "command": command, "sizes": loaded.sizes,
+                "overrides": [list(o) for o in loaded.overrides],
                 "points": [{"index": p.index, "label": p.label, "overrides": dict(p.overrides)} for p in points],
                 "config": loaded.config.to_dict()}
     tmp = out / "sweep.yaml.tmp"
