@@ -1,28 +1,27 @@
 #!/usr/bin/env bash
 # Re-run the committed quality sweeps with the GPU size preset (issue P item 2: configs/sweep_sizes_gpu.yaml,
-# >= 64K scored serving-path tokens per point, passkey 20 trials per cell up to 8K) into OUT (default
-# docs/results/gpu/<sweep>/).  The fast-path ppl, serving ppl (with KL / top-1 vs the fp32 cache) and bytes run;
+# >= 64K scored serving-path tokens per point, passkey 20 trials per cell up to 8K) into OUT/<sweep>/ (default
+# docs/results/gpu).  The fast-path ppl, serving ppl (with KL / top-1 vs the fp32 cache), passkey and bytes run;
 # the K/V-error and greedy-agreement tasks stay at their CPU size in docs/results/<sweep>/ (disabled here).
-# Rerunning resumes every sweep from its results.jsonl.  Needs WikiText-2 ($KVQ_DATA_DIR) and SmolLM2.
+# One process runs every sweep, sharing the model, the corpora and the baseline's serving reference; rerunning
+# resumes every sweep from its results.jsonl.  Needs WikiText-2 ($KVQ_DATA_DIR) and SmolLM2.
 #     bash experiments/run_gpu_sweeps.sh [OUT] [SWEEP ...]
 set -u
 OUT=${1:-docs/results/gpu}
 shift || true
 SWEEPS=${*:-int kivi_residual kivi_axes fp8 mixed_layers w8a8 passkey kvquant_main}
 KVQ=${KVQ:-kvq}
+CONFIGS=()
 for s in $SWEEPS; do
-  t0=$(date +%s)
+  CONFIGS+=("configs/sweeps/$s.yaml")
   if [ "$s" = kvquant_main ]; then          # its three calibration artifacts (WikiText-2 validation), once
     for b in 4 3 2; do
       [ -e artifacts/kvquant/smollm2_nuq${b}_o1_sink ] || \
         $KVQ calibrate configs/calibration/kvquant_smollm2_nuq$b.yaml --out artifacts/kvquant/smollm2_nuq${b}_o1_sink
     done
   fi
-  if [ "$s" = passkey ]; then
-    $KVQ sweep configs/sweeps/$s.yaml --sizes gpu --out "$OUT/$s" --no-progress
-  else
-    $KVQ sweep configs/sweeps/$s.yaml --sizes gpu --set tasks.kv_error.enabled=false \
-      --set tasks.agreement.enabled=false --out "$OUT/$s" --no-progress
-  fi
-  echo "[gpu_sweeps] $s: rc $? in $(( $(date +%s) - t0 )) s"
 done
+t0=$(date +%s)
+$KVQ sweep "${CONFIGS[@]}" --sizes gpu --set tasks.kv_error.enabled=false --set tasks.agreement.enabled=false \
+  --out "$OUT" --no-progress
+echo "[gpu_sweeps] rc $? in $(( $(date +%s) - t0 )) s"

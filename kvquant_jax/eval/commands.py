@@ -1,6 +1,7 @@
 """``kvq eval CONFIG`` and ``kvq sweep CONFIG --out DIR`` (registered by ``kvquant_jax.cli``)."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import shlex
@@ -22,9 +23,10 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("sweep", help="run a config's sweep block into DIR (results.jsonl, report.md, plots); "
-                                     "rerunning resumes")
-    _common(p)
-    p.add_argument("--out", required=True, help="output directory")
+                                     "rerunning resumes. Several configs: each into DIR/<sweep name>, in one "
+                                     "process sharing the model, corpora and baseline references")
+    _common(p, several=True)
+    p.add_argument("--out", required=True, help="output directory (several configs: their parent directory)")
     p.add_argument("--report-only", action="store_true", help="only rewrite report.md and plots from results.jsonl")
     p.add_argument("--list", action="store_true", help="print the resolved points and exit")
     p.add_argument("--prune", action="store_true",
@@ -32,8 +34,11 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_sweep)
 
 
-def _common(p) -> None:
-    p.add_argument("config", help="YAML config (configs/...)")
+def _common(p, several: bool = False) -> None:
+    if several:
+        p.add_argument("config", nargs="+", help="YAML config(s) (configs/...)")
+    else:
+        p.add_argument("config", help="YAML config (configs/...)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value: dotted key, YAML value (repeatable)")
     p.add_argument("--sizes", default=None, metavar="PRESET|FILE",
@@ -81,12 +86,12 @@ def _mesh(loaded, args):
     return None if shape is None else S.make_mesh(shape)
 
 
-def _run(loaded, args):
+def _run(loaded, args, session=None):
     """run_sweep with the command-line options; Ctrl-C exits 130 after saying where the completed rows are."""
     try:
         with S.mesh_context(_mesh(loaded, args)):
             return runner.run_sweep(loaded, args.out, metrics=_metrics(args.metrics), progress=not args.no_progress,
-                                    command=_command())
+                                    command=_command(), session=session)
     except KeyboardInterrupt:
         where = f"{args.out}/results.jsonl" if args.out else "memory (no --out)"
         print(f"\nkvq: interrupted; completed rows are kept in {where}. Run the same command again to resume.",
@@ -106,7 +111,22 @@ def cmd_eval(args) -> None:
 
 
 def cmd_sweep(args) -> None:
-    loaded = load_config(args.config, args.overrides, args.sizes)
+    if len(args.config) > 1:
+        from kvquant_jax.eval.metrics import Session
+
+        loaded = [load_config(c, args.overrides, args.sizes) for c in args.config]
+        outs = [str(Path(args.out) / runner.sweep_name(ld)) for ld in loaded]
+        if len(set(outs)) < len(outs):
+            raise ValueError(f"kvq sweep: two configs share a sweep name, so their folders would collide: {outs}")
+        session = Session()
+        for ld, out in zip(loaded, outs):
+            _sweep_one(ld, argparse.Namespace(**{**vars(args), "config": ld.path, "out": out}), session)
+        return
+    _sweep_one(load_config(args.config[0], args.overrides, args.sizes),
+               argparse.Namespace(**{**vars(args), "config": args.config[0]}), None)
+
+
+def _sweep_one(loaded, args, session) -> None:
     if args.list:
         for p in loaded.points():
             print(f"{p.index:3d}  {p.label}")
@@ -125,7 +145,7 @@ def cmd_sweep(args) -> None:
                            baseline=runner.sweep_baseline(loaded), command=command))
         return
     t0 = time.perf_counter()
-    summary = _run(loaded, args)
+    summary = _run(loaded, args, session)
     print(f"[kvq] sweep done in {time.perf_counter() - t0:.1f} s: {summary.computed} rows computed, "
           f"{summary.skipped} resumed from {args.out}/results.jsonl", file=sys.stderr)
     print(f"report: {Path(args.out) / 'report.md'}")

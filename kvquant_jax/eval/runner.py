@@ -134,20 +134,27 @@ def _enabled(cfg: ExperimentConfig, only: tuple[str, ...] | None) -> list[str]:
 
 def run_points(points: list[Point], *, sweep_name: str, baseline: SchemeSpec, out_dir: Path | None,
                metrics: tuple[str, ...] | None = None, progress: bool = True,
-               on_row: Callable[[dict], None] | None = None, log: Callable[[str], None] | None = None) -> RunSummary:
-    """Compute every enabled metric of every point (plus the baselines deltas need), appending rows."""
+               on_row: Callable[[dict], None] | None = None, log: Callable[[str], None] | None = None,
+               session: M.Session | None = None) -> RunSummary:
+    """Compute every enabled metric of every point (plus the baselines deltas need), appending rows.
+
+    ``session``: caches to share with other runs of this process (model, corpora, the serving-path reference of
+    the baseline); its observed calibration artifacts are then saved in ``out_dir`` of this run."""
     log = log or (lambda msg: print(f"[kvq] {msg}", file=sys.stderr))
     if out_dir is not None:
         with output_lock(out_dir, "kvq sweep"):
             return _run_points(points, sweep_name=sweep_name, baseline=baseline, out_dir=out_dir, metrics=metrics,
-                               progress=progress, on_row=on_row, log=log)
+                               progress=progress, on_row=on_row, log=log, session=session)
     return _run_points(points, sweep_name=sweep_name, baseline=baseline, out_dir=out_dir, metrics=metrics,
-                       progress=progress, on_row=on_row, log=log)
+                       progress=progress, on_row=on_row, log=log, session=session)
 
 
-def _run_points(points, *, sweep_name, baseline, out_dir, metrics, progress, on_row, log) -> RunSummary:
+def _run_points(points, *, sweep_name, baseline, out_dir, metrics, progress, on_row, log, session) -> RunSummary:
     results = ResultsFile(out_dir / "results.jsonl", log=log) if out_dir is not None else None
-    session = M.Session(artifact_dir=out_dir, log=log)
+    if session is None:
+        session = M.Session(artifact_dir=out_dir, log=log)
+    else:
+        session.artifact_dir, session.log = out_dir, log
     env = None
     memory: dict[str, dict] = {}
     plan = [(p, m) for p in points for m in _enabled(p.config, metrics)]
@@ -227,8 +234,10 @@ def _run_points(points, *, sweep_name, baseline, out_dir, metrics, progress, on_
 
 
 def run_sweep(loaded: LoadedConfig, out_dir: str | Path | None, *, metrics=None, progress: bool = True,
-              on_row=None, log=None, command: str | None = None, report: bool = True) -> RunSummary:
-    """Run every point of ``loaded`` (its ``sweep`` block; one point without one) into ``out_dir``."""
+              on_row=None, log=None, command: str | None = None, report: bool = True,
+              session: M.Session | None = None) -> RunSummary:
+    """Run every point of ``loaded`` (its ``sweep`` block; one point without one) into ``out_dir``
+    (``session``: see :func:`run_points`)."""
     points = loaded.points()
     name, baseline = sweep_name(loaded), sweep_baseline(loaded)
     out = Path(out_dir) if out_dir is not None else None
@@ -238,7 +247,7 @@ def run_sweep(loaded: LoadedConfig, out_dir: str | Path | None, *, metrics=None,
         try:
             summary = run_points(points, sweep_name=name, baseline=baseline, out_dir=out,
                                  metrics=tuple(metrics) if metrics else None, progress=progress, on_row=on_row,
-                                 log=log)
+                                 log=log, session=session)
         finally:
             if out is not None and report and (out / "results.jsonl").exists():
 
