@@ -918,7 +918,7 @@ def load_config(path: str | Path, overrides=(), sizes: str | None = None) -> Loa
         if not isinstance(sizes, str):
             raise ConfigError(f"{origins.of('sizes')}: sizes: must be a preset name or a file, got {sizes!r}")
         apply_size_preset(raw, size_preset_file(sizes, path), origins)
-    pairs = [o if isinstance(o, tuple) else parse_overrides([o])[0] for o in overrides]
+    pairs = [tuple(o) if isinstance(o, (tuple, list)) else parse_overrides([o])[0] for o in overrides]
     for k, v in pairs:
         set_dotted(raw, k, v, origins)
     cfg = from_dict(raw, source=str(path), origins=origins.copy())

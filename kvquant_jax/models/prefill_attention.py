@@ -22,10 +22,17 @@ ATTENTION_IMPLS = ("auto", "kernel", "reference")
 NEG_INF = -1e30
 
 
+QUERY_BLOCK = 1024    # attend() scores at most this many query rows at once (memory O(QUERY_BLOCK * (C + T)))
+
+
 def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
            hist: tuple[jax.Array, jax.Array, jax.Array] | None, *, window=0, q_start=None,
-           hist_pos=None) -> jax.Array:
+           hist_pos=None, query_block: int = QUERY_BLOCK) -> jax.Array:
     """One softmax over [history, current chunk].
+
+    A forward of more than ``query_block`` tokens is scored ``query_block`` query rows at a time (``lax.map``
+    over row blocks; every row sees the same keys and the same mask as unblocked, so a long exact prefill needs
+    ``O(query_block * (C + T))`` score memory per head instead of ``O(T * (C + T))``).
 
     q: [B, T, Hq, D]; k_cur, v_cur: [B, T, Hkv, D]; num_new: int32 [B] (keys t >= num_new are padding);
     hist: optional (k [B, Hkv, C, D] f32, v [B, Hkv, C, D] f32, valid bool [B, C]).
@@ -36,24 +43,46 @@ def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
     Returns [B, T, Hq, D] in q's dtype; scores and softmax in float32.
     """
     b, t, hq, d = q.shape
+    if query_block < 1:
+        raise ValueError(f"attend: query_block must be >= 1, got {query_block}")
+    if t > query_block:
+        nb = -(-t // query_block)
+        qp = jnp.pad(q, ((0, 0), (0, nb * query_block - t), (0, 0), (0, 0)))
+        blocks = jnp.moveaxis(qp.reshape(b, nb, query_block, hq, d), 1, 0)           # [nb, B, Tq, Hq, D]
+
+        def one(args):
+            q_blk, off = args
+            return _attend_rows(q_blk, off, k_cur, v_cur, num_new, hist, window, q_start, hist_pos)
+
+        out = jax.lax.map(one, (blocks, jnp.arange(nb, dtype=jnp.int32) * query_block))
+        return jnp.moveaxis(out, 0, 1).reshape(b, nb * query_block, hq, d)[:, :t]
+    return _attend_rows(q, jnp.int32(0), k_cur, v_cur, num_new, hist, window, q_start, hist_pos)
+
+
+def _attend_rows(q, row0, k_cur, v_cur, num_new, hist, window, q_start, hist_pos):
+    """:func:`attend` for the query rows ``row0 + [0, Tq)`` of the forward (``q [B, Tq, Hq, D]``); keys are the
+    whole current chunk ``k_cur, v_cur [B, T, Hkv, D]`` and the history."""
+    b, tq, hq, d = q.shape
+    t = k_cur.shape[1]
     hkv = k_cur.shape[2]
     g = hq // hkv
     scale = jnp.float32(1.0 / (d ** 0.5))
-    qf = q.astype(jnp.float32).reshape(b, t, hkv, g, d)
+    qf = q.astype(jnp.float32).reshape(b, tq, hkv, g, d)
     kc, vc = k_cur.astype(jnp.float32), v_cur.astype(jnp.float32)
     hp = jax.lax.Precision.HIGHEST
-    s_cur = jnp.einsum("btkgd,bskd->bkgts", qf, kc, precision=hp) * scale          # [B, Hkv, G, T, S=T]
-    ti = jnp.arange(t)
-    causal = (ti[None, :] <= ti[:, None])[None] & (ti[None, None, :] < num_new[:, None, None])  # [B, T, S]
+    s_cur = jnp.einsum("btkgd,bskd->bkgts", qf, kc, precision=hp) * scale          # [B, Hkv, G, Tq, S=T]
+    ti = row0 + jnp.arange(tq, dtype=jnp.int32)                                    # query rows
+    si = jnp.arange(t, dtype=jnp.int32)                                            # key rows of this chunk
+    causal = (si[None, :] <= ti[:, None])[None] & (si[None, None, :] < num_new[:, None, None])  # [B, Tq, S]
     bounded = not isinstance(window, int) or window > 0
     win = jnp.where(jnp.asarray(window) > 0, jnp.asarray(window, jnp.int32), jnp.int32(2 ** 30)) if bounded else 0
     if bounded:
-        causal = causal & ((ti[:, None] - ti[None, :]) < win)[None]
+        causal = causal & ((ti[:, None] - si[None, :]) < win)[None]
     s_cur = jnp.where(causal[:, None, None], s_cur, jnp.float32(NEG_INF))
     if hist is not None:
         hk, hv, valid = hist
         s_hist = jnp.einsum("btkgd,bkcd->bkgtc", qf, hk, precision=hp) * scale      # [B, Hkv, G, T, C]
-        keep = jnp.broadcast_to(valid[:, None, :], (b, t, valid.shape[-1]))           # [B, T, C]
+        keep = jnp.broadcast_to(valid[:, None, :], (b, tq, valid.shape[-1]))          # [B, Tq, C]
         if bounded:
             c = valid.shape[-1]
             qp = (jnp.zeros((b,), jnp.int32) if q_start is None else q_start.astype(jnp.int32))[:, None] + ti[None]
@@ -70,7 +99,7 @@ def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
                + jnp.einsum("bkgts,bskd->btkgd", p[..., c:], vc, precision=hp))
     else:
         out = jnp.einsum("bkgts,bskd->btkgd", p, vc, precision=hp)
-    return out.reshape(b, t, hq, d).astype(q.dtype)
+    return out.reshape(b, tq, hq, d).astype(q.dtype)
 
 
 def resolve_decode_impl(attention_impl: str, platform: str | None = None) -> str:
