@@ -5,7 +5,7 @@ import math
 import sys
 from pathlib import Path
 
-from kvquant_jax.config import METRICS, Point, SchemeSpec
+from kvquant_jax.config import METRICS, ActivationConfig, Point, SchemeSpec
 from kvquant_jax.eval.metrics import DELTA_FIELDS, baseline_config
 from kvquant_jax.eval.rows import read_rows, row_key
 from kvquant_jax.eval.stats import ppl_delta_ci, wilson_interval
@@ -86,6 +86,7 @@ def write_report(out_dir: str | Path, *, points: list[Point], sweep_name: str, b
                   f"- baseline (Δ reference): `{baseline}` cache on the same tokens",
                   f"- tasks: {_task_line(cfg)}", ""]
     lines += _main_table(entries, baseline)
+    lines += _model_transform_table(entries, baseline)
     lines += _passkey_tables(entries)
     lines += _error_tables(entries)
     plots = _plots(out, entries)
@@ -132,13 +133,58 @@ def delta_ci(e, metric):
     return ppl_delta_ci(x, b)
 
 
+def _transformed(e) -> bool:
+    """The point runs a transformed model (a non-default ``activation`` block: W8A8, SmoothQuant, SmoothAttention
+    folds), so its baseline rows are the baseline cache on that transformed model."""
+    return e["point"].config.activation != ActivationConfig()
+
+
 def _delta_cell(e, metric) -> str:
     d = _v(e, metric, "delta", "delta_ppl")
     ci = delta_ci(e, metric)
+    mark = " †" if d is not None and _transformed(e) else ""
     if d is None or ci is None:
         one = len(_v(e, metric, "values", "segment_nll") or ()) == 1
-        return _fmt(d, 3, True) + (" (1 segment: no CI)" if d is not None and one else "")
-    return f"{_fmt(d, 3, True)} [{_fmt(ci.lo, 3, True)}, {_fmt(ci.hi, 3, True)}]" + ("" if ci.excludes_zero else " n.s.")
+        return _fmt(d, 3, True) + (" (1 segment: no CI)" if d is not None and one else "") + mark
+    return (f"{_fmt(d, 3, True)} [{_fmt(ci.lo, 3, True)}, {_fmt(ci.hi, 3, True)}]"
+            + ("" if ci.excludes_zero else " n.s.") + mark)
+
+
+def _model_transform_table(entries, baseline) -> list[str]:
+    """The transformed models' own effect: each distinct transformed model's baseline-cache row against the
+    untransformed model's (same segments; paired bootstrap CI), for ppl and serving ppl."""
+    plain = {m: next((e["baseline_" + m] for e in entries if e.get("baseline_" + m) and not _transformed(e)), None)
+             for m in ("ppl", "serving_ppl")}
+    seen, rows = set(), []
+    for e in entries:
+        if not _transformed(e):
+            continue
+        keys = tuple((e.get("baseline_" + m) or {}).get("key") for m in ("ppl", "serving_ppl"))
+        if keys in seen or not any(keys):
+            continue
+        seen.add(keys)
+        cells = [e["point"].label]
+        for m in ("ppl", "serving_ppl"):
+            own, ref = e.get("baseline_" + m), plain[m]
+            if own is None or ref is None:
+                cells += [_fmt(_v(own or {}, "values", "ppl")), "–"]
+                continue
+            d = own["values"]["ppl"] - ref["values"]["ppl"]
+            x, b = own["values"].get("segment_nll"), ref["values"].get("segment_nll")
+            ci = ppl_delta_ci(x, b) if x and b and len(x) == len(b) and len(x) >= 2 else None
+            cells += [_fmt(own["values"]["ppl"]),
+                      _fmt(d, 3, True) + ("" if ci is None else f" [{_fmt(ci.lo, 3, True)}, {_fmt(ci.hi, 3, True)}]"
+                                          + ("" if ci.excludes_zero else " n.s."))]
+        rows.append("| " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return (["## Model transforms (their own effect, with the baseline cache)", "",
+             f"† in the summary: a point with an `activation` block is compared with the `{baseline}` cache on the "
+             "same transformed model, so its Δ is the cache's effect alone. The transform's own effect is below: "
+             f"that model with the `{baseline}` cache against the untransformed model with the `{baseline}` cache "
+             "(same segments, paired bootstrap 95% CI).", "",
+             "| model of point | ppl | Δppl vs untransformed | serving ppl | Δ serving vs untransformed |",
+             "|---|---|---|---|---|"] + rows + [""])
 
 
 def _scored(entries, metric) -> str:

@@ -26,3 +26,22 @@ def test_committed_rows_cover_the_current_config(folder):
     stored = {json.loads(line)["key"] for line in (folder / "results.jsonl").read_text().splitlines() if line.strip()}
     missing = planned - stored
     assert not missing, f"{folder.name}: {len(missing)} of {len(planned)} planned rows are not in results.jsonl"
+
+
+def test_transformed_models_are_reported_against_the_untransformed_model():
+    """A W8A8 / smoothing point's Δ is against the fp32 cache on its own transformed model (marked †); the report's
+    model-transform table gives the transform's own effect against the untransformed model, with a paired CI
+    (checked on the committed GPU W8A8 sweep: W8A8 costs serving ppl, SmoothAttention is exact in float)."""
+    from kvquant_jax.eval import report as R
+
+    folder = REPO / "docs" / "results" / "gpu" / "w8a8"
+    meta = yaml.safe_load((folder / "sweep.yaml").read_text())
+    loaded = load_config(REPO / meta["config_file"], meta.get("overrides") or [], meta.get("sizes"))
+    entries = R.collect(R._load(folder / "results.jsonl"), loaded.points(), sweep_baseline(loaded))
+    lines = R._model_transform_table(entries, sweep_baseline(loaded))
+    rows = {ln.split(" | ")[0].strip("| "): ln for ln in lines if ln.startswith("| ") and "---" not in ln}
+    assert "W8A8" in rows and "float" not in rows and "qserve4 KV" not in rows
+    assert "n.s." not in rows["W8A8"] and rows["W8A8"].rstrip(" |").endswith("]")
+    assert "n.s." in rows["qserve4 KV + SmoothAttention"]
+    w8 = next(e for e in entries if e["point"].label == "W8A8")
+    assert R._delta_cell(w8, "serving_ppl").endswith("†")

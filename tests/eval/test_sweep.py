@@ -111,3 +111,30 @@ def test_cli_sweep_and_eval(sweep_cfg, tmp_path, capsys, monkeypatch):
         cli.main(["sweep", str(sweep_cfg), "--out", str(tmp_path), "--no-progress"])
     assert e.value.code == 130
     assert "Run the same command again to resume" in capsys.readouterr().err
+
+
+def test_cli_sweep_of_several_configs_shares_one_model_load(tmp_path, capsys, monkeypatch):
+    """`kvq sweep A B --out DIR`: each config into DIR/<sweep name>, rows equal to separate runs, the model loaded
+    once; two configs with one sweep name are refused before anything runs."""
+    from kvquant_jax import cli
+    from kvquant_jax.eval import metrics as M
+
+    cfgs = []
+    for name, scheme in (("a", "int4"), ("b", "int8")):
+        p = tmp_path / f"{name}.yaml"
+        p.write_text(tiny_yaml(**{**SWEEP, "sweep": {"name": name, "zip": {"cache.scheme": [scheme]}}}))
+        cfgs.append(str(p))
+    loads = []
+    real = M.load_eval_model
+    monkeypatch.setattr(M, "load_eval_model", lambda *a, **k: loads.append(1) or real(*a, **k))
+    assert cli.main(["sweep", *cfgs, "--out", str(tmp_path / "all"), "--metrics", "ppl", "--no-progress"]) == 0
+    assert len(loads) == 1
+    for name, cfg in zip("ab", cfgs):
+        alone = tmp_path / f"alone_{name}"
+        assert cli.main(["sweep", cfg, "--out", str(alone), "--metrics", "ppl", "--no-progress"]) == 0
+        both = [strip_volatile(r) for r in rows(tmp_path / "all" / name / "results.jsonl")]
+        assert both == [strip_volatile(r) for r in rows(alone / "results.jsonl")] and len(both) == 2
+    twin = tmp_path / "twin.yaml"
+    twin.write_text((tmp_path / "a.yaml").read_text())
+    assert cli.main(["sweep", cfgs[0], str(twin), "--out", str(tmp_path / "x"), "--no-progress"]) == 2
+    assert "share a sweep name" in capsys.readouterr().err and not (tmp_path / "x").exists()
