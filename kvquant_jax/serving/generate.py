@@ -148,10 +148,11 @@ def generate(params, cfg: LlamaConfig, prompts: list[list[int]], *, max_new_toke
         capacity = bucket(need, 128)   # a multiple of every kernel block (Mosaic GPU: 128 rows)
     check_fits(cfg, need, capacity, f"prompt of {max(lens)} tokens + {max_new_tokens} new tokens")
     scheme = scheme or FullPrecisionScheme(rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
-    check_memory(cfg, scheme, len(prompts), capacity)
+    per_layer = layer_schemes(cfg, scheme, capacity=capacity)      # local layers of a windowed model: rings
+    check_memory(cfg, per_layer, len(prompts), capacity)
     if layer_groups is None:
         layer_groups = "runs" if jax.default_backend() == "cpu" else "per_layer"
-    cache = init_cache(layer_schemes(cfg, scheme, capacity=capacity), num_layers=cfg.num_layers, batch=len(prompts),
+    cache = init_cache(per_layer, num_layers=cfg.num_layers, batch=len(prompts),
                        capacity=capacity,
                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, layer_groups=layer_groups)
     cache = on_current_mesh(cache)    # under sharding.mesh_context: batch over data, KV heads over model
@@ -171,7 +172,8 @@ def device_free_bytes(device=None) -> int | None:
 def check_memory(cfg: LlamaConfig, scheme, batch: int, capacity: int, *, free_bytes: int | None = None,
                  headroom: float = 0.9) -> None:
     """Refuse, before anything is allocated or compiled, a cache of ``batch`` x ``capacity`` rows whose bytes (the
-    ledger's physical view, every layer) exceed ``headroom`` of the device memory still free (``free_bytes``,
+    ledger's physical view, every layer; ``scheme`` one scheme or the per-layer tuple, window rings included, of
+    ``models.cache_layout.layer_schemes``) exceed ``headroom`` of the device memory still free (``free_bytes``,
     default :func:`device_free_bytes`; no check where the platform reports none). The error names the sizes and
     the largest batch that would fit."""
     free = device_free_bytes() if free_bytes is None else free_bytes

@@ -222,3 +222,25 @@ def test_cache_over_the_memory_budget_fails_before_anything_runs(monkeypatch):
     with pytest.raises(ValueError, match="does not fit"):
         g.generate(PARAMS, CFG, [[1, 2, 3]] * 8, max_new_tokens=4, scheme=scheme, capacity=128)
     assert not calls                                                                 # nothing was allocated
+
+
+def test_memory_check_counts_window_rings_not_full_length_local_layers(monkeypatch):
+    """On a windowed model the check sizes the cache generate() allocates: local layers hold their ring (window +
+    one block rows), not capacity rows, so a batch whose rings fit is admitted and one that does not is refused."""
+    from kvquant_jax.models.cache_layout import layer_schemes
+    from kvquant_jax.models.testing import random_params, tiny_gemma_config
+    from kvquant_jax.quant.ledger import Ledger, LedgerShape, ledger
+    from kvquant_jax.serving import generate as g
+
+    cfg = tiny_gemma_config()
+    scheme = make_scheme("bf16", rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
+    shape = LedgerShape(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, 256, 256)
+    ring = Ledger.total(ledger(layer_schemes(cfg, scheme, capacity=256), shape).physical)
+    flat = Ledger.total(ledger(scheme, shape).physical)
+    assert ring < 0.5 * flat                                  # 3 of 4 layers keep ~16 of 256 rows
+    monkeypatch.setattr(g, "device_free_bytes", lambda device=None: int(2 * ring / 0.9) + 1)
+    params = random_params(cfg)
+    out = g.generate(params, cfg, [[3, 4, 5]] * 2, max_new_tokens=2, scheme=scheme, capacity=256)
+    assert np.asarray(out.tokens).shape[0] == 2               # 2 rings fit (2 full-length caches would not)
+    with pytest.raises(ValueError, match=r"batch 3 x 256 rows .* at most 2 sequences"):
+        g.generate(params, cfg, [[3, 4, 5]] * 3, max_new_tokens=2, scheme=scheme, capacity=256)
