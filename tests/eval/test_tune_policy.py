@@ -1,6 +1,7 @@
 """kvq tune-policy: the knapsack against brute force, the probe against the real cache path, the config snippet
 round trip, the back-off, and the refusal of the evaluation split (tiny random model: seconds)."""
 import itertools
+import json
 import math
 
 import jax.numpy as jnp
@@ -164,3 +165,30 @@ def test_cli_arguments_are_checked():
         parse_candidates("int8,int9")
     with pytest.raises(ValueError, match="repeats"):
         parse_candidates("int8,int8")
+
+
+def test_cli_end_to_end_writes_a_loadable_policy_and_manifest(tmp_path, capsys):
+    text = tmp_path / "calib.txt"
+    text.write_text("Calibration text about caches and keys and values. " * 40)
+    cfgfile = tmp_path / "tune.yaml"
+    cfgfile.write_text(yaml.safe_dump({
+        "model": {"name": "random", "random": {"num_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+                                               "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
+                                               "vocab_size": 300}},
+        "data": {"corpus": "builtin", "calibration_corpus": str(text)},
+        "tasks": {"ppl": {"seq_len": 32, "max_segments": 1, "chunk": 8}, "bytes": {"length": 64}}}))
+    out = tmp_path / "policy"
+    assert cli.main(["tune-policy", str(cfgfile), "--budget", "50", "--candidates", "int8,int2",
+                     "--out", str(out)]) == 0
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["calibration_corpus"]["sha256"] and man["model_sha256"] and man["candidates"] == ["int8", "int2"]
+    assert len(man["sensitivity"]["per_item"]) == 2 * 2 * 2 and man["validation"]["within_budget"]
+    assert man["validation"]["ppl_pct"] <= 50
+    loaded = load_config(out / "policy.yaml")          # the snippet is a config the loader accepts
+    from kvquant_jax.eval.policy import build_policy
+    from kvquant_jax.eval.context import load_eval_model
+    m = load_eval_model(load_config(cfgfile).config.model)
+    assert build_policy(loaded.config.cache, m.cfg).schemes == TP.choice_schemes(
+        TP.Choice(k=tuple(man["choice"]["k"]), v=tuple(man["choice"]["v"])), m.cfg)
+    assert cli.main(["tune-policy", str(cfgfile), "--budget", "1", "--out", str(out)]) == 2    # never overwrites
+    assert "exists" in capsys.readouterr().err
