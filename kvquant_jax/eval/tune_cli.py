@@ -31,6 +31,11 @@ def add_parsers(sub) -> None:
     p.add_argument("--metric", default="ppl", choices=TP.BUDGET_METRICS)
     p.add_argument("--candidates", default=",".join(TP.DEFAULT_CANDIDATES),
                    help="comma-separated registry names each layer's K and V may take")
+    p.add_argument("--cost", default="max", choices=TP.COSTS,
+                   help="per-item cost the search sums: max(Δ NLL, KL) (default), KL, or Δ NLL")
+    p.add_argument("--sensitivity", default=None, metavar="JSON",
+                   help="reuse the measurements of an earlier run (its sensitivity.json or manifest.json): model, "
+                        "calibration text, sizes and candidates must match")
     p.add_argument("--max-backoff", type=int, default=4, help="re-searches at a smaller budget when validation fails")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (dotted key, YAML value)")
@@ -64,7 +69,24 @@ def parse_candidates(text: str) -> tuple[str, ...]:
     return names
 
 
-def run(loaded, *, budgets, metric: str, candidates, out: Path, max_backoff: int = 4, log=None) -> list[dict]:
+def reuse_sensitivity(path, *, identity: dict):
+    """The measurements of an earlier run's ``sensitivity.json`` / ``manifest.json``; raises ``ValueError``
+    naming every identity field (model, calibration text, sizes, candidates) that differs from ``identity``."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--sensitivity {path}: cannot read ({e})") from None
+    if not isinstance(d, dict) or "sensitivity" not in d:
+        raise ValueError(f"--sensitivity {path}: not a tune-policy sensitivity.json / manifest.json")
+    bad = [k for k, v in identity.items() if d.get(k) != v]
+    if bad:
+        raise ValueError(f"--sensitivity {path}: measured for another setup: " + "; ".join(
+            f"{k} {d.get(k)!r} != {identity[k]!r}" for k in bad))
+    return TP.sensitivity_from_dict(d["sensitivity"])
+
+
+def run(loaded, *, budgets, metric: str, candidates, out: Path, max_backoff: int = 4, cost: str = "max",
+        sensitivity: str | None = None, log=None) -> list[dict]:
     """The whole command on a loaded config (returns the manifests written)."""
     log = log or (lambda m: print(f"[kvq] {m}", file=sys.stderr))
     cfg = loaded.config
@@ -76,31 +98,38 @@ def run(loaded, *, budgets, metric: str, candidates, out: Path, max_backoff: int
     model = session.model(cfg)
     corpus = session.corpus(cfg, calibration=True)       # only the calibration text is read
     tokens = corpus.take(task.seq_len, task.max_segments, "tune-policy calibration")
-    limits = [math.log1p(b / 100.0) if metric == "ppl" else math.inf for b in budgets]
-    t0 = time.perf_counter()
-    sens = TP.measure_sensitivity(model.params, model.cfg, tokens, candidates, chunk=task.chunk,
-                                  bits_length=cfg.tasks.bytes.length, prune_above=max(limits), log=log)
-    log(f"sensitivity: {len(candidates)} candidates x 2 tensors x {model.cfg.num_layers} layers in "
-        f"{time.perf_counter() - t0:.0f} s")
-    out.mkdir(parents=True)
-    (out / "sensitivity.json").write_text(json.dumps(sens.to_dict(), indent=1) + "\n")
     tok_hash = getattr(model.tokenizer, "hash", "")
     corpus_rec = {"name": corpus.name, "source": corpus.source, "sha256": corpus.sha256,
                   "split": cfg.data.calibration_split, "segments": int(tokens.shape[0]),
                   "seq_len": int(tokens.shape[1])}
     settings = {"seq_len": task.seq_len, "segments": task.max_segments, "chunk": task.chunk,
-                "bits_length": cfg.tasks.bytes.length, "max_backoff": max_backoff, "config": str(loaded.path),
-                "overrides": [list(map(str, o)) for o in loaded.overrides]}
+                "bits_length": cfg.tasks.bytes.length, "max_backoff": max_backoff, "cost": cost,
+                "config": str(loaded.path), "overrides": [list(map(str, o)) for o in loaded.overrides]}
+    identity = {"model_sha256": model.sha256, "tokenizer_hash": tok_hash, "calibration_corpus": corpus_rec,
+                "candidates": list(candidates), "probe": {k: settings[k] for k in ("seq_len", "segments", "chunk",
+                                                                                   "bits_length")}}
+    if sensitivity is not None:
+        sens = reuse_sensitivity(sensitivity, identity=identity)
+        log(f"sensitivity: reused {sensitivity}")
+    else:
+        limits = [math.log1p(b / 100.0) if metric == "ppl" else b for b in budgets]
+        t0 = time.perf_counter()
+        sens = TP.measure_sensitivity(model.params, model.cfg, tokens, candidates, chunk=task.chunk,
+                                      bits_length=cfg.tasks.bytes.length, prune_above=max(limits), log=log)
+        log(f"sensitivity: {len(candidates)} candidates x 2 tensors x {model.cfg.num_layers} layers in "
+            f"{time.perf_counter() - t0:.0f} s")
+    out.mkdir(parents=True)
+    (out / "sensitivity.json").write_text(json.dumps({**identity, "sensitivity": sens.to_dict()}, indent=1) + "\n")
     written = []
     for b in budgets:
         res = TP.tune(model.params, model.cfg, tokens, sens, metric=metric, budget=b, chunk=task.chunk,
-                      max_backoff=max_backoff, log=log)
+                      cost=cost, max_backoff=max_backoff, log=log)
         block = TP.cache_block(res.choice)
         built = TP.policy_from_block(block, model.cfg).schemes
         if built != TP.choice_schemes(res.choice, model.cfg):
             raise RuntimeError("tune-policy: the written cache block does not rebuild the chosen policy")
         man = TP.manifest(model_sha256=model.sha256, tokenizer_hash=tok_hash, corpus=corpus_rec, sens=sens,
-                          result=res, metric=metric, budget=b, settings=settings)
+                          result=res, metric=metric, budget=b, settings=settings, cost=cost)
         where = out if len(budgets) == 1 else out / f"{metric}_{b:g}"
         TP.write_outputs(where, man)
         log(f"budget {b:g}: {res.bits:.3f} bits/elem, validated Δppl {res.validation['ppl_pct']:+.3f}% "
@@ -117,7 +146,7 @@ def cmd_tune_policy(args) -> None:
     checks.new_dir(args.out)
     loaded = load_config(args.config, args.overrides)
     for man in run(loaded, budgets=budgets, metric=args.metric, candidates=candidates, out=Path(args.out),
-                   max_backoff=args.max_backoff):
+                   max_backoff=args.max_backoff, cost=args.cost, sensitivity=args.sensitivity):
         print(json.dumps({"budget": man["budget"], "bits_per_element": man["bits_per_element"],
                           "validated_ppl_pct": man["validation"]["ppl_pct"],
                           "within_budget": man["validation"]["within_budget"]}))

@@ -184,6 +184,21 @@ class Sensitivity:
                 "per_item": out}
 
 
+def sensitivity_from_dict(d: dict) -> Sensitivity:
+    """Inverse of :meth:`Sensitivity.to_dict` (a ``sensitivity.json`` or a manifest's ``sensitivity``)."""
+    cands = tuple(d["bits"]["k"])
+    layers = 1 + max(it["layer"] for it in d["per_item"])
+    dnll = np.full((layers, 2, len(cands)), np.nan)
+    kl = np.full_like(dnll, np.nan)
+    for it in d["per_item"]:
+        at = (it["layer"], TENSORS.index(it["tensor"]), cands.index(it["format"]))
+        dnll[at] = np.nan if it["dnll"] is None else it["dnll"]
+        kl[at] = np.nan if it["kl"] is None else it["kl"]
+    bits = np.array([[d["bits"][t][f] for f in cands] for t in TENSORS])
+    return Sensitivity(dnll=dnll, kl=kl, bits=bits, base_nll=d["base_nll"], candidates=cands,
+                       tokens=d["scored_tokens"], bits_length=d["bits_length"])
+
+
 def _bits_order(bits_row, candidates) -> list[int]:
     return sorted(range(len(candidates)), key=lambda j: -bits_row[j])
 
@@ -192,8 +207,8 @@ def measure_sensitivity(params, cfg, tokens, candidates=DEFAULT_CANDIDATES, *, c
                         bits_length: int = 2048, prune_above: float = math.inf,
                         log: Callable[[str], None] = lambda m: None) -> Sensitivity:
     """Probe every (layer, tensor, candidate) on ``tokens`` (int32 ``[B, T]``, calibration text; ``T`` a multiple
-    of ``chunk``).  Per item the candidates run from most to fewest bits; once one exceeds ``prune_above`` (nats of
-    Δ NLL) the cheaper ones are not measured (NaN)."""
+    of ``chunk``).  Per item the candidates run from most to fewest bits; once both the Δ NLL and the KL of one
+    exceed ``prune_above`` (nats) the cheaper ones are not measured (NaN)."""
     _uniform_layers(cfg)
     tokens = np.asarray(tokens, np.int32)
     if tokens.ndim != 2 or tokens.shape[1] < 2:
@@ -221,8 +236,8 @@ def measure_sensitivity(params, cfg, tokens, candidates=DEFAULT_CANDIDATES, *, c
                 nll, k = probe(params, cfg, toks, hidden, ref, jnp.int32(layer), schemes[j], chunk)
                 dnll[layer, ti, j] = float(jnp.mean(nll)) - base_nll
                 kl[layer, ti, j] = float(jnp.mean(k))
-                if dnll[layer, ti, j] > prune_above:
-                    break
+                if min(dnll[layer, ti, j], kl[layer, ti, j]) > prune_above:
+                    break                 # no cost (Δ NLL, KL or their max) can fit this item in the budget
             log(f"sensitivity {t.upper()} layer {layer}: " + " ".join(
                 f"{candidates[j]} {dnll[layer, ti, j]:+.4f}" for j in order if not np.isnan(dnll[layer, ti, j]))
                 + f" ({time.perf_counter() - t0:.0f} s)")
@@ -243,17 +258,35 @@ class Choice:
         return list(zip(self.k, self.v))
 
 
-def solve(sens: Sensitivity, metric: str, budget: float, *, grid: int = 1000) -> Choice:
-    """The minimum-bits choice whose summed per-item cost (Δ NLL for ``metric="ppl"`` with ``budget`` in % ppl,
-    KL for ``"kl"``) fits the budget (``policy_search.solve_exact``).  Unmeasured (pruned) options are not allowed."""
+COSTS = ("max", "kl", "dnll")
+
+
+def item_costs(sens: Sensitivity, cost: str) -> np.ndarray:
+    """float64 ``[L, 2, F]`` per-item cost the search sums: ``"dnll"`` the measured Δ NLL (label-dependent, noisy
+    around 0 on short calibration text: a negative value counts 0), ``"kl"`` the mean KL of the next-token
+    distributions (>= 0, the expected Δ NLL to first order and far less noisy), ``"max"`` the larger of the two
+    (the default: a measured Δ NLL above the KL still counts).  NaN (pruned) stays NaN."""
+    if cost not in COSTS:
+        raise ValueError(f"cost must be one of {COSTS}, got {cost!r}")
+    if cost == "dnll":
+        return sens.dnll
+    if cost == "kl":
+        return sens.kl
+    return np.maximum(sens.dnll, sens.kl)
+
+
+def solve(sens: Sensitivity, metric: str, budget: float, *, cost: str = "max", grid: int = 1000) -> Choice:
+    """The minimum-bits choice whose summed per-item cost (:func:`item_costs`) fits the budget
+    (``policy_search.solve_exact``): ``budget`` in % ppl for ``metric="ppl"`` (the sum of nats must stay under
+    log(1 + budget / 100)), in nats of mean KL for ``"kl"``.  Unmeasured (pruned) options are not allowed."""
     if metric not in BUDGET_METRICS:
         raise ValueError(f"budget metric must be one of {BUDGET_METRICS}, got {metric!r}")
     if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget >= 0):
         raise ValueError(f"budget must be a finite number >= 0, got {budget!r}")
-    cost = sens.dnll if metric == "ppl" else sens.kl
+    per_item = item_costs(sens, cost)
     limit = math.log1p(budget / 100.0) if metric == "ppl" else budget
-    n, _, f = cost.shape
-    flat_cost = np.where(np.isnan(cost), np.inf, cost).reshape(n * 2, f)
+    n, _, f = per_item.shape
+    flat_cost = np.where(np.isnan(per_item), np.inf, per_item).reshape(n * 2, f)
     flat_bits = np.broadcast_to(sens.bits[None], (n, 2, f)).reshape(n * 2, f)
     pick = policy_search.solve_exact(flat_bits, flat_cost, limit, grid=grid).reshape(n, 2)
     return Choice(k=tuple(sens.candidates[j] for j in pick[:, 0]), v=tuple(sens.candidates[j] for j in pick[:, 1]))
@@ -315,14 +348,14 @@ class TuneResult:
 
 
 def tune(params, cfg, tokens, sens: Sensitivity, *, metric: str = "ppl", budget: float = 1.0, chunk: int = 64,
-         max_backoff: int = 4, log: Callable[[str], None] = lambda m: None) -> TuneResult:
+         cost: str = "max", max_backoff: int = 4, log: Callable[[str], None] = lambda m: None) -> TuneResult:
     """Search then validate on ``tokens`` (calibration), backing off the internal budget while the validated
     Δppl (metric "ppl") exceeds ``budget``: each retry solves at ``internal * min(0.8, budget / measured)``.  For
     metric "kl" the validation is recorded, not enforced (the KL of the whole policy is not re-measured)."""
     base = np.asarray(chunked_nll(params, cfg, tokens, (make_scheme(BASELINE),) * cfg.num_layers, chunk))
     internal, attempts = budget, []
     for attempt in range(max_backoff + 1):
-        choice = solve(sens, metric, internal)
+        choice = solve(sens, metric, internal, cost=cost)
         val = validate(params, cfg, tokens, choice_schemes(choice, cfg), chunk=chunk, base_nll_per_token=base)
         bits = choice_bits(sens, choice)
         attempts.append({"internal_budget": internal, "bits": bits, "ppl_pct": val["ppl_pct"]})
@@ -347,12 +380,12 @@ def protected_summary(sens: Sensitivity, choice: Choice) -> dict:
 
 
 def manifest(*, model_sha256: str, tokenizer_hash: str, corpus: dict, sens: Sensitivity, result: TuneResult,
-             metric: str, budget: float, settings: dict) -> dict:
+             metric: str, budget: float, settings: dict, cost: str = "max") -> dict:
     """The JSON manifest of a tuned policy (every field plain JSON)."""
     return {"kind": "kvq.tune_policy", "version": 1,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model_sha256": model_sha256, "tokenizer_hash": tokenizer_hash, "calibration_corpus": corpus,
-            "candidates": list(sens.candidates), "budget": {"metric": metric, "value": budget},
+            "candidates": list(sens.candidates), "budget": {"metric": metric, "value": budget, "cost": cost},
             "settings": settings, "sensitivity": sens.to_dict(),
             "choice": {"k": list(result.choice.k), "v": list(result.choice.v)},
             "bits_per_element": result.bits, "protected": protected_summary(sens, result.choice),

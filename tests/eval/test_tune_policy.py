@@ -192,3 +192,31 @@ def test_cli_end_to_end_writes_a_loadable_policy_and_manifest(tmp_path, capsys):
         TP.Choice(k=tuple(man["choice"]["k"]), v=tuple(man["choice"]["v"])), m.cfg)
     assert cli.main(["tune-policy", str(cfgfile), "--budget", "1", "--out", str(out)]) == 2    # never overwrites
     assert "exists" in capsys.readouterr().err
+
+
+def test_item_costs_and_sensitivity_json_round_trip():
+    d = np.zeros((3, 2, 3))
+    d[0, 0] = [0.0, -0.01, 0.02]
+    sens = _sens(d)                                 # kl = |dnll|
+    np.testing.assert_array_equal(TP.item_costs(sens, "max")[0, 0], [0.0, 0.01, 0.02])
+    np.testing.assert_array_equal(TP.item_costs(sens, "dnll")[0, 0], [0.0, -0.01, 0.02])
+    with pytest.raises(ValueError, match="cost must be one of"):
+        TP.item_costs(sens, "bits")
+    back = TP.sensitivity_from_dict(json.loads(json.dumps(sens.to_dict())))
+    np.testing.assert_array_equal(back.dnll, sens.dnll)
+    np.testing.assert_array_equal(back.bits, sens.bits)
+    assert back.candidates == sens.candidates and back.tokens == sens.tokens
+
+
+def test_reused_sensitivity_must_come_from_the_same_setup(tmp_path):
+    from kvquant_jax.eval.tune_cli import reuse_sensitivity
+
+    ident = {"model_sha256": "abc", "candidates": ["fp16", "int4", "int2"]}
+    f = tmp_path / "sensitivity.json"
+    f.write_text(json.dumps({**ident, "sensitivity": _sens(np.zeros((3, 2, 3))).to_dict()}))
+    assert reuse_sensitivity(f, identity=ident).dnll.shape == (3, 2, 3)
+    with pytest.raises(ValueError, match="model_sha256 'abc' != 'xyz'"):
+        reuse_sensitivity(f, identity={**ident, "model_sha256": "xyz"})
+    f.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        reuse_sensitivity(f, identity=ident)
