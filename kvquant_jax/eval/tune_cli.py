@@ -36,6 +36,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--sensitivity", default=None, metavar="JSON",
                    help="reuse the measurements of an earlier run (its sensitivity.json or manifest.json): model, "
                         "calibration text, sizes and candidates must match")
+    p.add_argument("--validation-segments", type=int, default=4,
+                   help="calibration segments (tasks.ppl.seq_len tokens each, after the probe's) the chosen policy is "
+                        "validated on; 0 = the probe's own segments")
     p.add_argument("--max-backoff", type=int, default=4, help="re-searches at a smaller budget when validation fails")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (dotted key, YAML value)")
@@ -86,7 +89,7 @@ def reuse_sensitivity(path, *, identity: dict):
 
 
 def run(loaded, *, budgets, metric: str, candidates, out: Path, max_backoff: int = 4, cost: str = "max",
-        sensitivity: str | None = None, log=None) -> list[dict]:
+        sensitivity: str | None = None, validation_segments: int = 4, log=None) -> list[dict]:
     """The whole command on a loaded config (returns the manifests written)."""
     log = log or (lambda m: print(f"[kvq] {m}", file=sys.stderr))
     cfg = loaded.config
@@ -97,13 +100,18 @@ def run(loaded, *, budgets, metric: str, candidates, out: Path, max_backoff: int
     session = Session(log=log)
     model = session.model(cfg)
     corpus = session.corpus(cfg, calibration=True)       # only the calibration text is read
-    tokens = corpus.take(task.seq_len, task.max_segments, "tune-policy calibration")
+    both = corpus.take(task.seq_len, task.max_segments + validation_segments, "tune-policy calibration")
+    tokens = both[:task.max_segments]
+    held_out = both[task.max_segments:] if validation_segments else tokens
     tok_hash = getattr(model.tokenizer, "hash", "")
     corpus_rec = {"name": corpus.name, "source": corpus.source, "sha256": corpus.sha256,
                   "split": cfg.data.calibration_split, "segments": int(tokens.shape[0]),
                   "seq_len": int(tokens.shape[1])}
     settings = {"seq_len": task.seq_len, "segments": task.max_segments, "chunk": task.chunk,
                 "bits_length": cfg.tasks.bytes.length, "max_backoff": max_backoff, "cost": cost,
+                "validation_segments": validation_segments or task.max_segments,
+                "validation_tokens": "held-out calibration segments after the probe's" if validation_segments
+                else "the probe's segments",
                 "config": str(loaded.path), "overrides": [list(map(str, o)) for o in loaded.overrides]}
     identity = {"model_sha256": model.sha256, "tokenizer_hash": tok_hash, "calibration_corpus": corpus_rec,
                 "candidates": list(candidates), "probe": {k: settings[k] for k in ("seq_len", "segments", "chunk",
@@ -122,7 +130,7 @@ def run(loaded, *, budgets, metric: str, candidates, out: Path, max_backoff: int
     (out / "sensitivity.json").write_text(json.dumps({**identity, "sensitivity": sens.to_dict()}, indent=1) + "\n")
     written = []
     for b in budgets:
-        res = TP.tune(model.params, model.cfg, tokens, sens, metric=metric, budget=b, chunk=task.chunk,
+        res = TP.tune(model.params, model.cfg, held_out, sens, metric=metric, budget=b, chunk=task.chunk,
                       cost=cost, max_backoff=max_backoff, log=log)
         block = TP.cache_block(res.choice)
         built = TP.policy_from_block(block, model.cfg).schemes
@@ -141,12 +149,15 @@ def run(loaded, *, budgets, metric: str, candidates, out: Path, max_backoff: int
 def cmd_tune_policy(args) -> None:
     budgets = parse_budgets(args.budget, args.metric)
     candidates = parse_candidates(args.candidates)
+    if args.validation_segments < 0:
+        raise ValueError(f"--validation-segments must be >= 0, got {args.validation_segments}")
     if args.max_backoff < 0:
         raise ValueError(f"--max-backoff must be >= 0, got {args.max_backoff}")
     checks.new_dir(args.out)
     loaded = load_config(args.config, args.overrides)
     for man in run(loaded, budgets=budgets, metric=args.metric, candidates=candidates, out=Path(args.out),
-                   max_backoff=args.max_backoff, cost=args.cost, sensitivity=args.sensitivity):
+                   max_backoff=args.max_backoff, cost=args.cost, sensitivity=args.sensitivity,
+                   validation_segments=args.validation_segments):
         print(json.dumps({"budget": man["budget"], "bits_per_element": man["bits_per_element"],
                           "validated_ppl_pct": man["validation"]["ppl_pct"],
                           "within_budget": man["validation"]["within_budget"]}))

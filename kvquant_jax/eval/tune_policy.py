@@ -349,9 +349,10 @@ class TuneResult:
 
 def tune(params, cfg, tokens, sens: Sensitivity, *, metric: str = "ppl", budget: float = 1.0, chunk: int = 64,
          cost: str = "max", max_backoff: int = 4, log: Callable[[str], None] = lambda m: None) -> TuneResult:
-    """Search then validate on ``tokens`` (calibration), backing off the internal budget while the validated
-    Δppl (metric "ppl") exceeds ``budget``: each retry solves at ``internal * min(0.8, budget / measured)``.  For
-    metric "kl" the validation is recorded, not enforced (the KL of the whole policy is not re-measured)."""
+    """Search then validate on ``tokens`` (int32 ``[S, T]`` calibration segments; best held out from the probe's:
+    the probe's own tokens flatter the policy), backing off the internal budget while the validated Δppl (metric
+    "ppl") exceeds ``budget``: each retry solves at ``internal * min(0.8, budget / measured)``.  For metric "kl"
+    the validation is recorded, not enforced (the KL of the whole policy is not re-measured)."""
     base = np.asarray(chunked_nll(params, cfg, tokens, (make_scheme(BASELINE),) * cfg.num_layers, chunk))
     internal, attempts = budget, []
     for attempt in range(max_backoff + 1):
