@@ -39,6 +39,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--validation-segments", type=int, default=4,
                    help="calibration segments (tasks.ppl.seq_len tokens each, after the probe's) the chosen policy is "
                         "validated on; 0 = the probe's own segments")
+    p.add_argument("--accept", default="point", choices=("point", "upper"),
+                   help="validation passes when the Δppl (point) or the upper end of its 95%% paired bootstrap CI "
+                        "over the validation segments (upper: conservative) fits the budget")
     p.add_argument("--max-backoff", type=int, default=4, help="re-searches at a smaller budget when validation fails")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (dotted key, YAML value)")
@@ -89,7 +92,8 @@ def reuse_sensitivity(path, *, identity: dict):
 
 
 def run(loaded, *, budgets, metric: str, candidates, out: Path, max_backoff: int = 4, cost: str = "max",
-        sensitivity: str | None = None, validation_segments: int = 4, log=None) -> list[dict]:
+        sensitivity: str | None = None, validation_segments: int = 4, accept: str = "point",
+        log=None) -> list[dict]:
     """The whole command on a loaded config (returns the manifests written)."""
     log = log or (lambda m: print(f"[kvq] {m}", file=sys.stderr))
     cfg = loaded.config
@@ -108,7 +112,7 @@ def run(loaded, *, budgets, metric: str, candidates, out: Path, max_backoff: int
                   "split": cfg.data.calibration_split, "segments": int(tokens.shape[0]),
                   "seq_len": int(tokens.shape[1])}
     settings = {"seq_len": task.seq_len, "segments": task.max_segments, "chunk": task.chunk,
-                "bits_length": cfg.tasks.bytes.length, "max_backoff": max_backoff, "cost": cost,
+                "bits_length": cfg.tasks.bytes.length, "max_backoff": max_backoff, "cost": cost, "accept": accept,
                 "validation_segments": validation_segments or task.max_segments,
                 "validation_tokens": "held-out calibration segments after the probe's" if validation_segments
                 else "the probe's segments",
@@ -131,7 +135,7 @@ def run(loaded, *, budgets, metric: str, candidates, out: Path, max_backoff: int
     written = []
     for b in budgets:
         res = TP.tune(model.params, model.cfg, held_out, sens, metric=metric, budget=b, chunk=task.chunk,
-                      cost=cost, max_backoff=max_backoff, log=log)
+                      cost=cost, max_backoff=max_backoff, accept=accept, log=log)
         block = TP.cache_block(res.choice)
         built = TP.policy_from_block(block, model.cfg).schemes
         if built != TP.choice_schemes(res.choice, model.cfg):
@@ -157,7 +161,7 @@ def cmd_tune_policy(args) -> None:
     loaded = load_config(args.config, args.overrides)
     for man in run(loaded, budgets=budgets, metric=args.metric, candidates=candidates, out=Path(args.out),
                    max_backoff=args.max_backoff, cost=args.cost, sensitivity=args.sensitivity,
-                   validation_segments=args.validation_segments):
+                   validation_segments=args.validation_segments, accept=args.accept):
         print(json.dumps({"budget": man["budget"], "bits_per_element": man["bits_per_element"],
                           "validated_ppl_pct": man["validation"]["ppl_pct"],
                           "within_budget": man["validation"]["within_budget"]}))

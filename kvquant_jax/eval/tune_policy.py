@@ -44,6 +44,7 @@ from kvquant_jax.data import SPLITS, data_dirs
 from kvquant_jax.eval import policy_search
 from kvquant_jax.eval.policy import build_policy
 from kvquant_jax.eval.quantized_ppl import chunked_nll
+from kvquant_jax.eval.stats import ppl_delta_ci
 from kvquant_jax.models.llama import (decoder_layer, embed_tokens, finish_layer, is_unstacked, logits_from_hidden,
                                       project_qkv, stack_layers)
 from kvquant_jax.models.prefill_attention import attend
@@ -347,25 +348,40 @@ class TuneResult:
     within_budget: bool
 
 
+def validated_upper(val: dict, confidence: float) -> float:
+    """The upper end of the paired bootstrap ``confidence`` interval of a validation's Δppl in % (needs >= 2
+    segments; ``eval.stats.ppl_delta_ci``); the point estimate when the interval cannot be formed."""
+    if len(val["segment_nll"]) < 2:
+        return val["ppl_pct"]
+    ci = ppl_delta_ci(val["segment_nll"], val["base_segment_nll"], confidence=confidence)
+    return 100.0 * ci.hi / math.exp(val["base_nll"])
+
+
 def tune(params, cfg, tokens, sens: Sensitivity, *, metric: str = "ppl", budget: float = 1.0, chunk: int = 64,
-         cost: str = "max", max_backoff: int = 4, log: Callable[[str], None] = lambda m: None) -> TuneResult:
+         cost: str = "max", max_backoff: int = 4, accept: str = "point", confidence: float = 0.95,
+         log: Callable[[str], None] = lambda m: None) -> TuneResult:
     """Search then validate on ``tokens`` (int32 ``[S, T]`` calibration segments; best held out from the probe's:
     the probe's own tokens flatter the policy), backing off the internal budget while the validated Δppl (metric
     "ppl") exceeds ``budget``: each retry solves at ``internal * min(0.8, budget / measured)``.  For metric "kl"
-    the validation is recorded, not enforced (the KL of the whole policy is not re-measured)."""
+    the validation is recorded, not enforced (the KL of the whole policy is not re-measured).  ``accept``:
+    "point" (the validated Δppl must fit) or "upper" (the upper end of its paired bootstrap ``confidence``
+    interval over the validation segments must fit: conservative, for small calibration sets)."""
+    if accept not in ("point", "upper"):
+        raise ValueError(f"accept must be 'point' or 'upper', got {accept!r}")
     base = np.asarray(chunked_nll(params, cfg, tokens, (make_scheme(BASELINE),) * cfg.num_layers, chunk))
     internal, attempts = budget, []
     for attempt in range(max_backoff + 1):
         choice = solve(sens, metric, internal, cost=cost)
         val = validate(params, cfg, tokens, choice_schemes(choice, cfg), chunk=chunk, base_nll_per_token=base)
         bits = choice_bits(sens, choice)
-        attempts.append({"internal_budget": internal, "bits": bits, "ppl_pct": val["ppl_pct"]})
+        judged = val["ppl_pct"] if accept == "point" else validated_upper(val, confidence)
+        attempts.append({"internal_budget": internal, "bits": bits, "ppl_pct": val["ppl_pct"], "judged": judged})
         log(f"attempt {attempt}: internal budget {internal:.4g} -> {bits:.3f} bits/elem, validated Δppl "
-            f"{val['ppl_pct']:+.3f}%")
-        ok = metric != "ppl" or val["ppl_pct"] <= budget
+            f"{val['ppl_pct']:+.3f}% (judged {accept}: {judged:+.3f}%)")
+        ok = metric != "ppl" or judged <= budget
         if ok or attempt == max_backoff:
             return TuneResult(choice, bits, val, tuple(attempts), ok)
-        internal *= min(0.8, budget / max(val["ppl_pct"], 1e-12))
+        internal *= min(0.8, budget / max(judged, 1e-12))
     raise AssertionError("unreachable")
 
 

@@ -220,3 +220,27 @@ def test_reused_sensitivity_must_come_from_the_same_setup(tmp_path):
     f.write_text("{not json")
     with pytest.raises(ValueError, match="cannot read"):
         reuse_sensitivity(f, identity=ident)
+
+
+def test_upper_acceptance_backs_off_while_the_ci_reaches_over_the_budget(tiny, monkeypatch):
+    """Point estimate +0.5% but a wide interval over 4 segments: "point" accepts, "upper" backs off."""
+    params, toks = tiny
+    d = np.zeros((3, 2, 3))
+    d[:, :, 1], d[:, :, 2] = 1e-4, 1e-3
+    base = [3.0, 3.5, 3.2, 3.4]
+
+    def fake(p, c, t, schemes, **kw):
+        n2 = sum((s.schema.key.payload == "int2") + (s.schema.value.payload == "int2") for s in schemes)
+        seg = [b + 0.005 + (0.03 if i % 2 else -0.03) * (n2 > 1) for i, b in enumerate(base)]
+        return {"nll": float(np.mean(seg)), "base_nll": float(np.mean(base)), "segment_nll": seg,
+                "base_segment_nll": base, "ppl_pct": 100 * math.expm1(np.mean(seg) - np.mean(base))}
+
+    monkeypatch.setattr(TP, "chunked_nll", lambda *a: np.zeros((1, 2)))
+    monkeypatch.setattr(TP, "validate", fake)
+    point = TP.tune(params, CFG, toks, _sens(d), budget=1.0, chunk=8, accept="point")
+    upper = TP.tune(params, CFG, toks, _sens(d), budget=1.0, chunk=8, accept="upper")
+    assert len(point.attempts) == 1 and point.attempts[0]["judged"] == point.attempts[0]["ppl_pct"] < 1.0
+    assert upper.attempts[0]["judged"] > 1.0 and len(upper.attempts) > 1 and upper.within_budget
+    assert upper.bits > point.bits
+    with pytest.raises(ValueError, match="accept must be"):
+        TP.tune(params, CFG, toks, _sens(d), budget=1.0, chunk=8, accept="mean")
