@@ -36,6 +36,14 @@ def load_points(path: Path) -> tuple[dict, list[dict]]:
     return base, out
 
 
+def _policy(p: dict) -> str:
+    """The run-length policy, or where a tuned policy's rules are (its per-layer K/V formats do not fit a cell)."""
+    if p["point"].startswith("tuned"):
+        kind, budget = p["point"].rsplit("-", 1)
+        return f"{kind}/ppl_{budget.rstrip('%')}/policy.yaml"
+    return f"`{p['policy']}`"
+
+
 def pareto(points: list[dict]) -> set[str]:
     """Points no other point beats on both bits and Δppl%."""
     front = set()
@@ -70,7 +78,7 @@ def main(argv=None) -> None:
     for p in sorted(points, key=lambda p: p["bits"]):
         mark = " n.s." if p["ns"] else ""
         lines.append(f"| {'*' if p['point'] in front else ''}{p['point']} | {p['source']} | {p['bits']:.2f} | "
-                     f"{p['ppl']:.3f} | {p['pct']:+.2f} [{p['lo']:+.2f}, {p['hi']:+.2f}]{mark} | `{p['policy']}` |")
+                     f"{p['ppl']:.3f} | {p['pct']:+.2f} [{p['lo']:+.2f}, {p['hi']:+.2f}]{mark} | {_policy(p)} |")
     out = Path(args.out)
     (out / "pareto.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
