@@ -90,17 +90,19 @@ def main(argv=None) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for kind, color in (("uniform", "tab:blue"), ("tuned", "tab:red"), ("full_precision", "tab:green")):
-        sel = [p for p in points if p["point"].startswith(kind)]
+    kinds = (("uniform", "tab:blue", "uniform", True), ("tuned-dnll", "tab:gray", "tuned, cost Δ NLL only", False),
+             ("tuned", "tab:red", "tuned (cost max(Δ NLL, KL))", True),
+             ("full_precision", "tab:green", "mixed layers (KIVI-2 R=32, fp32 ends)", False))
+    for kind, color, label, annotate in kinds:
+        sel = [p for p in points if p["point"].startswith(kind) and not (kind == "tuned" and "dnll" in p["point"])]
         if not sel:
             continue
         x = np.array([p["bits"] for p in sel])
         y = np.array([p["pct"] for p in sel])
         err = np.array([[p["pct"] - p["lo"] for p in sel], [p["hi"] - p["pct"] for p in sel]])
-        ax.errorbar(x, y, yerr=err, fmt="o", color=color, capsize=3,
-                    label={"full_precision": "mixed layers (KIVI-2 R=32, fp ends)"}.get(kind, kind))
-        for p in sel:
-            ax.annotate(p["point"].split("-", 1)[-1][:18], (p["bits"], p["pct"]), fontsize=7,
+        ax.errorbar(x, y, yerr=err, fmt="o", color=color, capsize=3, label=label)
+        for p in sel if annotate else ():
+            ax.annotate(p["point"].split("-", 1)[-1], (p["bits"], p["pct"]), fontsize=7,
                         xytext=(3, 3), textcoords="offset points")
     ax.axhline(0, color="gray", lw=0.5)
     ax.set_xlabel("bits / element (at 2048 tokens)")

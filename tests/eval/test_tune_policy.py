@@ -116,6 +116,10 @@ def test_solve_protects_the_sensitive_item_and_snippet_round_trips_through_the_c
         TP.solve(_sens(d), "passkey", 1.0)
 
 
+def _int2_items(schemes) -> int:
+    return sum((s.schema.key.payload == "int2") + (s.schema.value.payload == "int2") for s in schemes)
+
+
 def test_backoff_shrinks_the_budget_until_validation_passes_and_reports_failure(tiny, monkeypatch):
     """Validation says each int2 item costs 1% (the sensitivities claimed 0.1%): the search backs off until the
     validated policy fits; when validation never fits, the result says so after ``max_backoff`` retries."""
@@ -124,8 +128,7 @@ def test_backoff_shrinks_the_budget_until_validation_passes_and_reports_failure(
     d[:, :, 1], d[:, :, 2] = 1e-4, 1e-3
     fake = {"nll": 0.0, "base_nll": 0.0, "segment_nll": [], "base_segment_nll": []}
     monkeypatch.setattr(TP, "chunked_nll", lambda *a: np.zeros((1, 2)))
-    monkeypatch.setattr(TP, "validate", lambda p, c, t, schemes, **kw: {
-        **fake, "ppl_pct": float(sum((s.schema.key.payload == "int2") + (s.schema.value.payload == "int2") for s in schemes))})
+    monkeypatch.setattr(TP, "validate", lambda p, c, t, schemes, **kw: {**fake, "ppl_pct": float(_int2_items(schemes))})
     res = TP.tune(params, CFG, toks, _sens(d), budget=1.0, chunk=8, max_backoff=3)
     assert [a["ppl_pct"] for a in res.attempts] == [6.0, 1.0] and res.within_budget
     assert res.attempts[1]["internal_budget"] < res.attempts[0]["internal_budget"]
@@ -230,7 +233,7 @@ def test_upper_acceptance_backs_off_while_the_ci_reaches_over_the_budget(tiny, m
     base = [3.0, 3.5, 3.2, 3.4]
 
     def fake(p, c, t, schemes, **kw):
-        n2 = sum((s.schema.key.payload == "int2") + (s.schema.value.payload == "int2") for s in schemes)
+        n2 = _int2_items(schemes)
         seg = [b + 0.005 + (0.03 if i % 2 else -0.03) * (n2 > 1) for i, b in enumerate(base)]
         return {"nll": float(np.mean(seg)), "base_nll": float(np.mean(base)), "segment_nll": seg,
                 "base_segment_nll": base, "ppl_pct": 100 * math.expm1(np.mean(seg) - np.mean(base))}
@@ -240,7 +243,8 @@ def test_upper_acceptance_backs_off_while_the_ci_reaches_over_the_budget(tiny, m
     point = TP.tune(params, CFG, toks, _sens(d), budget=1.0, chunk=8, accept="point")
     upper = TP.tune(params, CFG, toks, _sens(d), budget=1.0, chunk=8, accept="upper")
     assert len(point.attempts) == 1 and point.attempts[0]["judged"] == point.attempts[0]["ppl_pct"] < 1.0
-    assert upper.attempts[0]["judged"] > 1.0 and len(upper.attempts) > 1 and upper.within_budget
+    assert upper.attempts[0]["judged"] > 1.0 and len(upper.attempts) > 1
+    assert upper.within_budget
     assert upper.bits > point.bits
     with pytest.raises(ValueError, match="accept must be"):
         TP.tune(params, CFG, toks, _sens(d), budget=1.0, chunk=8, accept="mean")
