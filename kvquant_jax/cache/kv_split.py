@@ -17,8 +17,9 @@ Schema: ``scheme="kv"``, ``key`` = ``k``'s key format, ``value`` = ``v``'s value
 (RoPE, key stage, model, tokenizer, kernel family: both components must agree) and both components' full schemas
 in ``extra`` (``k_schema``, ``v_schema``), so reuse between caches whose components differ in ANY field is refused
 by ``check_compatible``.  Decode: when both components read in place as one region each, the region pairs ``k``'s
-K operand with ``v``'s V operand (kernels that refuse mixed formats say so); otherwise the materialized view (one
-dense region, the float reference's input).
+K operand with ``v``'s V operand (the Pallas region kernel reads each operand in its own format: tested against the
+float64 oracle; a kernel that cannot take a format says why through ``kernel_unsupported``); otherwise the
+materialized view (one dense region, the float reference's input).
 """
 from __future__ import annotations
 

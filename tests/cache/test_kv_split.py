@@ -132,3 +132,27 @@ def test_rope_identity_must_agree_and_unsplittable_fields_are_named():
     assert tensor_of("k_codes") == "k" and tensor_of("v") == "v"
     with pytest.raises(TypeError, match="'pos' belongs to neither K nor V"):
         tensor_of("pos")
+
+
+def test_region_kernel_reads_mixed_k_and_v_formats_in_place():
+    """int4 keys + fp16 values as ONE region (each operand its own format): the Pallas region kernel (interpreted
+    on CPU) equals the float64 oracle of the stored rows."""
+    k, v = _rows(5)
+    num_new = np.array([T, 4])
+    scheme, cache = _filled("kv:k=int4,v=fp16", k, v, num_new)
+    sch, st = layer_state(cache, 0)
+    regions, tail = sch.decode_regions(st, cache.lengths)
+    assert tail == 0 and len(regions) == 1
+    assert (regions[0].k.fmt.payload, regions[0].v.fmt.payload) == ("int4", "fp16")
+    rng = np.random.default_rng(6)
+    q = rng.normal(0, 1, (B, HQ, D)).astype(np.float32)
+    kn, vn = rng.normal(0, 1, (2, B, H, D)).astype(np.float32)
+    out = np.asarray(dispatch.decode_attention(jnp.asarray(q), sch, st, cache.lengths, kn, vn, impl="kernel"))
+    want_k = _oracle_int_per_token(k.astype(np.float32).astype(np.float64), 4)
+    want_v = v.astype(np.float16).astype(np.float64)
+    for b in range(B):
+        n = num_new[b]
+        kk = np.concatenate([want_k[b, :n], kn[b][None].astype(np.float64)])
+        vv = np.concatenate([want_v[b, :n], vn[b][None].astype(np.float64)])
+        np.testing.assert_allclose(out[b], _softmax_attention64(q[b].astype(np.float64), kk, vv),
+                                   rtol=1e-4, atol=1e-5)
