@@ -77,7 +77,7 @@ class KVSplitScheme(CacheScheme):
     """Keys stored by scheme ``k``, values by scheme ``v`` (see module doc)."""
 
     family = "kv"
-    presets = {"kv": {}}
+    presets = {"kv": {"k": "fp32", "v": "fp32"}}     # override k / v: {name: kv, k: int8, v: kivi2}
     nested_fields = ("k", "v")
 
     k: CacheScheme = None  # type: ignore[assignment]

@@ -116,7 +116,7 @@ def test_ledger_counts_each_tensor_of_its_own_component():
 
 
 @pytest.mark.parametrize("spec, match", [
-    ({"name": "kv", "k": "int4"}, "v must be a cache scheme spec"),
+    ({"name": "kv", "k": "int4", "v": "int9"}, "unknown cache scheme 'int9'"),
     ({"name": "kv", "k": "int4", "v": {"name": "prefix", "prefix_len": 2, "body": "int4"}}, "is a wrapper"),
     ({"name": "kv", "k": {"name": "kvquant", "bits": 3}, "v": "int4"}, "pre-RoPE"),
     ({"name": "kv", "k": "int4", "v": "int4", "w": "int8"}, "unknown key 'w'"),
@@ -127,6 +127,8 @@ def test_bad_specs_name_the_problem(spec, match):
 
 
 def test_rope_identity_must_agree_and_unsplittable_fields_are_named():
+    with pytest.raises(ValueError, match="v must be a cache scheme spec"):
+        KVSplitScheme(k=make_scheme("int4"), v="int4")
     with pytest.raises(ValueError, match="disagree on"):
         KVSplitScheme(k=make_scheme("int4", rope_theta=1e4), v=make_scheme("int4", rope_theta=1e5))
     assert tensor_of("k_codes") == "k" and tensor_of("v") == "v"
