@@ -250,7 +250,7 @@ def measure_sensitivity(params, cfg, tokens, candidates=DEFAULT_CANDIDATES, *, c
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """The chosen format names ``k[l]``, ``v[l]`` per layer, and the search inputs that produced them."""
+    """The chosen candidate format names per layer: ``k[l]`` for layer ``l``'s keys, ``v[l]`` for its values."""
 
     k: tuple[str, ...]
     v: tuple[str, ...]
