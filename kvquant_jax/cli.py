@@ -1,4 +1,4 @@
-"""``kvq`` command line: fetch-model, generate, ppl, ledger, calibrate, eval, sweep, serve-bench."""
+"""``kvq`` command line: fetch-model, generate, ppl, ledger, calibrate, eval, sweep, tune-policy, serve-bench."""
 from __future__ import annotations
 
 import argparse
@@ -222,6 +222,10 @@ def main(argv=None):
     from kvquant_jax.eval.commands import add_parsers as add_eval_parsers
 
     add_eval_parsers(sub)
+
+    from kvquant_jax.eval.tune_cli import add_parsers as add_tune_parsers
+
+    add_tune_parsers(sub)
 
     from kvquant_jax.calibration.commands import add_parsers as add_prefix_parsers
 

@@ -9,7 +9,8 @@ new file plus one entry here (docs/architecture.md, "Adding a scheme").
 * a name (:data:`NAMES`): "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "int3"...,
   "int8_vt", "int4_vt" (the same per-token codes in the Mosaic GPU kernel's transposed-V layout),
   "static_int4", "qserve4", "kivi2", "kivi4", "kvquant", "kivi_axes" (the simulated axis ablation), "prefix",
-  "window" (a sliding-window ring around any body: ``{"name": "window", "window": 512, "body": "int4"}``);
+  "window" (a sliding-window ring around any body: ``{"name": "window", "window": 512, "body": "int4"}``),
+  "kv" (K and V in different formats: ``{"name": "kv", "k": "int8", "v": "kivi2"}`` or ``"kv:k=int8,v=kivi2"``);
 * a name with inline overrides: ``"kivi2:residual=64,residual_rule=synchronized"``;
 * a dict ``{"name": "kivi2", "residual": 64, ...}`` (``"scheme"`` is accepted for ``"name"``).
 
@@ -32,6 +33,7 @@ from kvquant_jax.cache.fp8 import FP8Scheme
 from kvquant_jax.cache.full import FullPrecisionScheme
 from kvquant_jax.cache.interface import CacheScheme
 from kvquant_jax.cache.kivi import KIVIScheme
+from kvquant_jax.cache.kv_split import KVSplitScheme
 from kvquant_jax.cache.kvquant import KVQuantScheme
 from kvquant_jax.cache.per_token import PerTokenScheme
 from kvquant_jax.cache.per_token_vt import TransposedVPerTokenScheme
@@ -44,7 +46,7 @@ from kvquant_jax.quant.ledger import LedgerShape, ledger_table
 #: every registered scheme class (one entry per family)
 SCHEME_CLASSES: tuple[type, ...] = (FullPrecisionScheme, FP8Scheme, PerTokenScheme, TransposedVPerTokenScheme,
                                     PerTokenAnyBitsScheme, StaticIntScheme, QServeScheme, KIVIScheme, KVQuantScheme,
-                                    PrefixScheme, AxisAblationScheme, WindowScheme)
+                                    PrefixScheme, AxisAblationScheme, WindowScheme, KVSplitScheme)
 
 
 def _families(classes) -> dict[str, type]:

@@ -17,4 +17,5 @@ SPECS = {
                                                                    "v_group_size": 8, "residual": 8}},
     "axis_ablation": {"name": "kivi_axes", "k_axis": "token", "group_size": 8, "token_group_size": 8,
                       "residual": 16},
+    "kv": {"name": "kv", "k": "int4:group_size=8", "v": KIVI},
 }

@@ -43,6 +43,7 @@ EXTRA = {
     "prefix_kivi": {"name": "prefix", "prefix_len": 2, "body": KIVI},
     "prefix_int4_copy": {"name": "prefix", "prefix_len": 3, "body": "int4", "shared": False},
     "kivi_axes": {"name": "kivi_axes", "k_axis": "token", "group_size": 4, "token_group_size": 4, "residual": 8},
+    "kv_int8_kivi2": {"name": "kv", "k": "int8", "v": KIVI},
 }
 #: families the paged layout refuses, and why (a test checks the refusal)
 NOT_PAGED = {"window": "a sliding-window ring keeps a bounded number of rows per sequence: no field grows with "
