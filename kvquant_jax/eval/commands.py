@@ -12,6 +12,7 @@ from pathlib import Path
 from kvquant_jax import sharding as S
 from kvquant_jax.config import METRICS, load_config
 from kvquant_jax.eval import runner
+from kvquant_jax.eval.metrics import Session
 from kvquant_jax.eval.report import write_report
 
 
@@ -112,8 +113,6 @@ def cmd_eval(args) -> None:
 
 def cmd_sweep(args) -> None:
     if len(args.config) > 1:
-        from kvquant_jax.eval.metrics import Session
-
         loaded = [load_config(c, args.overrides, args.sizes) for c in args.config]
         outs = [str(Path(args.out) / runner.sweep_name(ld)) for ld in loaded]
         if len(set(outs)) < len(outs):

@@ -243,7 +243,7 @@ def run_sweep(loaded: LoadedConfig, out_dir: str | Path | None, *, metrics=None,
     out = Path(out_dir) if out_dir is not None else None
     with output_lock(out, "kvq sweep") if out is not None else contextlib.nullcontext():
         if out is not None:
-            _write_manifest(out, loaded, points, command)
+            _write_manifest(out, loaded, points, command, metrics)
         try:
             summary = run_points(points, sweep_name=name, baseline=baseline, out_dir=out,
                                  metrics=tuple(metrics) if metrics else None, progress=progress, on_row=on_row,
@@ -293,10 +293,12 @@ def sweep_baseline(loaded: LoadedConfig) -> SchemeSpec:
     return sw.baseline if sw else SchemeSpec("fp32")
 
 
-def _write_manifest(out: Path, loaded: LoadedConfig, points: list[Point], command: str | None) -> None:
+def _write_manifest(out: Path, loaded: LoadedConfig, points: list[Point], command: str | None,
+                    metrics=None) -> None:
     import yaml
 
     manifest = {"config_file": loaded.path, "command": command, "sizes": loaded.sizes,
+                "metrics": list(metrics) if metrics else None,
                 "overrides": [list(o) for o in loaded.overrides],
                 "points": [{"index": p.index, "label": p.label, "overrides": dict(p.overrides)} for p in points],
                 "config": loaded.config.to_dict()}

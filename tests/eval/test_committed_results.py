@@ -22,7 +22,7 @@ def test_there_are_committed_sweeps():
 def test_committed_rows_cover_the_current_config(folder):
     meta = yaml.safe_load((folder / "sweep.yaml").read_text())
     loaded = load_config(REPO / meta["config_file"], meta.get("overrides") or [], meta.get("sizes"))
-    planned = planned_keys(loaded.points(), sweep_baseline(loaded))
+    planned = planned_keys(loaded.points(), sweep_baseline(loaded), meta.get("metrics"))   # --metrics, if any
     stored = {json.loads(line)["key"] for line in (folder / "results.jsonl").read_text().splitlines() if line.strip()}
     missing = planned - stored
     assert not missing, f"{folder.name}: {len(missing)} of {len(planned)} planned rows are not in results.jsonl"
