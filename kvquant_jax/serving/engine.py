@@ -19,9 +19,15 @@ One :class:`Engine` owns ``num_slots`` sequence slots, a page pool and (optional
    :class:`StreamEvent` per new token; a request stops at its stop tokens (EOS by default; the stop token is not
    emitted, as in ``serving.generate``) or its ``max_new_tokens``.
 
-The forward runs on the paged cache's contiguous view (``paged.gather`` -> ``llama.forward`` ->
-``paged.scatter``), so every registry scheme serves and the results equal ``serving.generate`` one request at a
-time (same prefill chunking) token for token: ``tests/serving/test_engine.py``.
+The forward runs **paged-direct** (``EngineConfig.forward = "direct"``, the default): ``llama.forward`` on an
+``attention.paged.PagedStep``, which appends each layer's new rows through a window of the pages the step writes
+and attends through the page table (the paged Pallas kernel for decode where the scheme reads its fields in place,
+else the view of the step's mapped pages), so no ``[slots, Hkv, max capacity, ...]`` view exists; the step's
+static shape is ``(T, view pages, window pages)``, each bucketed to a power of two (a bounded set of compiled
+steps).  ``forward = "view"`` keeps the old path (``paged.gather`` -> ``llama.forward`` -> ``paged.scatter`` of
+the whole view).  Either way every registry scheme serves and the results equal ``serving.generate`` one request
+at a time (same prefill chunking) token for token: ``tests/serving/test_engine.py``; which path served each
+scheme and phase is in ``Engine.paths``.
 
 Bad input raises ``ValueError`` at :meth:`Engine.submit`: an empty prompt, a token outside the vocabulary, a
 request longer than the model's context or the cache's, a request that needs more pages than the whole pool.
@@ -39,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvquant_jax.attention import paged as paged_attention
 from kvquant_jax.cache import page_pool as pp
 from kvquant_jax.cache import paged
 from kvquant_jax.cache import prefix_cache as pcache
@@ -49,6 +56,14 @@ from kvquant_jax.serving.sampling import SamplingParams
 
 __all__ = ["EngineConfig", "Request", "StreamEvent", "Result", "Engine", "sample_rows", "synthetic_trace",
            "read_trace", "write_trace", "summarize"]
+
+
+FORWARDS = ("direct", "view")
+
+
+def bucket(n: int, limit: int) -> int:
+    """The static size a count ``n >= 1`` compiles at: the next power of two, at most ``limit``."""
+    return min(1 << max(int(n) - 1, 0).bit_length(), limit)
 
 
 class CacheAppendError(RuntimeError):
@@ -68,6 +83,8 @@ class EngineConfig:
       prefix_cache: store full prompt pages and map them into later requests with the same prefix.
       seed: base PRNG seed of the per-request sampling streams.
       attention_impl: ``llama.forward``'s attention implementation.
+      forward: "direct" (the paged-direct forward, ``attention.paged.PagedStep``) or "view" (gather the whole
+        contiguous view, forward, scatter: memory ~ slots x max capacity; kept as the reference path).
     """
 
     num_slots: int = 8
@@ -78,8 +95,11 @@ class EngineConfig:
     prefix_cache: bool = True
     seed: int = 0
     attention_impl: str = "auto"
+    forward: str = "direct"
 
     def __post_init__(self):
+        if self.forward not in FORWARDS:
+            raise ValueError(f"engine: forward must be one of {FORWARDS}, got {self.forward!r}")
         for f in ("num_slots", "page_size", "num_pages", "max_pages", "chunk"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -151,17 +171,33 @@ def sample_rows(logits, keys, temperature, top_k, top_p):
     return jnp.where(temperature > 0, drawn, greedy)
 
 
+def _sample_last(logits, num_new, temperature, top_k, top_p, base_key, req_ids, n_gen):
+    last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    keys = jax.vmap(lambda i, n: jax.random.fold_in(jax.random.fold_in(base_key, i), n))(req_ids, n_gen)
+    return sample_rows(last, keys, temperature, top_k, top_p)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_impl"), donate_argnames=("cache",))
-def _step(params, cfg: LlamaConfig, cache: paged.PagedKVCache, tokens, num_new, write, temperature, top_k, top_p,
-          base_key, req_ids, n_gen, attention_impl="auto"):
-    """One engine step: ``tokens`` int32 ``[S, T]`` (``num_new[s]`` valid), pages ``write`` bool ``[S, M]``.
-    Returns (next token int32 ``[S]``, cache', ok)."""
+def _step_view(params, cfg: LlamaConfig, cache: paged.PagedKVCache, tokens, num_new, write, temperature, top_k,
+               top_p, base_key, req_ids, n_gen, attention_impl="auto"):
+    """One engine step on the whole contiguous view (``forward="view"``): ``tokens`` int32 ``[S, T]``
+    (``num_new[s]`` valid), pages ``write`` bool ``[S, M]``.  Returns (next token int32 ``[S]``, cache', ok)."""
     view = paged.gather(cache)
     logits, view2, ok = forward(params, cfg, tokens, view, num_new, attention_impl=attention_impl)
     cache2 = paged.scatter(cache, view2, write)
-    last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
-    keys = jax.vmap(lambda i, n: jax.random.fold_in(jax.random.fold_in(base_key, i), n))(req_ids, n_gen)
-    return sample_rows(last, keys, temperature, top_k, top_p), cache2, ok
+    return _sample_last(logits, num_new, temperature, top_k, top_p, base_key, req_ids, n_gen), cache2, ok
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attention_impl", "view_pages", "window_pages"),
+                   donate_argnames=("cache",))
+def _step_direct(params, cfg: LlamaConfig, cache: paged.PagedKVCache, tokens, num_new, write, first, temperature,
+                 top_k, top_p, base_key, req_ids, n_gen, attention_impl="auto", view_pages=1, window_pages=1):
+    """One paged-direct engine step (``attention.paged.PagedStep``): arguments as :func:`_step_view` plus
+    ``first`` int32 ``[S]`` (first page each slot writes) and the static page buckets."""
+    step = paged_attention.paged_step(cache, write, first, view_pages=view_pages, window_pages=window_pages)
+    logits, step2, ok = forward(params, cfg, tokens, step, num_new, attention_impl=attention_impl)
+    return (_sample_last(logits, num_new, temperature, top_k, top_p, base_key, req_ids, n_gen), step2.paged(),
+            ok)
 
 
 class Engine:
@@ -185,7 +221,16 @@ class Engine:
         self._admitted = 0
         self.peak_running = 0
         self.steps = 0
+        self.step_shapes: dict[tuple[int, int, int], int] = {}     # (T, view pages, window pages) -> steps
         self.t0 = time.perf_counter()
+
+    @property
+    def paths(self) -> dict[str, str]:
+        """Which path served each (family, append | attention, phase) of the paged-direct forward so far
+        (``attention.paged.PATHS``; process-wide), or ``{"forward": "view"}``."""
+        if self.config.forward == "view":
+            return {"forward": "view"}
+        return {"/".join(k): v for k, v in sorted(paged_attention.PATHS.items())}
 
     # ----- requests -----
     @property
@@ -315,10 +360,19 @@ class Engine:
             temp[i], topk[i], topp[i], ids[i] = sp.temperature, sp.top_k, sp.top_p, s.req.id
             ngen[i] = len(self.results[s.req.id].tokens)
         self.pool, step_id = pp.begin_step(self.pool)
-        nxt, self.cache, ok = _step(self.params, self.cfg, self.cache, jnp.asarray(toks), jnp.asarray(n, jnp.int32),
-                                    jnp.asarray(write), jnp.asarray(temp), jnp.asarray(topk), jnp.asarray(topp),
-                                    self.base_key, jnp.asarray(ids), jnp.asarray(ngen),
-                                    attention_impl=self.config.attention_impl)
+        sampling = (jnp.asarray(temp), jnp.asarray(topk), jnp.asarray(topp), self.base_key, jnp.asarray(ids),
+                    jnp.asarray(ngen))
+        args = (self.params, self.cfg, self.cache, jnp.asarray(toks), jnp.asarray(n, jnp.int32), jnp.asarray(write))
+        if self.config.forward == "direct":
+            first, win, view = paged.step_pages(self.cache, lengths, lengths + n)
+            shape = (t, bucket(view, self.cache.max_pages), bucket(win, self.cache.max_pages))
+            nxt, self.cache, ok = _step_direct(*args, jnp.asarray(first, jnp.int32), *sampling,
+                                               attention_impl=self.config.attention_impl, view_pages=shape[1],
+                                               window_pages=shape[2])
+        else:
+            shape = (t, self.cache.max_pages, 0)
+            nxt, self.cache, ok = _step_view(*args, *sampling, attention_impl=self.config.attention_impl)
+        self.step_shapes[shape] = self.step_shapes.get(shape, 0) + 1
         nxt = np.asarray(nxt)                                      # outputs ready: the step's reads are done
         self.pool = pp.retire_step(self.pool, step_id)
         if not bool(ok):
