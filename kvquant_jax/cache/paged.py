@@ -331,6 +331,35 @@ def gather_slots(cache: PagedKVCache, index: jax.Array) -> PagedKVCache:
                          lengths=jnp.take(cache.lengths, index))
 
 
+def select_slots(cache: PagedKVCache, index: jax.Array) -> PagedKVCache:
+    """The paged cache of the sequences ``index`` (int32 ``[R]``; an entry ``>= B`` is an empty row: no page,
+    length ``row_offset``, zero per-sequence fields) sharing the pools and shared fields (jit-able): the rows of
+    one forward of an engine step.  :func:`merge_slots` writes the rows back."""
+    b = cache.batch
+    inside = index < b
+    safe = jnp.minimum(index, b - 1)
+    groups = []
+    for lay, st in zip(cache.layouts, cache.groups):
+        def rows(a):
+            got = jnp.take(a, safe, axis=1)
+            return jnp.where(inside.reshape((1, -1) + (1,) * (a.ndim - 2)), got, jnp.zeros((), a.dtype))
+        groups.append(st.replace(**{f.name: rows(getattr(st, f.name)) for f in lay if f.kind == SLOT}))
+    return cache.replace(groups=tuple(groups),
+                         page_table=jnp.where(inside[:, None], cache.page_table[safe], -1),
+                         lengths=jnp.where(inside, cache.lengths[safe], cache.row_offset))
+
+
+def merge_slots(cache: PagedKVCache, sub: PagedKVCache, index: jax.Array) -> PagedKVCache:
+    """Inverse of :func:`select_slots` after a forward on ``sub``: its pools and shared fields, and its
+    per-sequence fields and lengths at rows ``index`` (distinct; entries ``>= B`` dropped).  The page table is
+    the cache's (a forward maps no page)."""
+    groups = []
+    for lay, st, sst in zip(cache.layouts, cache.groups, sub.groups):
+        groups.append(st.replace(**{f.name: (getattr(st, f.name).at[:, index].set(getattr(sst, f.name), mode="drop")
+                                             if f.kind == SLOT else getattr(sst, f.name)) for f in lay}))
+    return cache.replace(groups=tuple(groups), lengths=cache.lengths.at[index].set(sub.lengths, mode="drop"))
+
+
 _gather_jit = jax.jit(gather, static_argnames="pages")
 _scatter_jit = jax.jit(scatter)
 _copy_jit = jax.jit(copy_pages)

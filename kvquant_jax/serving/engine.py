@@ -52,6 +52,7 @@ from kvquant_jax.cache import prefix_cache as pcache
 from kvquant_jax.cache.full import FullPrecisionScheme
 from kvquant_jax.models.config import LlamaConfig
 from kvquant_jax.models.llama import forward
+from kvquant_jax.models.prefill_attention import resolve_decode_impl
 from kvquant_jax.serving.sampling import SamplingParams
 
 __all__ = ["EngineConfig", "Request", "StreamEvent", "Result", "Engine", "sample_rows", "synthetic_trace",
@@ -64,6 +65,12 @@ FORWARDS = ("direct", "view")
 def bucket(n: int, limit: int) -> int:
     """The static size a count ``n >= 1`` compiles at: the next power of two, at most ``limit``."""
     return min(1 << max(int(n) - 1, 0).bit_length(), limit)
+
+
+def view_ladder(max_pages: int, buckets: int) -> tuple[int, ...]:
+    """The view sizes (pages) a forward compiles at: ``ceil(max_pages / 2^k)`` for ``k < buckets`` -- a view at
+    most twice the pages the step maps (down to the smallest rung), ``buckets`` compiled shapes per phase."""
+    return tuple(sorted({-(-max_pages // 2 ** k) for k in range(buckets)}))
 
 
 class CacheAppendError(RuntimeError):
@@ -85,6 +92,9 @@ class EngineConfig:
       attention_impl: ``llama.forward``'s attention implementation.
       forward: "direct" (the paged-direct forward, ``attention.paged.PagedStep``) or "view" (gather the whole
         contiguous view, forward, scatter: memory ~ slots x max capacity; kept as the reference path).
+      prefill_slots: rows of a step's prefill forward (``[prefill_slots, chunk]``; at most that many requests
+        prefill a chunk per step, in admission order).
+      view_buckets: page counts a forward's view of the mapped pages compiles at (``view_ladder``).
     """
 
     num_slots: int = 8
@@ -96,11 +106,13 @@ class EngineConfig:
     seed: int = 0
     attention_impl: str = "auto"
     forward: str = "direct"
+    prefill_slots: int = 4
+    view_buckets: int = 4
 
     def __post_init__(self):
         if self.forward not in FORWARDS:
             raise ValueError(f"engine: forward must be one of {FORWARDS}, got {self.forward!r}")
-        for f in ("num_slots", "page_size", "num_pages", "max_pages", "chunk"):
+        for f in ("num_slots", "page_size", "num_pages", "max_pages", "chunk", "prefill_slots", "view_buckets"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"engine: {f} must be a positive int, got {v!r}")
@@ -180,8 +192,9 @@ def _sample_last(logits, num_new, temperature, top_k, top_p, base_key, req_ids, 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_impl"), donate_argnames=("cache",))
 def _step_view(params, cfg: LlamaConfig, cache: paged.PagedKVCache, tokens, num_new, write, temperature, top_k,
                top_p, base_key, req_ids, n_gen, attention_impl="auto"):
-    """One engine step on the whole contiguous view (``forward="view"``): ``tokens`` int32 ``[S, T]``
-    (``num_new[s]`` valid), pages ``write`` bool ``[S, M]``.  Returns (next token int32 ``[S]``, cache', ok)."""
+    """One forward on the whole contiguous view of every slot (``paged.gather`` -> ``forward`` ->
+    ``paged.scatter``): ``tokens`` int32 ``[S, T]`` (``num_new[s]`` valid), pages ``write`` bool ``[S, M]``.
+    Returns (next token int32 ``[S]``, cache', ok)."""
     view = paged.gather(cache)
     logits, view2, ok = forward(params, cfg, tokens, view, num_new, attention_impl=attention_impl)
     cache2 = paged.scatter(cache, view2, write)
@@ -190,14 +203,18 @@ def _step_view(params, cfg: LlamaConfig, cache: paged.PagedKVCache, tokens, num_
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_impl", "view_pages", "window_pages"),
                    donate_argnames=("cache",))
-def _step_direct(params, cfg: LlamaConfig, cache: paged.PagedKVCache, tokens, num_new, write, first, temperature,
-                 top_k, top_p, base_key, req_ids, n_gen, attention_impl="auto", view_pages=1, window_pages=1):
-    """One paged-direct engine step (``attention.paged.PagedStep``): arguments as :func:`_step_view` plus
-    ``first`` int32 ``[S]`` (first page each slot writes) and the static page buckets."""
-    step = paged_attention.paged_step(cache, write, first, view_pages=view_pages, window_pages=window_pages)
+def _step_direct(params, cfg: LlamaConfig, cache: paged.PagedKVCache, index, tokens, num_new, write, first,
+                 temperature, top_k, top_p, base_key, req_ids, n_gen, attention_impl="auto", view_pages=1,
+                 window_pages=1):
+    """One paged-direct forward (``attention.paged.PagedStep``) of the rows ``index`` (int32 ``[R]``, slot ids;
+    ``>= S`` = an empty row): ``tokens`` int32 ``[R, T]``, ``num_new``, ``write`` bool ``[R, M]``, ``first``
+    int32 ``[R]`` (first page each row writes), per-row sampling; static page buckets.  Returns (next token
+    int32 ``[R]``, cache', ok)."""
+    sub = paged.select_slots(cache, index)
+    step = paged_attention.paged_step(sub, write, first, view_pages=view_pages, window_pages=window_pages)
     logits, step2, ok = forward(params, cfg, tokens, step, num_new, attention_impl=attention_impl)
-    return (_sample_last(logits, num_new, temperature, top_k, top_p, base_key, req_ids, n_gen), step2.paged(),
-            ok)
+    cache2 = paged.merge_slots(cache, step2.paged(), index)
+    return _sample_last(logits, num_new, temperature, top_k, top_p, base_key, req_ids, n_gen), cache2, ok
 
 
 class Engine:
@@ -221,7 +238,10 @@ class Engine:
         self._admitted = 0
         self.peak_running = 0
         self.steps = 0
-        self.step_shapes: dict[tuple[int, int, int], int] = {}     # (T, view pages, window pages) -> steps
+        self.step_shapes: dict[tuple, int] = {}     # (T, rows, view pages, window pages) -> forwards run
+        self.ladder = view_ladder(config.max_pages, config.view_buckets)
+        self._decode_in_place = paged_attention.decode_reads_pages(
+            self.cache, resolve_decode_impl(config.attention_impl))
         self.t0 = time.perf_counter()
 
     @property
@@ -322,14 +342,67 @@ class Engine:
 
     # ----- one step -----
     def _plan(self):
+        """Tokens each slot feeds this step: a decoding slot its last token; with the paged-direct forward at most
+        ``prefill_slots`` prefilling slots (admission order) a chunk each, every prefilling slot otherwise."""
         n = np.zeros(self.config.num_slots, np.int64)
+        pre = sorted((s.admitted, i) for i, s in enumerate(self.slots) if s is not None and s.prefilling)
+        if self.config.forward == "direct":
+            pre = pre[:self.config.prefill_slots]
+        for _, i in pre:
+            n[i] = min(self.config.chunk, len(self.slots[i].todo))
         for i, s in enumerate(self.slots):
-            if s is not None:
-                n[i] = min(self.config.chunk, len(s.todo))
+            if s is not None and not s.prefilling:
+                n[i] = len(s.todo)                                 # 1: the last sampled token
         return n
 
+    def _row_inputs(self, rows, t: int, n):
+        """Host arrays of one forward's rows (slot ids; ``num_slots`` = an empty row): tokens ``[R, t]``,
+        num_new, sampling parameters, request ids, output indices."""
+        r = len(rows)
+        toks = np.zeros((r, t), np.int32)
+        num = np.zeros(r, np.int32)
+        temp, topk, topp = np.zeros(r, np.float32), np.zeros(r, np.int32), np.ones(r, np.float32)
+        ids, ngen = np.zeros(r, np.int32), np.zeros(r, np.int32)
+        for j, i in enumerate(rows):
+            s = self.slots[i] if i < self.config.num_slots else None
+            if s is None or n[i] == 0:
+                continue
+            num[j] = n[i]
+            toks[j, : n[i]] = s.todo[: n[i]]
+            sp = s.req.sampling
+            temp[j], topk[j], topp[j], ids[j] = sp.temperature, sp.top_k, sp.top_p, s.req.id
+            ngen[j] = len(self.results[s.req.id].tokens)
+        return toks, num, (jnp.asarray(temp), jnp.asarray(topk), jnp.asarray(topp), self.base_key,
+                           jnp.asarray(ids), jnp.asarray(ngen))
+
+    def _direct_forward(self, rows, t: int, n, write, first, need):
+        """One paged-direct forward of ``rows`` (slot ids, padded with ``num_slots``); returns (next tokens of
+        the rows, ok).  Its static shape is ``(T, rows, view pages, window pages)``."""
+        rows = np.asarray(rows, np.int64)
+        real = rows[rows < self.config.num_slots]
+        toks, num, sampling = self._row_inputs(rows, t, n)
+        pad = np.concatenate([write, np.zeros((1,) + write.shape[1:], bool)])[rows]
+        firsts = np.concatenate([first, [0]])[rows]
+        win = int(np.max(need[real] - first[real], initial=1))
+        shape = (t, len(rows), self._view_pages(t, int(np.max(need[real], initial=1))),
+                 bucket(max(win, 1), self.cache.max_pages))
+        nxt, self.cache, ok = _step_direct(self.params, self.cfg, self.cache, jnp.asarray(rows, jnp.int32),
+                                           jnp.asarray(toks), jnp.asarray(num), jnp.asarray(pad),
+                                           jnp.asarray(firsts, jnp.int32), *sampling,
+                                           attention_impl=self.config.attention_impl, view_pages=shape[2],
+                                           window_pages=shape[3])
+        self.step_shapes[shape] = self.step_shapes.get(shape, 0) + 1
+        return nxt, ok
+
+    def _view_pages(self, t: int, need: int) -> int:
+        """The view size of a forward whose rows map at most ``need`` pages: the smallest ``view_ladder`` rung;
+        a decode step whose every layer the paged kernel serves does not read the view (one shape)."""
+        if t == 1 and self._decode_in_place:
+            return 1
+        return next(v for v in self.ladder if v >= need)
+
     def step(self) -> list[StreamEvent]:
-        """Admit, run one mixed prefill/decode step, return the new tokens as stream events."""
+        """Admit, run one step (decode + prefill chunks), return the new tokens as stream events."""
         self._admit()
         if not self.running:
             return []
@@ -345,37 +418,38 @@ class Engine:
                 if not self._preempt(keep=oldest):
                     raise
         self.cache, self.pool = cache, pool
-        t = 1 if n.max() <= 1 else self.config.chunk
-        toks = np.zeros((self.config.num_slots, t), np.int32)
-        temp = np.zeros(self.config.num_slots, np.float32)
-        topk = np.zeros(self.config.num_slots, np.int32)
-        topp = np.ones(self.config.num_slots, np.float32)
-        ids = np.zeros(self.config.num_slots, np.int32)
-        ngen = np.zeros(self.config.num_slots, np.int32)
-        for i, s in enumerate(self.slots):
-            if s is None:
-                continue
-            toks[i, : n[i]] = s.todo[: n[i]]
-            sp = s.req.sampling
-            temp[i], topk[i], topp[i], ids[i] = sp.temperature, sp.top_k, sp.top_p, s.req.id
-            ngen[i] = len(self.results[s.req.id].tokens)
         self.pool, step_id = pp.begin_step(self.pool)
-        sampling = (jnp.asarray(temp), jnp.asarray(topk), jnp.asarray(topp), self.base_key, jnp.asarray(ids),
-                    jnp.asarray(ngen))
-        args = (self.params, self.cfg, self.cache, jnp.asarray(toks), jnp.asarray(n, jnp.int32), jnp.asarray(write))
+        nxt = np.zeros(self.config.num_slots, np.int64)
+        oks = []
         if self.config.forward == "direct":
-            first, win, view = paged.step_pages(self.cache, lengths, lengths + n)
-            shape = (t, bucket(view, self.cache.max_pages), bucket(win, self.cache.max_pages))
-            nxt, self.cache, ok = _step_direct(*args, jnp.asarray(first, jnp.int32), *sampling,
-                                               attention_impl=self.config.attention_impl, view_pages=shape[1],
-                                               window_pages=shape[2])
+            # decode rows: every slot in one [S, 1] forward (others feed nothing); prefill rows: up to
+            # prefill_slots slots in one [prefill_slots, chunk] forward
+            first, _, _ = paged.step_pages(self.cache, lengths, lengths + n)
+            need = self.cache.pages_needed(lengths + n)
+            decoding = np.array([s is not None and not s.prefilling and n[i] > 0 for i, s in enumerate(self.slots)])
+            prefill = [i for i, s in enumerate(self.slots) if s is not None and s.prefilling and n[i] > 0]
+            if decoding.any():
+                out, ok = self._direct_forward(np.arange(self.config.num_slots), 1, n * decoding,
+                                               write & decoding[:, None], first, np.where(decoding, need, 1))
+                nxt[decoding] = np.asarray(out)[decoding]
+                oks.append(ok)
+            if prefill:
+                width = min(self.config.prefill_slots, self.config.num_slots)
+                rows = prefill + [self.config.num_slots] * (width - len(prefill))
+                out, ok = self._direct_forward(rows, self.config.chunk, n, write, first, need)
+                nxt[prefill] = np.asarray(out)[: len(prefill)]
+                oks.append(ok)
         else:
-            shape = (t, self.cache.max_pages, 0)
-            nxt, self.cache, ok = _step_view(*args, *sampling, attention_impl=self.config.attention_impl)
-        self.step_shapes[shape] = self.step_shapes.get(shape, 0) + 1
-        nxt = np.asarray(nxt)                                      # outputs ready: the step's reads are done
-        self.pool = pp.retire_step(self.pool, step_id)
-        if not bool(ok):
+            t = 1 if n.max() <= 1 else self.config.chunk
+            toks, num, sampling = self._row_inputs(np.arange(self.config.num_slots), t, n)
+            out, self.cache, ok = _step_view(self.params, self.cfg, self.cache, jnp.asarray(toks), jnp.asarray(num),
+                                             jnp.asarray(write), *sampling, attention_impl=self.config.attention_impl)
+            shape = (t, self.config.num_slots, self.cache.max_pages, 0)
+            self.step_shapes[shape] = self.step_shapes.get(shape, 0) + 1
+            nxt[:] = np.asarray(out)
+            oks.append(ok)
+        self.pool = pp.retire_step(self.pool, step_id)        # outputs ready (read above): its reads are done
+        if not all(bool(ok) for ok in oks):
             raise CacheAppendError("engine step produced non-finite K/V; nothing was published")
         self.steps += 1
         self.peak_running = max(self.peak_running, self.running)

@@ -168,8 +168,9 @@ def _temp_bytes(forward: str, max_pages: int) -> int:
     samp = (jnp.zeros(s, jnp.float32), jnp.zeros(s, jnp.int32), jnp.ones(s, jnp.float32), jax.random.PRNGKey(0),
             jnp.zeros(s, jnp.int32), jnp.zeros(s, jnp.int32))
     if forward == "direct":
-        lowered = eng._step_direct.lower(PARAMS, CFG, cache, toks, num, write, jnp.zeros(s, jnp.int32), *samp,
-                                         attention_impl="reference", view_pages=4, window_pages=2)
+        lowered = eng._step_direct.lower(PARAMS, CFG, cache, jnp.arange(s, dtype=jnp.int32), toks, num, write,
+                                         jnp.zeros(s, jnp.int32), *samp, attention_impl="reference", view_pages=4,
+                                         window_pages=2)
     else:
         lowered = eng._step_view.lower(PARAMS, CFG, cache, toks, num, write, *samp, attention_impl="reference")
     return int(lowered.compile().memory_analysis().temp_size_in_bytes)
