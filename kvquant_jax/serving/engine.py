@@ -240,6 +240,7 @@ class Engine:
         self.steps = 0
         self.step_shapes: dict[tuple, int] = {}     # (T, rows, view pages, window pages) -> forwards run
         self.ladder = view_ladder(config.max_pages, config.view_buckets)
+        self._windows: dict[int, int] = {}
         self._decode_in_place = paged_attention.decode_reads_pages(
             self.cache, resolve_decode_impl(config.attention_impl))
         self.t0 = time.perf_counter()
@@ -384,8 +385,10 @@ class Engine:
         pad = np.concatenate([write, np.zeros((1,) + write.shape[1:], bool)])[rows]
         firsts = np.concatenate([first, [0]])[rows]
         win = int(np.max(need[real] - first[real], initial=1))
-        shape = (t, len(rows), self._view_pages(t, int(np.max(need[real], initial=1))),
-                 bucket(max(win, 1), self.cache.max_pages))
+        if win > self._window_pages(t):
+            raise AssertionError(f"engine: a row writes {win} pages, more than the {self._window_pages(t)} of a "
+                                 f"T={t} window")
+        shape = (t, len(rows), self._view_pages(t, int(np.max(need[real], initial=1))), self._window_pages(t))
         nxt, self.cache, ok = _step_direct(self.params, self.cfg, self.cache, jnp.asarray(rows, jnp.int32),
                                            jnp.asarray(toks), jnp.asarray(num), jnp.asarray(pad),
                                            jnp.asarray(firsts, jnp.int32), *sampling,
@@ -393,6 +396,44 @@ class Engine:
                                            window_pages=shape[3])
         self.step_shapes[shape] = self.step_shapes.get(shape, 0) + 1
         return nxt, ok
+
+    def _window_pages(self, t: int) -> int:
+        """The window (pages) every T-token forward compiles at: the most pages one row can write from its
+        sealed page (``pages_needed(L + T) - window_first(L)`` over every committed length L), bucketed; one shape
+        per T (a few spare pages per row cost less than another compile)."""
+        if t not in self._windows:
+            c = self.cache
+            lengths = np.arange(c.row_offset, c.capacity, dtype=np.int64)
+            worst = np.max(c.pages_needed(np.minimum(lengths + t, c.capacity)) - paged.window_first(c, lengths))
+            self._windows[t] = bucket(max(int(worst), 1), c.max_pages)
+        return self._windows[t]
+
+    def compile_shapes(self) -> list[tuple[int, int, int, int]]:
+        """Every ``(T, rows, view pages, window pages)`` the paged-direct forward can run at (bounded: one or
+        ``view_buckets`` decode shapes, ``view_buckets`` prefill shapes)."""
+        s, r = self.config.num_slots, min(self.config.prefill_slots, self.config.num_slots)
+        views = (1,) if self._decode_in_place else self.ladder
+        return ([(1, s, v, self._window_pages(1)) for v in views]
+                + [(self.config.chunk, r, v, self._window_pages(self.config.chunk)) for v in self.ladder])
+
+    def warmup(self) -> float:
+        """Compile every shape of :meth:`compile_shapes` (forwards whose rows feed nothing: the cache is logically
+        unchanged) so a timed run pays no compilation; returns the seconds spent.  The view path compiles its two
+        shapes on first use."""
+        t0 = time.perf_counter()
+        if self.config.forward != "direct":
+            return 0.0
+        for t, r, v, w in self.compile_shapes():
+            rows = np.full(r, self.config.num_slots, np.int64)
+            toks, num, sampling = self._row_inputs(rows, t, np.zeros(self.config.num_slots + 1, np.int64))
+            _, self.cache, ok = _step_direct(self.params, self.cfg, self.cache, jnp.asarray(rows, jnp.int32),
+                                             jnp.asarray(toks), jnp.asarray(num),
+                                             jnp.zeros((r, self.cache.max_pages), jnp.bool_),
+                                             jnp.zeros(r, jnp.int32), *sampling,
+                                             attention_impl=self.config.attention_impl, view_pages=v,
+                                             window_pages=w)
+            ok.block_until_ready()
+        return time.perf_counter() - t0
 
     def _view_pages(self, t: int, need: int) -> int:
         """The view size of a forward whose rows map at most ``need`` pages: the smallest ``view_ladder`` rung;
@@ -493,14 +534,20 @@ class Engine:
         return StreamEvent(s.req.id, tok, len(res.tokens) - (tok is not None), True, reason, now)
 
     # ----- drivers -----
-    def stream(self, requests: Iterable[Request] = (), *, realtime: bool = False):
+    def stream(self, requests: Iterable[Request] = (), *, realtime: bool = False, max_seconds: float | None = None):
         """Submit ``requests`` (by ``arrival`` when ``realtime``: a request is queued once the engine clock
-        reaches its arrival; otherwise all at once) and yield :class:`StreamEvent` s until every request is done."""
+        reaches its arrival; otherwise all at once) and yield :class:`StreamEvent` s until every request is done,
+        or -- ``max_seconds`` -- until the first step boundary after that many seconds (``self.stopped`` True;
+        unfinished requests keep their tokens so far)."""
         pending = sorted(requests, key=lambda r: r.arrival)
         self.t0 = time.perf_counter()
+        self.stopped = False
         k = 0
         while k < len(pending) or not self.done():
             now = time.perf_counter() - self.t0
+            if max_seconds is not None and now > max_seconds:
+                self.stopped = True
+                return
             while k < len(pending) and (not realtime or pending[k].arrival <= now):
                 self.submit(pending[k])
                 k += 1
