@@ -131,8 +131,9 @@ class CacheScheme(abc.ABC):
 
     def supports_window_append(self) -> bool:
         """Static: is :meth:`append_window_with_status` right for this scheme?  A paged engine step then appends
-        through a small *window* of the pages it writes (``cache/paged.py``, :func:`~kvquant_jax.cache.paged.
-        gather_window`) instead of the whole contiguous view; otherwise it appends on the view of the mapped pages.
+        through a small *window* of the pages it writes (``cache/paged.py``, ``paged.layer_window``;
+        ``attention/paged.PagedStep``) instead of the whole contiguous view; otherwise it appends on the view of
+        the mapped pages.
         Default False (a new scheme is served correctly, only not window-direct)."""
         return False
 

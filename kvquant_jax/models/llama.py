@@ -316,6 +316,11 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
             ) -> tuple[jax.Array, KVCache, jax.Array]:
     """Forward ``tokens`` (int32 [B, T]) at positions ``cache.lengths + t`` and append them to the cache.
 
+    ``cache``: a :class:`KVCache`, or a cache value that owns its per-layer append + attention through a
+    ``layer_step(group, group_state, i, attn, q, k, v, num_new, *, decode_impl) -> (group_state', ok [B],
+    out [B, T, Hq, D])`` method (``attention.paged.PagedStep``: the paged cache read and written through its page
+    table); it must also carry ``schemes``, ``groups``, ``lengths``, ``capacity`` and ``replace`` like a KVCache.
+
     Args:
       num_new: int32 [B]: valid tokens per sequence (right padding beyond); default all T.
       attention_impl: "reference" (decode the stored history, one float32 softmax in JAX, every phase), "kernel"

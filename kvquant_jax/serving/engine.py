@@ -5,10 +5,10 @@ One :class:`Engine` owns ``num_slots`` sequence slots, a page pool and (optional
 
 1. **admits** queued requests (FCFS) into free slots while the pool has pages for their prompt (prefix-cache hits
    map stored pages first and need only the rest) plus one page per running request of headroom;
-2. **plans** one static-shape step: every running slot feeds ``min(chunk, pending)`` tokens -- a prefill chunk
-   of its prompt, or its last sampled token -- so chunked prefill and decode share ONE jit-compiled forward of
-   shape ``[num_slots, T]`` with ``T`` bucketed to 1 (all slots decoding) or ``chunk``; idle slots feed nothing
-   (``num_new = 0``, masked);
+2. **plans** one step: every decoding slot feeds its last sampled token (one ``[num_slots, 1]`` forward; idle
+   and prefilling slots feed nothing, ``num_new = 0``) and up to ``prefill_slots`` prefilling slots (admission
+   order) feed ``min(chunk, pending)`` prompt tokens (one ``[prefill_slots, chunk]`` forward of those rows);
+   static shapes from a bounded, bucketed set (``Engine.compile_shapes``);
 3. **reserves** pages (``paged.reserve``: map new pages, copy-on-write shared ones); when the pool runs out it
    evicts least-recently-used prefix-cache entries, then **preempts** the most recently admitted request (its pages
    are released and it re-queues at the front to be *recomputed*: prompt + generated tokens are prefilled again,
