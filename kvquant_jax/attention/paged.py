@@ -27,7 +27,7 @@ from kvquant_jax.sharding import active_mesh
 from pallas_kernels import paged_decode_attention as paged_kernel
 
 __all__ = ["layer_view", "paged_regions", "layer_pool_regions", "decode_attention", "PagedStep", "PATHS",
-           "paged_step", "decode_reads_pages"]
+           "paged_step"]
 
 
 def _group(cache: PagedKVCache, layer: int):
@@ -233,27 +233,6 @@ class PagedStep:
             _record(scheme, "attention", t, "view")
         gst = jax.tree.map(lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, 0), gst, st2)
         return gst, ok, out
-
-
-def decode_reads_pages(cache: PagedKVCache, decode_impl: str) -> bool:
-    """Static (shapes only): does a decode step (T == 1) of a :class:`PagedStep` read only pages -- every layer
-    appends through its window and the paged kernel serves its attention?  Then the view of the mapped pages is dead code in a decode
-    step and an engine need not compile one decode step per view size."""
-    if decode_impl == "reference":
-        return False
-    verdict = []
-
-    def probe(cache):
-        for g, (scheme, _, _) in enumerate(cache.schemes):
-            st = jax.tree.map(lambda a: a[0], cache.groups[g])
-            view = paged_cache.layer_window(cache.layouts[g], st, cache.page_table[:, :1], cache.num_pages)
-            r, _, _, _ = layer_pool_regions(scheme, cache.layouts[g], st, view, cache.lengths, cache.num_pages)
-            verdict.append(scheme.supports_window_append() and r is not None
-                           and paged_kernel.paged_unsupported(r, cache.head_dim) is None)
-        return cache.lengths
-
-    jax.eval_shape(probe, cache)
-    return all(verdict)
 
 
 def paged_step(cache: PagedKVCache, write: jax.Array, first: jax.Array, *, view_pages: int,

@@ -52,7 +52,6 @@ from kvquant_jax.cache import prefix_cache as pcache
 from kvquant_jax.cache.full import FullPrecisionScheme
 from kvquant_jax.models.config import LlamaConfig
 from kvquant_jax.models.llama import forward
-from kvquant_jax.models.prefill_attention import resolve_decode_impl
 from kvquant_jax.serving.sampling import SamplingParams
 
 __all__ = ["EngineConfig", "Request", "StreamEvent", "Result", "Engine", "sample_rows", "synthetic_trace",
@@ -241,8 +240,6 @@ class Engine:
         self.step_shapes: dict[tuple, int] = {}     # (T, rows, view pages, window pages) -> forwards run
         self.ladder = view_ladder(config.max_pages, config.view_buckets)
         self._windows: dict[int, int] = {}
-        self._decode_in_place = paged_attention.decode_reads_pages(
-            self.cache, resolve_decode_impl(config.attention_impl))
         self.t0 = time.perf_counter()
 
     @property
@@ -409,11 +406,10 @@ class Engine:
         return self._windows[t]
 
     def compile_shapes(self) -> list[tuple[int, int, int, int]]:
-        """Every ``(T, rows, view pages, window pages)`` the paged-direct forward can run at (bounded: one or
-        ``view_buckets`` decode shapes, ``view_buckets`` prefill shapes)."""
+        """Every ``(T, rows, view pages, window pages)`` the paged-direct forward can run at (bounded:
+        ``view_buckets`` decode shapes and ``view_buckets`` prefill shapes)."""
         s, r = self.config.num_slots, min(self.config.prefill_slots, self.config.num_slots)
-        views = (1,) if self._decode_in_place else self.ladder
-        return ([(1, s, v, self._window_pages(1)) for v in views]
+        return ([(1, s, v, self._window_pages(1)) for v in self.ladder]
                 + [(self.config.chunk, r, v, self._window_pages(self.config.chunk)) for v in self.ladder])
 
     def warmup(self) -> float:
@@ -436,10 +432,11 @@ class Engine:
         return time.perf_counter() - t0
 
     def _view_pages(self, t: int, need: int) -> int:
-        """The view size of a forward whose rows map at most ``need`` pages: the smallest ``view_ladder`` rung;
-        a decode step whose every layer the paged kernel serves does not read the view (one shape)."""
-        if t == 1 and self._decode_in_place:
-            return 1
+        """The view size of a forward whose rows map at most ``need`` pages: the smallest ``view_ladder`` rung.
+        (Also for decode steps the paged kernel serves: the view's gathers are dead code there, except where a
+        scheme's small regions read paged rows -- KIVI's tail decodes ``[fv, fk)`` from K codes -- so the view must
+        cover the lengths.)"""
+        del t
         return next(v for v in self.ladder if v >= need)
 
     def step(self) -> list[StreamEvent]:
