@@ -1,21 +1,25 @@
 """Continuous batching on the paged quantized KV cache vs the static-batch loop, on one seeded Poisson trace.
 
-    # H200 (issue M): LLaMA-3-8B shape (random bf16 weights) and SmolLM2, bf16 / int8 / int4 / KIVI-2 caches at
-    # a fixed KV budget
-    python experiments/bench_engine.py --model llama3-8b-shaped smollm2 --cache bf16 int8 int4 kivi2 \
+    # H200 (issue M): LLaMA-3-8B shape (random bf16 weights), every cache + the static baseline on ONE trace and
+    # ONE set of weights; --max-seconds bounds each config (partial results are reported as such)
+    python experiments/bench_engine.py --model llama3-8b-shaped --cache bf16 int8 int4 kivi2 \
         --requests 64 --rate 2 --prompt-len 512 8192 --output-len 64 1024 --hbm-gb 16 --slots 128 \
-        --page-size 64 --chunk 256 --out docs/results/engine
+        --page-size 64 --chunk 256 --max-seconds 90 --compile-cache /tmp/kvq-jax-cache --out docs/results/engine
     # CPU smoke run (tiny model, short requests; a minute)
     python experiments/bench_engine.py --small
 
-For every (model, cache): the engine (``kvquant_jax.serving.engine``: admission by free pages, chunked prefill
-mixed with decode, preemption by recompute, prefix cache) replays the trace in real time with a page pool of
-``--hbm-gb`` of KV (``engine_cli.pages_for_budget``: a quantized cache gets proportionally more pages); the
+For every (model, cache): the engine (``kvquant_jax.serving.engine``: admission by free pages, one decode forward
+``[slots, 1]`` through the paged kernel plus one prefill forward of ``--prefill-slots`` chunks per step, the
+paged-direct forward (``attention.paged.PagedStep``: no contiguous view of the cache), preemption by recompute,
+prefix cache) replays the trace in real time with a page pool of ``--hbm-gb`` of KV
+(``engine_cli.pages_for_budget``: a quantized cache gets proportionally more pages).  Every step shape
+(``Engine.compile_shapes``: bounded, bucketed) is compiled before the clock starts (``compile_s``).  The
 static-batch loop (``serving.generate`` on a contiguous cache) serves the same trace in arrival order in batches
 as large as the same budget holds at full length, each batch waiting for its last arrival and its longest output
-(run once untimed first, so neither side pays compilation in the timed run).
-Reported: output tokens/s, TTFT p50/p99, inter-token latency p50/p99, peak concurrent requests, and the int4 /
-bf16 throughput ratio (issue M target: >= 1.8 at the same budget).
+(run once untimed first -- bounded by ``--max-seconds`` too -- so it pays no compilation in the timed run).
+Reported: output tokens/s, TTFT p50/p99, inter-token latency p50/p99, peak concurrent requests, preemptions,
+compiled shapes, the paths that served, and the int4 / bf16 engine throughput ratio (issue M target: >= 1.8 at
+the same budget).  A config stopped by ``--max-seconds`` reports the tokens served so far (``partial``).
 """
 from __future__ import annotations
 
@@ -52,11 +56,15 @@ def load(name: str, dtype: str):
     return BS.random_params(cfg, dtype=jnp.dtype(dtype)), cfg
 
 
-def static_batches(params, cfg, scheme, reqs, batch: int, chunk: int) -> dict:
+def static_batches(params, cfg, scheme, reqs, batch: int, chunk: int, max_seconds: float | None = None) -> dict:
     """The static-batch loop: arrival-order batches of ``batch``; a batch starts when its last request arrived
-    and the previous batch finished; every request waits for the batch's longest output."""
-    results, t0, peak = {}, time.perf_counter(), 0
+    and the previous batch finished; every request waits for the batch's longest output.  ``max_seconds``: no
+    batch starts after that long (``partial``)."""
+    results, t0, peak, partial = {}, time.perf_counter(), 0, False
     for i in range(0, len(reqs), batch):
+        if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+            partial = True
+            break
         group = reqs[i:i + batch]
         now = time.perf_counter() - t0
         if group[-1].arrival > now:
@@ -71,7 +79,21 @@ def static_batches(params, cfg, scheme, reqs, batch: int, chunk: int) -> dict:
             n = min(len(toks), r.max_new_tokens)
             results[r.id] = E.Result(r.id, toks[:n], "length", r.arrival, first,
                                      [first + k * step for k in range(n)])
-    return E.summarize(results, time.perf_counter() - t0, peak)
+    return {**E.summarize(results, time.perf_counter() - t0, peak), "partial": partial,
+            "finished": len(results)}
+
+
+TABLE = ("model", "cache", "system", "output_tok_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
+         "peak_concurrent", "preemptions", "finished", "partial", "num_pages", "step_shapes", "compile_s")
+
+
+def table(rows) -> str:
+    """The rows as a Markdown table (floats to 4 significant digits)."""
+    def cell(v):
+        return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
+    out = ["| " + " | ".join(TABLE) + " |", "|" + "---|" * len(TABLE)]
+    out += ["| " + " | ".join(cell(r.get(k)) for k in TABLE) + " |" for r in rows]
+    return "\n".join(out)
 
 
 def main(argv=None):
@@ -90,6 +112,13 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-static", action="store_true", help="skip the static-batch baseline")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="stop each config (engine replay, static loop) after this long and report it as partial")
+    ap.add_argument("--prefill-slots", type=int, default=4, help="requests prefilling a chunk per engine step")
+    ap.add_argument("--view-buckets", type=int, default=4, help="compiled view sizes per phase (max_pages / 2^k)")
+    ap.add_argument("--forward", default="direct", choices=["direct", "view"],
+                    help="paged-direct forward, or the whole-view gather/scatter reference path")
+    ap.add_argument("--compile-cache", default=None, help="JAX persistent compilation cache directory")
     ap.add_argument("--small", action="store_true", help="CPU smoke sizes (tiny model, short requests)")
     ap.add_argument("--out", default=None, help="directory for results.jsonl + README.md")
     args = ap.parse_args(argv)
@@ -97,6 +126,9 @@ def main(argv=None):
         args.model, args.dtype, args.requests, args.rate = ["tiny"], "float32", 12, 20.0
         args.prompt_len, args.output_len, args.hbm_gb = [32, 256], [8, 48], 0.001
         args.slots, args.page_size, args.chunk = 6, 32, 64
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     rows = []
     for model in args.model:
         params, cfg = load(model, args.dtype)
@@ -109,24 +141,28 @@ def main(argv=None):
             scheme = make_scheme(spec, rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
             budget = args.hbm_gb * 2**30
             num_pages = pages_for_budget(scheme, cfg, args.page_size, budget)
-            # slots: at most twice the requests the pool can hold at the trace's mean length (the engine step
-            # gathers a contiguous view of num_slots x context rows in the stored format: bounded memory)
+            # slots: at most twice the requests the pool can hold at the trace's mean length (more would only be
+            # preempted); the paged-direct step itself holds no slots x context view
             mean_len = float(np.mean([len(r.prompt) + r.max_new_tokens for r in reqs]))
             slots = max(1, min(args.slots, int(2 * num_pages * args.page_size / mean_len)))
             ec = E.EngineConfig(num_slots=slots, page_size=args.page_size, num_pages=num_pages,
-                                max_pages=-(-longest // args.page_size), chunk=args.chunk, seed=args.seed)
+                                max_pages=-(-longest // args.page_size), chunk=args.chunk, seed=args.seed,
+                                forward=args.forward, prefill_slots=args.prefill_slots,
+                                view_buckets=args.view_buckets)
             row = {"model": model, "cache": spec, "system": "engine", "hbm_gb": args.hbm_gb,
                    "page_bytes": page_bytes(scheme, cfg, args.page_size),
-                   **serve_bench(params, cfg, scheme, reqs, ec, realtime=True)}
+                   **serve_bench(params, cfg, scheme, reqs, ec, realtime=True, max_seconds=args.max_seconds)}
             print(json.dumps(row), flush=True)
             rows.append(row)
             if not args.no_static:
                 per_seq = page_bytes(scheme, cfg, args.page_size) * -(-longest // args.page_size)
                 batch = max(1, int(budget // per_seq))
                 warm = [r.__class__(r.id, r.prompt, r.max_new_tokens, r.sampling, r.stop, 0.0) for r in reqs]
-                static_batches(params, cfg, scheme, warm, batch, args.chunk)     # compile every batch shape
-                srow = {"model": model, "cache": spec, "system": "static", "hbm_gb": args.hbm_gb,
-                        "batch": batch, **static_batches(params, cfg, scheme, reqs, batch, args.chunk)}
+                t0 = time.perf_counter()                     # compile every batch shape (bounded by --max-seconds)
+                static_batches(params, cfg, scheme, warm, batch, args.chunk, args.max_seconds)
+                srow = {"model": model, "cache": spec, "system": "static", "hbm_gb": args.hbm_gb, "batch": batch,
+                        "compile_s": round(time.perf_counter() - t0, 2),
+                        **static_batches(params, cfg, scheme, reqs, batch, args.chunk, args.max_seconds)}
                 print(json.dumps(srow), flush=True)
                 rows.append(srow)
         del params
@@ -136,20 +172,16 @@ def main(argv=None):
         tps = {r["cache"]: r["output_tok_per_s"] for r in rows if r["model"] == model and r["system"] == "engine"}
         if "int4" in tps and "bf16" in tps:
             ratio[model] = round(tps["int4"] / tps["bf16"], 3)
+    print(table(rows))
     print(json.dumps({"int4_over_bf16_engine_tok_per_s": ratio, "target": 1.8}))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "results.jsonl"), "a") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
-        keys = ["model", "cache", "system", "output_tok_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
-                "itl_p99_s", "peak_concurrent", "preemptions", "num_pages"]
         with open(os.path.join(args.out, "README.md"), "w") as f:
             f.write(f"# Engine benchmark\n\n`python experiments/bench_engine.py {' '.join(argv or sys.argv[1:])}`\n\n")
-            f.write("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys) + "\n")
-            for r in rows:
-                f.write("| " + " | ".join(str(round(r[k], 4) if isinstance(r.get(k), float) else r.get(k, ""))
-                                          for k in keys) + " |\n")
+            f.write(table(rows) + "\n")
             f.write(f"\nint4 / bf16 engine output tokens/s: {ratio} (target >= 1.8)\n")
     return rows
 

@@ -124,6 +124,16 @@ class FP8Scheme(SchemeBase):
         return jnp.where(warm, old, fp8_scale_from_absmax(amax, self.fmt, "warmup").value)
 
     def append_layer(self, state, lengths, k, v, num_new):
+        return self._append(state, lengths, k, v, num_new, jnp.zeros_like(lengths))
+
+    def supports_window_append(self) -> bool:
+        return True
+
+    def append_window_with_status(self, state, lengths, k, v, num_new, row0):
+        """Window append: the warm-up test reads the TRUE lengths, rows land at ``position - row0``."""
+        return self._append(state, lengths, k, v, num_new, row0), rows_finite(k, v, num_new)
+
+    def _append(self, state, lengths, k, v, num_new, row0):
         t = k.shape[1]
         mask = _rows.new_row_mask(num_new, t)
         kt, vt = _rows.head_major(k), _rows.head_major(v)
@@ -132,7 +142,7 @@ class FP8Scheme(SchemeBase):
             warm = shard_any(jnp.any(lengths > 0), BATCH)
             k_scale = self._warmup(kt, mask, k_scale, warm)
             v_scale = self._warmup(vt, mask, v_scale, warm)
-        pos = lengths[:, None] + _rows.arange_rows(t)[None, :]
+        pos = (lengths - row0)[:, None] + _rows.arange_rows(t)[None, :]         # row index of each position
         kc = quantize_fp8(kt, k_scale, self.fmt, head_axis=1)
         vc = quantize_fp8(vt, v_scale, self.fmt, head_axis=1)
         return FP8LayerState(k=_rows.write_rows(state.k, kc, pos, mask), v=_rows.write_rows(state.v, vc, pos, mask),

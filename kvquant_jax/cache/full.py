@@ -40,6 +40,11 @@ class FullPrecisionScheme(SchemeBase):
     """Store K and V unquantized in ``dtype`` ("fp32", "bf16" or "fp16")."""
 
     family = "full"
+
+    def supports_window_append(self) -> bool:
+        """Positions enter the append only as row indices: the default shifted window append is exact."""
+        return True
+
     presets = {"fp32": {"dtype": "fp32"}, "bf16": {"dtype": "bf16"}, "fp16": {"dtype": "fp16"}}
 
     dtype: str = "fp32"

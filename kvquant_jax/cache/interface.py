@@ -129,6 +129,27 @@ class CacheScheme(abc.ABC):
         """
         return self.append_layer(state, lengths, k, v, num_new), rows_finite(k, v, num_new)
 
+    def supports_window_append(self) -> bool:
+        """Static: is :meth:`append_window_with_status` right for this scheme?  A paged engine step then appends
+        through a small *window* of the pages it writes (``cache/paged.py``, ``paged.layer_window``;
+        ``attention/paged.PagedStep``) instead of the whole contiguous view; otherwise it appends on the view of
+        the mapped pages.
+        Default False (a new scheme is served correctly, only not window-direct)."""
+        return False
+
+    def append_window_with_status(self, state: LayerState, lengths: jax.Array, k: jax.Array, v: jax.Array,
+                                  num_new: jax.Array, row0: jax.Array) -> tuple[LayerState, jax.Array]:
+        """:meth:`append_layer_with_status` on a *window* state: every capacity-row field holds the rows of
+        positions ``[row0[b], row0[b] + W)`` (W = the window's capacity; ``row0`` int32 ``[B]``, a page boundary
+        at or below ``sealed_rows(lengths)``, so every row the append writes lies in the window); per-sequence and
+        shared fields are whole.  ``lengths`` are the TRUE committed lengths (positions: RoPE, ring slots,
+        frontiers).  The result must equal cropping the full-view append to the window, bit for bit.
+
+        Default: the append at shifted lengths ``lengths - row0`` -- right for schemes whose append uses positions
+        only as row indices (every row encoded on its own: full, per-token, QServe, static INT); schemes with
+        position-dependent state (rings, RoPE, warm-up) override it and :meth:`supports_window_append`."""
+        return self.append_layer_with_status(state, lengths - row0, k, v, num_new)
+
     def rebuild_start(self, old_lengths, new_lengths):
         """Host-side (NumPy int ``[B]``): first position whose full-precision row a truncation from ``old_lengths``
         to ``new_lengths`` must be given again (``== new_lengths`` where the held state suffices).

@@ -180,9 +180,10 @@ class KIVIScheme(SchemeBase):
             k_res=jnp.zeros(lead + (s_k, head_dim), rd),
             v_res=jnp.zeros(lead + (s_v, head_dim), rd))
 
-    def _close(self, codes, scale, mn, ring, new, base, lengths, num_new, n_rows, width, per_channel):
+    def _close(self, codes, scale, mn, ring, new, base, lengths, num_new, n_rows, width, per_channel, row0):
         """Quantize the rows of positions ``[base, base + n_rows)`` (``n_rows <= width``, static ``width``) and
-        write their codes and qparams.  Returns the updated arrays and ``bad [B]`` (a hard quantizer flag)."""
+        write their codes and qparams at rows ``position - row0`` (``row0 [B]``: 0, or a window's first position,
+        a multiple of G).  Returns the updated arrays and ``bad [B]`` (a hard quantizer flag)."""
         bits = self.k_bits if per_channel else self.v_bits
         win = _rows.window(ring, new, base, lengths, num_new, width)                 # [B, H, W, D] f32
         if per_channel:
@@ -195,19 +196,29 @@ class KIVIScheme(SchemeBase):
         q_scale = _rows.sentinel_scale(q.scale, narrow)
         j = _rows.arange_rows(width)[None, :]
         row_keep = j < n_rows[:, None]
-        codes = _rows.write_rows(codes, pack_bits(q.codes, bits, axis=-1), base[:, None] + j, row_keep)
+        row = base - row0
+        codes = _rows.write_rows(codes, pack_bits(q.codes, bits, axis=-1), row[:, None] + j, row_keep)
         if per_channel:
             g = self.group_size
             gj = _rows.arange_rows(width // g)[None, :]
             keep = gj * g < n_rows[:, None]
-            gidx = base[:, None] // g + gj
+            gidx = row[:, None] // g + gj
         else:
-            keep, gidx = row_keep, base[:, None] + j
+            keep, gidx = row_keep, row[:, None] + j
         scale = _rows.write_rows(scale, q_scale, gidx, keep)
         mn = _rows.write_rows(mn, q.zero_or_min, gidx, keep)
         return codes, scale, mn, _rows.any_bad_rows(hard, keep)
 
     def append_layer_with_status(self, state, lengths, k, v, num_new):
+        return self.append_window_with_status(state, lengths, k, v, num_new, jnp.zeros_like(lengths))
+
+    def supports_window_append(self) -> bool:
+        return True
+
+    def append_window_with_status(self, state, lengths, k, v, num_new, row0):
+        """The append (frontiers, rings and closing windows at TRUE positions); codes and qparams land at rows
+        ``position - row0`` of the state (``row0 = 0``: the whole cache; a window's first position otherwise,
+        a multiple of ``group_size`` because G divides the page size)."""
         t = k.shape[1]
         g = self.group_size
         s_k, s_v = self.ring_sizes
@@ -224,13 +235,13 @@ class KIVIScheme(SchemeBase):
         width_k = ((s_k - 1 + t) // g) * g                      # >= any K frontier growth of this append
         if width_k:
             kc, ks, km, kbad = self._close(st.k_codes, st.k_scale, st.k_min, st.k_res, kt, fk0, lengths, num_new,
-                                           fk1 - fk0, width_k, per_channel=True)
+                                           fk1 - fk0, width_k, per_channel=True, row0=row0)
             st = st.replace(k_codes=kc, k_scale=ks, k_min=km)
             bad = bad | kbad
         width_v = t if self.residual_rule == "kivi" else ((s_v - 1 + t) // g) * g
         if width_v:
             vc, vs, vm, vbad = self._close(st.v_codes, st.v_scale, st.v_min, st.v_res, vt, fv0, lengths, num_new,
-                                           fv1 - fv0, width_v, per_channel=False)
+                                           fv1 - fv0, width_v, per_channel=False, row0=row0)
             st = st.replace(v_codes=vc, v_scale=vs, v_min=vm)
             bad = bad | vbad
 

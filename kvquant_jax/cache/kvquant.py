@@ -283,6 +283,14 @@ class KVQuantScheme(SchemeBase):
         return codes, scale, q.offset, idx, val, bad
 
     def append_layer_with_status(self, state, lengths, k, v, num_new):
+        return self.append_window_with_status(state, lengths, k, v, num_new, jnp.zeros_like(lengths))
+
+    def supports_window_append(self) -> bool:
+        return True
+
+    def append_window_with_status(self, state, lengths, k, v, num_new, row0):
+        """The append (RoPE inversion, sink rows and stored ``pos`` at TRUE positions); capacity rows land at
+        ``position - row0`` (0: the whole cache; a window's first position otherwise)."""
         b, t, h, d = k.shape
         pos = lengths[:, None] + _rows.arange_rows(t)[None, :]                     # [B, T]
         valid = _rows.new_row_mask(num_new, t)
@@ -297,8 +305,10 @@ class KVQuantScheme(SchemeBase):
         quant = valid & (pos >= self.sink)
         sink_rows = valid & (pos < self.sink)
 
+        row = pos - row0[:, None]
+
         def w(buf, rows):
-            return _rows.write_rows(buf, rows, pos, quant)
+            return _rows.write_rows(buf, rows, row, quant)
 
         st = state.replace(k_codes=w(state.k_codes, kc), k_sp_idx=w(state.k_sp_idx, kidx),
                            k_sp_val=w(state.k_sp_val, kval), v_codes=w(state.v_codes, vc),
@@ -313,7 +323,7 @@ class KVQuantScheme(SchemeBase):
             sink_fin = jnp.all(jnp.isfinite(ks) & jnp.isfinite(vs_), axis=(1, 3))  # [B, T]
             bad = bad | jnp.any(sink_rows & ~sink_fin, axis=1)
         bi = jnp.arange(b, dtype=jnp.int32)[:, None]
-        st = st.replace(pos=st.pos.at[bi, jnp.where(valid, pos, st.pos.shape[1])].set(pos, mode="drop"))
+        st = st.replace(pos=st.pos.at[bi, jnp.where(valid, row, st.pos.shape[1])].set(pos, mode="drop"))
         return st, fin & ~bad
 
     def append_layer(self, state, lengths, k, v, num_new):

@@ -221,48 +221,93 @@ def _safe_table(cache: PagedKVCache, table: jax.Array) -> jax.Array:
     return jnp.where(table < 0, cache.num_pages, table)
 
 
-def _gather_field(pool: jax.Array, table: jax.Array, f: FieldLayout) -> jax.Array:
-    g = pool[:, table]                                   # [L_g, B, M, ...page dims]
-    g = jnp.moveaxis(g, 2, f.row_axis + 1)               # [L_g, B, ..., M, rows_per_page, ...]
-    r = f.row_axis + 1
+def _gather_field(pool: jax.Array, table: jax.Array, f: FieldLayout, lead: int = 1) -> jax.Array:
+    """Rows of the pages ``table [B, M]`` (safe ids) laid end to end: pool ``[*L, P + 1, ...page dims]`` ->
+    ``[*L, B, ..., M * rows_per_page, ...]`` (``lead``: 1 for a stacked group, 0 for one layer)."""
+    g = pool[(slice(None),) * lead + (table,)]            # [*L, B, M, ...page dims]
+    r = f.row_axis + lead
+    g = jnp.moveaxis(g, lead + 1, r)                     # [*L, B, ..., M, rows_per_page, ...]
     return g.reshape(g.shape[:r] + (g.shape[r] * g.shape[r + 1],) + g.shape[r + 2:])
 
 
-def gather(cache: PagedKVCache) -> KVCache:
-    """The contiguous view (jit-able): ``KVCache`` of capacity ``cache.capacity``; row ``i`` of sequence ``b`` is
-    read from page ``page_table[b, (i - row_offset) // page_size]`` (the trash page where unmapped; such rows are
-    invisible at ``lengths``)."""
-    table = _safe_table(cache, cache.page_table)
+def gather(cache: PagedKVCache, pages: int | None = None) -> KVCache:
+    """The contiguous view (jit-able): ``KVCache`` of capacity ``row_offset + pages * page_size`` (``pages``
+    static, default ``max_pages``: ``cache.capacity``); row ``i`` of sequence ``b`` is read from page
+    ``page_table[b, (i - row_offset) // page_size]`` (the trash page where unmapped; such rows are invisible at
+    ``lengths``).  With ``pages`` < ``max_pages`` it is the view of the first ``pages`` logical pages (every
+    sequence must hold its ``lengths`` within them)."""
+    pages = cache.max_pages if pages is None else pages
+    table = _safe_table(cache, cache.page_table[:, :pages])
     groups = []
     for lay, st in zip(cache.layouts, cache.groups):
         groups.append(st.replace(**{f.name: _gather_field(getattr(st, f.name), table, f)
                                     for f in lay if f.kind == PAGED}))
-    return KVCache(groups=tuple(groups), lengths=cache.lengths, schemes=cache.schemes, capacity=cache.capacity,
-                   num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim)
+    return KVCache(groups=tuple(groups), lengths=cache.lengths, schemes=cache.schemes,
+                   capacity=cache.row_offset + pages * cache.page_size, num_kv_heads=cache.num_kv_heads,
+                   head_dim=cache.head_dim)
 
 
-def _scatter_field(pool: jax.Array, view: jax.Array, idx: jax.Array, f: FieldLayout, max_pages: int) -> jax.Array:
-    r = f.row_axis + 1
-    v = view.reshape(view.shape[:r] + (max_pages, f.rows_per_page) + view.shape[r + 1:])
-    v = jnp.moveaxis(v, r, 2)                            # [L_g, B, M, ...page dims]
-    v = v.reshape((v.shape[0], v.shape[1] * v.shape[2]) + v.shape[3:])
-    return pool.at[:, idx].set(v.astype(pool.dtype))
+def _scatter_field(pool: jax.Array, view: jax.Array, idx: jax.Array, f: FieldLayout, pages: int,
+                   lead: int = 1) -> jax.Array:
+    """Inverse of :func:`_gather_field`: write the view's ``pages`` pages per sequence to pool pages ``idx``
+    (``[B * pages]``, the trash page for pages not written)."""
+    r = f.row_axis + lead
+    v = view.reshape(view.shape[:r] + (pages, f.rows_per_page) + view.shape[r + 1:])
+    v = jnp.moveaxis(v, r, lead + 1)                     # [*L, B, M, ...page dims]
+    v = v.reshape(v.shape[:lead] + (v.shape[lead] * v.shape[lead + 1],) + v.shape[lead + 2:])
+    return pool.at[(slice(None),) * lead + (idx,)].set(v.astype(pool.dtype))
 
 
 def scatter(cache: PagedKVCache, view: KVCache, write: jax.Array) -> PagedKVCache:
     """Write the view's pages back (jit-able): page ``j`` of sequence ``b`` where ``write[b, j]`` (bool
     ``[B, max_pages]``; the caller makes every written page exclusively owned), every per-sequence field, and the
-    view's lengths.  Shared fields are taken from the view (a warm-up FP8 scale is written by an append)."""
-    idx = jnp.where(write & (cache.page_table >= 0), cache.page_table, cache.num_pages).reshape(-1)
+    view's lengths.  Shared fields are taken from the view (a warm-up FP8 scale is written by an append).  The view
+    may hold fewer pages than ``max_pages`` (:func:`gather` with ``pages``); pages past it must not be written."""
+    pages = (view.capacity - cache.row_offset) // cache.page_size
+    idx = write_index(cache.page_table[:, :pages], write[:, :pages], cache.num_pages)
     groups = []
     for lay, st, vst in zip(cache.layouts, cache.groups, view.groups):
-        fields = {}
-        for f in lay:
-            new = getattr(vst, f.name)
-            fields[f.name] = (_scatter_field(getattr(st, f.name), new, idx, f, cache.max_pages)
-                              if f.kind == PAGED else new)
-        groups.append(st.replace(**fields))
+        groups.append(st.replace(**{f.name: (_scatter_field(getattr(st, f.name), getattr(vst, f.name), idx, f, pages)
+                                             if f.kind == PAGED else getattr(vst, f.name)) for f in lay}))
     return cache.replace(groups=tuple(groups), lengths=view.lengths)
+
+
+def write_index(table: jax.Array, write: jax.Array, num_pages: int) -> jax.Array:
+    """int32 ``[B * M]``: the pool page each (sequence, page) of ``table [B, M]`` is written to -- its page where
+    ``write`` and mapped, the trash page ``num_pages`` otherwise."""
+    return jnp.where(write & (table >= 0), table, num_pages).reshape(-1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# one layer read and written through the page table (the paged-direct forward, attention/paged.PagedStep)
+# --------------------------------------------------------------------------------------------------------------
+def window_table(page_table: jax.Array, first: jax.Array, pages: int) -> tuple[jax.Array, jax.Array]:
+    """``(table, in_range)`` of a window of ``pages`` logical pages starting at page ``first[b]`` (int32 ``[B]``):
+    ``table[b, j] = page_table[b, first[b] + j]`` (-1 past ``max_pages``), ``in_range`` bool ``[B, pages]``."""
+    j = first[:, None] + jnp.arange(pages, dtype=jnp.int32)[None, :]
+    inside = j < page_table.shape[1]
+    t = jnp.take_along_axis(page_table, jnp.minimum(j, page_table.shape[1] - 1), axis=1)
+    return jnp.where(inside, t, -1), inside
+
+
+def layer_window(layout: tuple, state, table: jax.Array, num_pages: int):
+    """One layer's state (pools ``[P + 1, ...]``, per-sequence and shared fields; no layer axis) with every paged
+    field replaced by the rows of pages ``table [B, M]`` laid end to end (-1: the trash page): the contiguous
+    layer state of capacity ``M * page_size`` (plus hidden prefix rows) of those pages."""
+    safe = jnp.where(table < 0, num_pages, table)
+    return state.replace(**{f.name: _gather_field(getattr(state, f.name), safe, f, lead=0)
+                            for f in layout if f.kind == PAGED})
+
+
+def layer_unwindow(layout: tuple, state, window, table: jax.Array, write: jax.Array, num_pages: int):
+    """Write a window (``layer_window``'s shape, after an append) back: its page ``j`` of sequence ``b`` to pool
+    page ``table[b, j]`` where ``write[b, j]`` (bool ``[B, M]``; else the trash page); per-sequence and shared
+    fields are taken from the window.  Returns the layer state (pools)."""
+    m = table.shape[1]
+    idx = write_index(table, write, num_pages)
+    return state.replace(**{f.name: (_scatter_field(getattr(state, f.name), getattr(window, f.name), idx, f, m,
+                                                    lead=0) if f.kind == PAGED else getattr(window, f.name))
+                            for f in layout})
 
 
 def copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
@@ -286,7 +331,36 @@ def gather_slots(cache: PagedKVCache, index: jax.Array) -> PagedKVCache:
                          lengths=jnp.take(cache.lengths, index))
 
 
-_gather_jit = jax.jit(gather)
+def select_slots(cache: PagedKVCache, index: jax.Array) -> PagedKVCache:
+    """The paged cache of the sequences ``index`` (int32 ``[R]``; an entry ``>= B`` is an empty row: no page,
+    length ``row_offset``, zero per-sequence fields) sharing the pools and shared fields (jit-able): the rows of
+    one forward of an engine step.  :func:`merge_slots` writes the rows back."""
+    b = cache.batch
+    inside = index < b
+    safe = jnp.minimum(index, b - 1)
+    groups = []
+    for lay, st in zip(cache.layouts, cache.groups):
+        def rows(a):
+            got = jnp.take(a, safe, axis=1)
+            return jnp.where(inside.reshape((1, -1) + (1,) * (a.ndim - 2)), got, jnp.zeros((), a.dtype))
+        groups.append(st.replace(**{f.name: rows(getattr(st, f.name)) for f in lay if f.kind == SLOT}))
+    return cache.replace(groups=tuple(groups),
+                         page_table=jnp.where(inside[:, None], cache.page_table[safe], -1),
+                         lengths=jnp.where(inside, cache.lengths[safe], cache.row_offset))
+
+
+def merge_slots(cache: PagedKVCache, sub: PagedKVCache, index: jax.Array) -> PagedKVCache:
+    """Inverse of :func:`select_slots` after a forward on ``sub``: its pools and shared fields, and its
+    per-sequence fields and lengths at rows ``index`` (distinct; entries ``>= B`` dropped).  The page table is
+    the cache's (a forward maps no page)."""
+    groups = []
+    for lay, st, sst in zip(cache.layouts, cache.groups, sub.groups):
+        groups.append(st.replace(**{f.name: (getattr(st, f.name).at[:, index].set(getattr(sst, f.name), mode="drop")
+                                             if f.kind == SLOT else getattr(sst, f.name)) for f in lay}))
+    return cache.replace(groups=tuple(groups), lengths=cache.lengths.at[index].set(sub.lengths, mode="drop"))
+
+
+_gather_jit = jax.jit(gather, static_argnames="pages")
 _scatter_jit = jax.jit(scatter)
 _copy_jit = jax.jit(copy_pages)
 _slots_jit = jax.jit(gather_slots)
@@ -321,7 +395,7 @@ def reserve(cache: PagedKVCache, pool: pp.PoolState, new_lengths, owners=None
     owners = np.arange(cache.batch) if owners is None else np.asarray(owners)
     table = _host(cache.page_table)
     need = cache.pages_needed(new)
-    first = np.maximum(cache.sealed(old) - cache.row_offset, 0) // cache.page_size
+    first = window_first(cache, old)
     grow = new > old
     write = np.zeros(table.shape, bool)
     src, dst = [], []
@@ -343,6 +417,26 @@ def reserve(cache: PagedKVCache, pool: pp.PoolState, new_lengths, owners=None
     if src:
         cache = _copy_jit(cache, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
     return cache, pool, write
+
+
+def window_first(cache: PagedKVCache, lengths) -> np.ndarray:
+    """int64 ``[B]``: the first logical page an append at committed ``lengths`` may write -- the page holding the
+    sealed frontier (``CacheScheme.sealed_rows``, minimum over the groups); host-side."""
+    return np.maximum(cache.sealed(lengths) - cache.row_offset, 0) // cache.page_size
+
+
+def step_pages(cache: PagedKVCache, old_lengths, new_lengths) -> tuple[np.ndarray, int, int]:
+    """Host-side page counts of one append from ``old_lengths`` to ``new_lengths`` (int ``[B]``):
+    ``(first [B], window, view)`` -- the first page each sequence writes (:func:`window_first`), the most pages
+    any growing sequence writes (``pages_needed(new) - first``, >= 1) and the most pages any sequence maps at the
+    new lengths (>= 1).  An engine buckets the two counts into static step shapes."""
+    old = np.asarray(old_lengths, np.int64)
+    new = np.asarray(new_lengths, np.int64)
+    first = window_first(cache, old)
+    need = cache.pages_needed(new)
+    grow = new > old
+    window = int(np.max(np.where(grow, need - first, 0), initial=0))
+    return first, max(window, 1), max(int(np.max(need, initial=0)), 1)
 
 
 def append(cache: PagedKVCache, pool: pp.PoolState, layer_kv: Sequence, num_new, owners=None

@@ -61,6 +61,11 @@ class PerTokenScheme(SchemeBase):
     """
 
     family = "per_token"
+
+    def supports_window_append(self) -> bool:
+        """Positions enter the append only as row indices: the default shifted window append is exact."""
+        return True
+
     presets = {"int8": {"bits": 8}, "int4": {"bits": 4}, "int2": {"bits": 2}}
     aliases = {"head_dim_group_size": ("group_size",)}
 

@@ -84,6 +84,11 @@ class TransposedVPerTokenScheme(SchemeBase):
     """
 
     family = "per_token_vt"
+
+    def supports_window_append(self) -> bool:
+        """Positions enter the append only as row indices: the default shifted window append is exact."""
+        return True
+
     presets = {"int8_vt": {"bits": 8}, "int4_vt": {"bits": 4}}
 
     bits: int = 4

@@ -400,6 +400,16 @@ class PrefixScheme(CacheScheme):
         new, ok = self.body.append_layer_with_status(body, self.body_lengths(lengths), k, v, num_new)
         return join_state(pk, pv, new), ok & (lengths >= self.prefix_len)
 
+    def supports_window_append(self) -> bool:
+        return self.body.supports_window_append()
+
+    def append_window_with_status(self, state, lengths, k, v, num_new, row0):
+        """The body's window append at body lengths and ``row0 - P`` (the window holds body rows only)."""
+        pk, pv, body = split_state(state)
+        new, ok = self.body.append_window_with_status(body, self.body_lengths(lengths), k, v, num_new,
+                                                      row0 - self.prefix_len)
+        return join_state(pk, pv, new), ok & (lengths >= self.prefix_len)
+
     def append_layer(self, state, lengths, k, v, num_new):
         pk, pv, body = split_state(state)
         return join_state(pk, pv, self.body.append_layer(body, self.body_lengths(lengths), k, v, num_new))

@@ -48,6 +48,11 @@ class QServeScheme(SchemeBase):
     """QServe KV4: unsigned INT4 codes with fp16 scale + floating fp16 offset per (token, head)."""
 
     family = "qserve"
+
+    def supports_window_append(self) -> bool:
+        """Positions enter the append only as row indices: the default shifted window append is exact."""
+        return True
+
     presets = {"qserve4": {}}
 
     def __post_init__(self):

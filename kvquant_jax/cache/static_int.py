@@ -56,6 +56,11 @@ class StaticIntScheme(SchemeBase):
     """
 
     family = "static_int"
+
+    def supports_window_append(self) -> bool:
+        """Positions enter the append only as row indices: the default shifted window append is exact."""
+        return True
+
     presets = {"static_int8": {"bits": 8}, "static_int4": {"bits": 4}, "static_int2": {"bits": 2}}
     aliases = {"axis": ("scale_axis",)}
     unbatched_fields = ("k_scale", "v_scale")

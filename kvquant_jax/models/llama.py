@@ -316,6 +316,11 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
             ) -> tuple[jax.Array, KVCache, jax.Array]:
     """Forward ``tokens`` (int32 [B, T]) at positions ``cache.lengths + t`` and append them to the cache.
 
+    ``cache``: a :class:`KVCache`, or a cache value that owns its per-layer append + attention through a
+    ``layer_step(group, group_state, i, attn, q, k, v, num_new, *, decode_impl) -> (group_state', ok [B],
+    out [B, T, Hq, D])`` method (``attention.paged.PagedStep``: the paged cache read and written through its page
+    table); it must also carry ``schemes``, ``groups``, ``lengths``, ``capacity`` and ``replace`` like a KVCache.
+
     Args:
       num_new: int32 [B]: valid tokens per sequence (right padding beyond); default all T.
       attention_impl: "reference" (decode the stored history, one float32 softmax in JAX, every phase), "kernel"
@@ -347,7 +352,10 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
     ok = jnp.bool_(True)
     unstacked = is_unstacked(params)
     on_mesh = active_mesh() is not None
-    for (scheme, first, n), gstate in zip(cache.schemes, cache.groups):
+    # a cache type that owns its per-layer append + attention (attention/paged.PagedStep: the paged-direct
+    # forward) provides ``layer_step``; the contiguous KVCache uses the code below (one path, no family switch)
+    layer_step = getattr(cache, "layer_step", None)
+    for gi, ((scheme, first, n), gstate) in enumerate(zip(cache.schemes, cache.groups)):
 
         # layers of one group share the scheme; when they also share the layer type (RoPE base, window), the group
         # runs under lax.scan with that type as static facts (``kind``: a representative layer index)
@@ -355,7 +363,7 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
             len({cfg.layer_window(first + j) for j in range(n)}) == 1
         scan = not (unstacked or n == 1 or not same_type)
 
-        def body(carry, inp, scheme=scheme, first=first, scan=scan):
+        def body(carry, inp, scheme=scheme, first=first, scan=scan, gi=gi):
             # The group state rides in the carry. The append is written first (dynamic_update_slice of this layer's
             # slice) and attention then reads the UPDATED state at the OLD lengths: by the frontier rule that view
             # equals the old state's, and with no reader of the pre-append buffer left XLA updates the donated cache
@@ -365,7 +373,6 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
             lp, i = inp
             layer = first if scan else first + i                  # static: the group's layer type under the scan
             q, k, v = project_qkv(cfg, x, lp, positions, linear, layer=layer)
-            st = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), gst)
             window = layer_window(cfg, layer)
             check_layer_window(cfg, scheme, layer, window)
 
@@ -379,6 +386,11 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
                 return prefill_attention(q, k, v, num_new, scheme.materialize_layer(view, lengths),
                                          impl=prefill_impl)
 
+            if layer_step is not None:
+                gst, fin, a = layer_step(gi, gst, i, attn, q, k, v, num_new, decode_impl=decode_impl)
+                x = finish_layer(cfg, x, lp, a, linear)
+                return (x, ok & jnp.all(fin), gst), None
+            st = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), gst)
             if on_mesh:   # append + attention per device on its sequences and KV heads (attention/sharded.py)
                 st2, fin, a = local_layer(attn, scheme, q, k, v, st, lengths, num_new)
             else:

@@ -5,10 +5,10 @@ One :class:`Engine` owns ``num_slots`` sequence slots, a page pool and (optional
 
 1. **admits** queued requests (FCFS) into free slots while the pool has pages for their prompt (prefix-cache hits
    map stored pages first and need only the rest) plus one page per running request of headroom;
-2. **plans** one static-shape step: every running slot feeds ``min(chunk, pending)`` tokens -- a prefill chunk
-   of its prompt, or its last sampled token -- so chunked prefill and decode share ONE jit-compiled forward of
-   shape ``[num_slots, T]`` with ``T`` bucketed to 1 (all slots decoding) or ``chunk``; idle slots feed nothing
-   (``num_new = 0``, masked);
+2. **plans** one step: every decoding slot feeds its last sampled token (one ``[num_slots, 1]`` forward; idle
+   and prefilling slots feed nothing, ``num_new = 0``) and up to ``prefill_slots`` prefilling slots (admission
+   order) feed ``min(chunk, pending)`` prompt tokens (one ``[prefill_slots, chunk]`` forward of those rows);
+   static shapes from a bounded, bucketed set (``Engine.compile_shapes``);
 3. **reserves** pages (``paged.reserve``: map new pages, copy-on-write shared ones); when the pool runs out it
    evicts least-recently-used prefix-cache entries, then **preempts** the most recently admitted request (its pages
    are released and it re-queues at the front to be *recomputed*: prompt + generated tokens are prefilled again,
@@ -19,9 +19,15 @@ One :class:`Engine` owns ``num_slots`` sequence slots, a page pool and (optional
    :class:`StreamEvent` per new token; a request stops at its stop tokens (EOS by default; the stop token is not
    emitted, as in ``serving.generate``) or its ``max_new_tokens``.
 
-The forward runs on the paged cache's contiguous view (``paged.gather`` -> ``llama.forward`` ->
-``paged.scatter``), so every registry scheme serves and the results equal ``serving.generate`` one request at a
-time (same prefill chunking) token for token: ``tests/serving/test_engine.py``.
+The forward runs **paged-direct** (``EngineConfig.forward = "direct"``, the default): ``llama.forward`` on an
+``attention.paged.PagedStep``, which appends each layer's new rows through a window of the pages the step writes
+and attends through the page table (the paged Pallas kernel for decode where the scheme reads its fields in place,
+else the view of the step's mapped pages), so no ``[slots, Hkv, max capacity, ...]`` view exists; the step's
+static shape is ``(T, view pages, window pages)``, each bucketed to a power of two (a bounded set of compiled
+steps).  ``forward = "view"`` keeps the old path (``paged.gather`` -> ``llama.forward`` -> ``paged.scatter`` of
+the whole view).  Either way every registry scheme serves and the results equal ``serving.generate`` one request
+at a time (same prefill chunking) token for token: ``tests/serving/test_engine.py``; which path served each
+scheme and phase is in ``Engine.paths``.
 
 Bad input raises ``ValueError`` at :meth:`Engine.submit`: an empty prompt, a token outside the vocabulary, a
 request longer than the model's context or the cache's, a request that needs more pages than the whole pool.
@@ -39,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvquant_jax.attention import paged as paged_attention
 from kvquant_jax.cache import page_pool as pp
 from kvquant_jax.cache import paged
 from kvquant_jax.cache import prefix_cache as pcache
@@ -49,6 +56,20 @@ from kvquant_jax.serving.sampling import SamplingParams
 
 __all__ = ["EngineConfig", "Request", "StreamEvent", "Result", "Engine", "sample_rows", "synthetic_trace",
            "read_trace", "write_trace", "summarize"]
+
+
+FORWARDS = ("direct", "view")
+
+
+def bucket(n: int, limit: int) -> int:
+    """The static size a count ``n >= 1`` compiles at: the next power of two, at most ``limit``."""
+    return min(1 << max(int(n) - 1, 0).bit_length(), limit)
+
+
+def view_ladder(max_pages: int, buckets: int) -> tuple[int, ...]:
+    """The view sizes (pages) a forward compiles at: ``ceil(max_pages / 2^k)`` for ``k < buckets`` -- a view at
+    most twice the pages the step maps (down to the smallest rung), ``buckets`` compiled shapes per phase."""
+    return tuple(sorted({-(-max_pages // 2 ** k) for k in range(buckets)}))
 
 
 class CacheAppendError(RuntimeError):
@@ -68,6 +89,11 @@ class EngineConfig:
       prefix_cache: store full prompt pages and map them into later requests with the same prefix.
       seed: base PRNG seed of the per-request sampling streams.
       attention_impl: ``llama.forward``'s attention implementation.
+      forward: "direct" (the paged-direct forward, ``attention.paged.PagedStep``) or "view" (gather the whole
+        contiguous view, forward, scatter: memory ~ slots x max capacity; kept as the reference path).
+      prefill_slots: rows of a step's prefill forward (``[prefill_slots, chunk]``; at most that many requests
+        prefill a chunk per step, in admission order).
+      view_buckets: page counts a forward's view of the mapped pages compiles at (``view_ladder``).
     """
 
     num_slots: int = 8
@@ -78,9 +104,14 @@ class EngineConfig:
     prefix_cache: bool = True
     seed: int = 0
     attention_impl: str = "auto"
+    forward: str = "direct"
+    prefill_slots: int = 4
+    view_buckets: int = 4
 
     def __post_init__(self):
-        for f in ("num_slots", "page_size", "num_pages", "max_pages", "chunk"):
+        if self.forward not in FORWARDS:
+            raise ValueError(f"engine: forward must be one of {FORWARDS}, got {self.forward!r}")
+        for f in ("num_slots", "page_size", "num_pages", "max_pages", "chunk", "prefill_slots", "view_buckets"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"engine: {f} must be a positive int, got {v!r}")
@@ -151,17 +182,38 @@ def sample_rows(logits, keys, temperature, top_k, top_p):
     return jnp.where(temperature > 0, drawn, greedy)
 
 
+def _sample_last(logits, num_new, temperature, top_k, top_p, base_key, req_ids, n_gen):
+    last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    keys = jax.vmap(lambda i, n: jax.random.fold_in(jax.random.fold_in(base_key, i), n))(req_ids, n_gen)
+    return sample_rows(last, keys, temperature, top_k, top_p)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_impl"), donate_argnames=("cache",))
-def _step(params, cfg: LlamaConfig, cache: paged.PagedKVCache, tokens, num_new, write, temperature, top_k, top_p,
-          base_key, req_ids, n_gen, attention_impl="auto"):
-    """One engine step: ``tokens`` int32 ``[S, T]`` (``num_new[s]`` valid), pages ``write`` bool ``[S, M]``.
+def _step_view(params, cfg: LlamaConfig, cache: paged.PagedKVCache, tokens, num_new, write, temperature, top_k,
+               top_p, base_key, req_ids, n_gen, attention_impl="auto"):
+    """One forward on the whole contiguous view of every slot (``paged.gather`` -> ``forward`` ->
+    ``paged.scatter``): ``tokens`` int32 ``[S, T]`` (``num_new[s]`` valid), pages ``write`` bool ``[S, M]``.
     Returns (next token int32 ``[S]``, cache', ok)."""
     view = paged.gather(cache)
     logits, view2, ok = forward(params, cfg, tokens, view, num_new, attention_impl=attention_impl)
     cache2 = paged.scatter(cache, view2, write)
-    last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
-    keys = jax.vmap(lambda i, n: jax.random.fold_in(jax.random.fold_in(base_key, i), n))(req_ids, n_gen)
-    return sample_rows(last, keys, temperature, top_k, top_p), cache2, ok
+    return _sample_last(logits, num_new, temperature, top_k, top_p, base_key, req_ids, n_gen), cache2, ok
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attention_impl", "view_pages", "window_pages"),
+                   donate_argnames=("cache",))
+def _step_direct(params, cfg: LlamaConfig, cache: paged.PagedKVCache, index, tokens, num_new, write, first,
+                 temperature, top_k, top_p, base_key, req_ids, n_gen, attention_impl="auto", view_pages=1,
+                 window_pages=1):
+    """One paged-direct forward (``attention.paged.PagedStep``) of the rows ``index`` (int32 ``[R]``, slot ids;
+    ``>= S`` = an empty row): ``tokens`` int32 ``[R, T]``, ``num_new``, ``write`` bool ``[R, M]``, ``first``
+    int32 ``[R]`` (first page each row writes), per-row sampling; static page buckets.  Returns (next token
+    int32 ``[R]``, cache', ok)."""
+    sub = paged.select_slots(cache, index)
+    step = paged_attention.paged_step(sub, write, first, view_pages=view_pages, window_pages=window_pages)
+    logits, step2, ok = forward(params, cfg, tokens, step, num_new, attention_impl=attention_impl)
+    cache2 = paged.merge_slots(cache, step2.paged(), index)
+    return _sample_last(logits, num_new, temperature, top_k, top_p, base_key, req_ids, n_gen), cache2, ok
 
 
 class Engine:
@@ -185,7 +237,18 @@ class Engine:
         self._admitted = 0
         self.peak_running = 0
         self.steps = 0
+        self.step_shapes: dict[tuple, int] = {}     # (T, rows, view pages, window pages) -> forwards run
+        self.ladder = view_ladder(config.max_pages, config.view_buckets)
+        self._windows: dict[int, int] = {}
         self.t0 = time.perf_counter()
+
+    @property
+    def paths(self) -> dict[str, str]:
+        """Which path served each (family, append | attention, phase) of the paged-direct forward so far
+        (``attention.paged.PATHS``; process-wide), or ``{"forward": "view"}``."""
+        if self.config.forward == "view":
+            return {"forward": "view"}
+        return {"/".join(k): v for k, v in sorted(paged_attention.PATHS.items())}
 
     # ----- requests -----
     @property
@@ -277,14 +340,107 @@ class Engine:
 
     # ----- one step -----
     def _plan(self):
+        """Tokens each slot feeds this step: a decoding slot its last token; with the paged-direct forward at most
+        ``prefill_slots`` prefilling slots (admission order) a chunk each, every prefilling slot otherwise."""
         n = np.zeros(self.config.num_slots, np.int64)
+        pre = sorted((s.admitted, i) for i, s in enumerate(self.slots) if s is not None and s.prefilling)
+        if self.config.forward == "direct":
+            pre = pre[:self.config.prefill_slots]
+        for _, i in pre:
+            n[i] = min(self.config.chunk, len(self.slots[i].todo))
         for i, s in enumerate(self.slots):
-            if s is not None:
-                n[i] = min(self.config.chunk, len(s.todo))
+            if s is not None and not s.prefilling:
+                n[i] = len(s.todo)                                 # 1: the last sampled token
         return n
 
+    def _row_inputs(self, rows, t: int, n):
+        """Host arrays of one forward's rows (slot ids; ``num_slots`` = an empty row): tokens ``[R, t]``,
+        num_new, sampling parameters, request ids, output indices."""
+        r = len(rows)
+        toks = np.zeros((r, t), np.int32)
+        num = np.zeros(r, np.int32)
+        temp, topk, topp = np.zeros(r, np.float32), np.zeros(r, np.int32), np.ones(r, np.float32)
+        ids, ngen = np.zeros(r, np.int32), np.zeros(r, np.int32)
+        for j, i in enumerate(rows):
+            s = self.slots[i] if i < self.config.num_slots else None
+            if s is None or n[i] == 0:
+                continue
+            num[j] = n[i]
+            toks[j, : n[i]] = s.todo[: n[i]]
+            sp = s.req.sampling
+            temp[j], topk[j], topp[j], ids[j] = sp.temperature, sp.top_k, sp.top_p, s.req.id
+            ngen[j] = len(self.results[s.req.id].tokens)
+        return toks, num, (jnp.asarray(temp), jnp.asarray(topk), jnp.asarray(topp), self.base_key,
+                           jnp.asarray(ids), jnp.asarray(ngen))
+
+    def _direct_forward(self, rows, t: int, n, write, first, need):
+        """One paged-direct forward of ``rows`` (slot ids, padded with ``num_slots``); returns (next tokens of
+        the rows, ok).  Its static shape is ``(T, rows, view pages, window pages)``."""
+        rows = np.asarray(rows, np.int64)
+        real = rows[rows < self.config.num_slots]
+        toks, num, sampling = self._row_inputs(rows, t, n)
+        pad = np.concatenate([write, np.zeros((1,) + write.shape[1:], bool)])[rows]
+        firsts = np.concatenate([first, [0]])[rows]
+        win = int(np.max(need[real] - first[real], initial=1))
+        if win > self._window_pages(t):
+            raise AssertionError(f"engine: a row writes {win} pages, more than the {self._window_pages(t)} of a "
+                                 f"T={t} window")
+        shape = (t, len(rows), self._view_pages(t, int(np.max(need[real], initial=1))), self._window_pages(t))
+        nxt, self.cache, ok = _step_direct(self.params, self.cfg, self.cache, jnp.asarray(rows, jnp.int32),
+                                           jnp.asarray(toks), jnp.asarray(num), jnp.asarray(pad),
+                                           jnp.asarray(firsts, jnp.int32), *sampling,
+                                           attention_impl=self.config.attention_impl, view_pages=shape[2],
+                                           window_pages=shape[3])
+        self.step_shapes[shape] = self.step_shapes.get(shape, 0) + 1
+        return nxt, ok
+
+    def _window_pages(self, t: int) -> int:
+        """The window (pages) every T-token forward compiles at: the most pages one row can write from its
+        sealed page (``pages_needed(L + T) - window_first(L)`` over every committed length L), bucketed; one shape
+        per T (a few spare pages per row cost less than another compile)."""
+        if t not in self._windows:
+            c = self.cache
+            lengths = np.arange(c.row_offset, c.capacity, dtype=np.int64)
+            worst = np.max(c.pages_needed(np.minimum(lengths + t, c.capacity)) - paged.window_first(c, lengths))
+            self._windows[t] = bucket(max(int(worst), 1), c.max_pages)
+        return self._windows[t]
+
+    def compile_shapes(self) -> list[tuple[int, int, int, int]]:
+        """Every ``(T, rows, view pages, window pages)`` the paged-direct forward can run at (bounded:
+        ``view_buckets`` decode shapes and ``view_buckets`` prefill shapes)."""
+        s, r = self.config.num_slots, min(self.config.prefill_slots, self.config.num_slots)
+        return ([(1, s, v, self._window_pages(1)) for v in self.ladder]
+                + [(self.config.chunk, r, v, self._window_pages(self.config.chunk)) for v in self.ladder])
+
+    def warmup(self) -> float:
+        """Compile every shape of :meth:`compile_shapes` (forwards whose rows feed nothing: the cache is logically
+        unchanged) so a timed run pays no compilation; returns the seconds spent.  The view path compiles its two
+        shapes on first use."""
+        t0 = time.perf_counter()
+        if self.config.forward != "direct":
+            return 0.0
+        for t, r, v, w in self.compile_shapes():
+            rows = np.full(r, self.config.num_slots, np.int64)
+            toks, num, sampling = self._row_inputs(rows, t, np.zeros(self.config.num_slots + 1, np.int64))
+            _, self.cache, ok = _step_direct(self.params, self.cfg, self.cache, jnp.asarray(rows, jnp.int32),
+                                             jnp.asarray(toks), jnp.asarray(num),
+                                             jnp.zeros((r, self.cache.max_pages), jnp.bool_),
+                                             jnp.zeros(r, jnp.int32), *sampling,
+                                             attention_impl=self.config.attention_impl, view_pages=v,
+                                             window_pages=w)
+            ok.block_until_ready()
+        return time.perf_counter() - t0
+
+    def _view_pages(self, t: int, need: int) -> int:
+        """The view size of a forward whose rows map at most ``need`` pages: the smallest ``view_ladder`` rung.
+        (Also for decode steps the paged kernel serves: the view's gathers are dead code there, except where a
+        scheme's small regions read paged rows -- KIVI's tail decodes ``[fv, fk)`` from K codes -- so the view must
+        cover the lengths.)"""
+        del t
+        return next(v for v in self.ladder if v >= need)
+
     def step(self) -> list[StreamEvent]:
-        """Admit, run one mixed prefill/decode step, return the new tokens as stream events."""
+        """Admit, run one step (decode + prefill chunks), return the new tokens as stream events."""
         self._admit()
         if not self.running:
             return []
@@ -300,28 +456,38 @@ class Engine:
                 if not self._preempt(keep=oldest):
                     raise
         self.cache, self.pool = cache, pool
-        t = 1 if n.max() <= 1 else self.config.chunk
-        toks = np.zeros((self.config.num_slots, t), np.int32)
-        temp = np.zeros(self.config.num_slots, np.float32)
-        topk = np.zeros(self.config.num_slots, np.int32)
-        topp = np.ones(self.config.num_slots, np.float32)
-        ids = np.zeros(self.config.num_slots, np.int32)
-        ngen = np.zeros(self.config.num_slots, np.int32)
-        for i, s in enumerate(self.slots):
-            if s is None:
-                continue
-            toks[i, : n[i]] = s.todo[: n[i]]
-            sp = s.req.sampling
-            temp[i], topk[i], topp[i], ids[i] = sp.temperature, sp.top_k, sp.top_p, s.req.id
-            ngen[i] = len(self.results[s.req.id].tokens)
         self.pool, step_id = pp.begin_step(self.pool)
-        nxt, self.cache, ok = _step(self.params, self.cfg, self.cache, jnp.asarray(toks), jnp.asarray(n, jnp.int32),
-                                    jnp.asarray(write), jnp.asarray(temp), jnp.asarray(topk), jnp.asarray(topp),
-                                    self.base_key, jnp.asarray(ids), jnp.asarray(ngen),
-                                    attention_impl=self.config.attention_impl)
-        nxt = np.asarray(nxt)                                      # outputs ready: the step's reads are done
-        self.pool = pp.retire_step(self.pool, step_id)
-        if not bool(ok):
+        nxt = np.zeros(self.config.num_slots, np.int64)
+        oks = []
+        if self.config.forward == "direct":
+            # decode rows: every slot in one [S, 1] forward (others feed nothing); prefill rows: up to
+            # prefill_slots slots in one [prefill_slots, chunk] forward
+            first, _, _ = paged.step_pages(self.cache, lengths, lengths + n)
+            need = self.cache.pages_needed(lengths + n)
+            decoding = np.array([s is not None and not s.prefilling and n[i] > 0 for i, s in enumerate(self.slots)])
+            prefill = [i for i, s in enumerate(self.slots) if s is not None and s.prefilling and n[i] > 0]
+            if decoding.any():
+                out, ok = self._direct_forward(np.arange(self.config.num_slots), 1, n * decoding,
+                                               write & decoding[:, None], first, np.where(decoding, need, 1))
+                nxt[decoding] = np.asarray(out)[decoding]
+                oks.append(ok)
+            if prefill:
+                width = min(self.config.prefill_slots, self.config.num_slots)
+                rows = prefill + [self.config.num_slots] * (width - len(prefill))
+                out, ok = self._direct_forward(rows, self.config.chunk, n, write, first, need)
+                nxt[prefill] = np.asarray(out)[: len(prefill)]
+                oks.append(ok)
+        else:
+            t = 1 if n.max() <= 1 else self.config.chunk
+            toks, num, sampling = self._row_inputs(np.arange(self.config.num_slots), t, n)
+            out, self.cache, ok = _step_view(self.params, self.cfg, self.cache, jnp.asarray(toks), jnp.asarray(num),
+                                             jnp.asarray(write), *sampling, attention_impl=self.config.attention_impl)
+            shape = (t, self.config.num_slots, self.cache.max_pages, 0)
+            self.step_shapes[shape] = self.step_shapes.get(shape, 0) + 1
+            nxt[:] = np.asarray(out)
+            oks.append(ok)
+        self.pool = pp.retire_step(self.pool, step_id)        # outputs ready (read above): its reads are done
+        if not all(bool(ok) for ok in oks):
             raise CacheAppendError("engine step produced non-finite K/V; nothing was published")
         self.steps += 1
         self.peak_running = max(self.peak_running, self.running)
@@ -365,14 +531,20 @@ class Engine:
         return StreamEvent(s.req.id, tok, len(res.tokens) - (tok is not None), True, reason, now)
 
     # ----- drivers -----
-    def stream(self, requests: Iterable[Request] = (), *, realtime: bool = False):
+    def stream(self, requests: Iterable[Request] = (), *, realtime: bool = False, max_seconds: float | None = None):
         """Submit ``requests`` (by ``arrival`` when ``realtime``: a request is queued once the engine clock
-        reaches its arrival; otherwise all at once) and yield :class:`StreamEvent` s until every request is done."""
+        reaches its arrival; otherwise all at once) and yield :class:`StreamEvent` s until every request is done,
+        or -- ``max_seconds`` -- until the first step boundary after that many seconds (``self.stopped`` True;
+        unfinished requests keep their tokens so far)."""
         pending = sorted(requests, key=lambda r: r.arrival)
         self.t0 = time.perf_counter()
+        self.stopped = False
         k = 0
         while k < len(pending) or not self.done():
             now = time.perf_counter() - self.t0
+            if max_seconds is not None and now > max_seconds:
+                self.stopped = True
+                return
             while k < len(pending) and (not realtime or pending[k].arrival <= now):
                 self.submit(pending[k])
                 k += 1

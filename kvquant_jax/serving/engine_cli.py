@@ -42,24 +42,28 @@ def pages_for_budget(scheme, cfg, page_size: int, hbm_bytes: float) -> int:
     return n
 
 
-def serve_bench(params, cfg, scheme, requests, engine_config, *, realtime: bool = True, warmup: bool = True
-                ) -> dict:
+def serve_bench(params, cfg, scheme, requests, engine_config, *, realtime: bool = True, warmup: bool = True,
+                max_seconds: float | None = None) -> dict:
     """Run ``requests`` through a fresh :class:`~kvquant_jax.serving.engine.Engine`; returns ``summarize``'s
-    dict plus the geometry.  ``warmup`` first compiles both step shapes on a throw-away engine."""
+    dict plus the geometry, the compiled step shapes and which path served each phase.  ``warmup`` first
+    compiles every step shape (``Engine.warmup``; its seconds are reported as ``compile_s``, not timed).
+    ``max_seconds``: stop stepping once the run took that long (``partial``: True; the summary covers the tokens
+    served so far, ``finished`` counts completed requests)."""
     eng = Engine(params, cfg, scheme, engine_config)
     for r in requests:                                   # refuse a trace with a request that can never run
         eng.check(r)
-    if warmup:                                           # compile both step shapes (T = chunk and T = 1)
-        w = Engine(params, cfg, scheme, engine_config)
-        n = max(1, min(engine_config.chunk + 1, w.context - 2,
-                       engine_config.num_pages * engine_config.page_size - 2))
-        w.run([Request(-1, tuple(3 + i % max(cfg.vocab_size - 3, 1) for i in range(n)), 2)])
+    compile_s = eng.warmup() if warmup else 0.0
     t0 = time.perf_counter()
-    res = eng.run(requests, realtime=realtime)
+    for _ in eng.stream(requests, realtime=realtime, max_seconds=max_seconds):
+        pass
     seconds = time.perf_counter() - t0
-    out = summarize(res, seconds, eng.peak_running)
-    out.update(steps=eng.steps, num_pages=engine_config.num_pages, page_size=engine_config.page_size,
-               num_slots=engine_config.num_slots, chunk=engine_config.chunk,
+    partial = eng.stopped
+    out = summarize(eng.results, seconds, eng.peak_running)
+    out.update(partial=partial, finished=sum(bool(r.reason) for r in eng.results.values()),
+               submitted=len(eng.results), steps=eng.steps, compile_s=round(compile_s, 2),
+               step_shapes=len(eng.step_shapes), num_pages=engine_config.num_pages,
+               page_size=engine_config.page_size, num_slots=engine_config.num_slots, chunk=engine_config.chunk,
+               forward=engine_config.forward, paths=eng.paths,
                family=getattr(scheme, "family", "full") if scheme is not None else "full")
     return out
 
@@ -92,8 +96,9 @@ def cmd_serve_bench(args) -> None:
                                                    args.hbm_gb * 2**30)
     ec = EngineConfig(num_slots=args.slots, page_size=args.page_size, num_pages=num_pages, max_pages=max_pages,
                       chunk=args.chunk, prefix_cache=not args.no_prefix_cache, seed=args.seed,
-                      attention_impl=args.attention)
-    out = serve_bench(params, cfg, scheme, reqs, ec, realtime=not args.no_realtime)
+                      attention_impl=args.attention, forward=args.forward, prefill_slots=args.prefill_slots,
+                      view_buckets=args.view_buckets)
+    out = serve_bench(params, cfg, scheme, reqs, ec, realtime=not args.no_realtime, max_seconds=args.max_seconds)
     print(json.dumps({"model": args.model, "cache_spec": args.cache or "fp32", **out}))
 
 
@@ -118,5 +123,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--no-realtime", action="store_true", help="submit every request at once (ignore arrivals)")
     p.add_argument("--attention", default="auto", choices=["auto", "reference", "kernel"])
+    p.add_argument("--forward", default="direct", choices=["direct", "view"],
+                   help="paged-direct forward (default) or the whole-view gather/scatter reference path")
+    p.add_argument("--prefill-slots", type=int, default=4, help="requests prefilling a chunk per step")
+    p.add_argument("--view-buckets", type=int, default=4, help="compiled view sizes per phase")
+    p.add_argument("--max-seconds", type=float, default=None, help="stop the replay after this long (partial)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_serve_bench)

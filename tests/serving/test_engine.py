@@ -57,6 +57,10 @@ def test_full_precision_equals_one_at_a_time_with_preemption_and_prefix_hits(fp3
     assert stats["preemptions"] > 0, "the pool must run out (preemption path untested otherwise)"
     assert stats["prefix_hit_tokens"] > 0 and eng.peak_running == 3
     paged.validate(eng.cache, eng.pool, eng.prefixes.references())      # no leak: pool == table + prefix refs
+    # paged-direct: decode rows [3, 1], prefill rows [3, CHUNK]; views on the 4-rung ladder, windows bucketed
+    assert {(t, r) for t, r, _, _ in eng.step_shapes} == {(1, 3), (CHUNK, 3)}
+    assert len(eng.step_shapes) <= 2 * len(eng.ladder) * 2, eng.step_shapes
+    assert eng.paths["full/append/decode"] == "window" and eng.paths["full/append/prefill"] == "window"
     assert not (np.asarray(eng.cache.page_table) >= 0).any(), "finished requests must release their pages"
 
 
@@ -74,7 +78,7 @@ def test_comparison_has_teeth(fp32_reference):
 def test_quantized_equals_one_at_a_time(scheme):
     reqs = _trace(n=5, seed=2)
     want = _one_at_a_time(reqs, scheme)
-    eng = Engine(PARAMS, CFG, scheme, EngineConfig(num_slots=3, page_size=PAGE, num_pages=40, max_pages=8,
+    eng = Engine(PARAMS, CFG, scheme, EngineConfig(view_buckets=1, num_slots=3, page_size=PAGE, num_pages=40, max_pages=8,
                                                    chunk=CHUNK))
     res = eng.run(reqs)
     for r in reqs:
@@ -86,7 +90,7 @@ def test_streaming_and_per_request_sampling():
     base = _trace(n=3, seed=3, shared=0)
     reqs = [base[0], dataclasses.replace(base[1], sampling=SamplingParams(temperature=0.8, top_k=5, top_p=0.9)),
             dataclasses.replace(base[2], sampling=SamplingParams(temperature=1.0, top_k=1), stop=(999,))]
-    eng = Engine(PARAMS, CFG, None, EngineConfig(num_slots=2, page_size=PAGE, num_pages=20, max_pages=8,
+    eng = Engine(PARAMS, CFG, None, EngineConfig(view_buckets=1, num_slots=2, page_size=PAGE, num_pages=20, max_pages=8,
                                                  chunk=CHUNK, prefix_cache=False))
     events = list(eng.stream(reqs))
     streamed = {r.id: [e.token for e in events if e.request_id == r.id and e.token is not None] for r in reqs}
@@ -96,7 +100,7 @@ def test_streaming_and_per_request_sampling():
     assert eng.results[reqs[0].id].tokens == greedy[reqs[0].id]
     assert eng.results[reqs[2].id].tokens == greedy[reqs[2].id][: len(eng.results[reqs[2].id].tokens)]  # top-k 1
     # the sampled request's stream depends only on its own key: alone in another engine it is the same
-    alone = Engine(PARAMS, CFG, None, EngineConfig(num_slots=2, page_size=PAGE, num_pages=20, max_pages=8,
+    alone = Engine(PARAMS, CFG, None, EngineConfig(view_buckets=1, num_slots=2, page_size=PAGE, num_pages=20, max_pages=8,
                                                    chunk=CHUNK, prefix_cache=False)).run([reqs[1]])
     assert alone[reqs[1].id].tokens == eng.results[reqs[1].id].tokens
     assert all(0 <= t < CFG.vocab_size for t in eng.results[reqs[1].id].tokens)
@@ -113,7 +117,7 @@ def test_trace_round_trip(tmp_path):
 
 
 def test_bad_input_errors():
-    eng = Engine(PARAMS, CFG, None, EngineConfig(num_slots=2, page_size=PAGE, num_pages=4, max_pages=8,
+    eng = Engine(PARAMS, CFG, None, EngineConfig(view_buckets=1, num_slots=2, page_size=PAGE, num_pages=4, max_pages=8,
                                                  chunk=CHUNK))
     with pytest.raises(ValueError, match="exceeds the context of 64 tokens"):
         eng.submit(Request(0, tuple(range(3, 60)), 10))
@@ -123,7 +127,7 @@ def test_bad_input_errors():
         eng.submit(Request(2, (), 4))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         eng.submit(Request(3, (5, 500), 4))
-    big = Engine(PARAMS, tiny_config(max_position=40), None, EngineConfig(num_slots=1, page_size=PAGE,
+    big = Engine(PARAMS, tiny_config(max_position=40), None, EngineConfig(view_buckets=1, num_slots=1, page_size=PAGE,
                                                                             num_pages=8, max_pages=8))
     with pytest.raises(ValueError, match="model max_position 40"):
         big.submit(Request(4, tuple(range(3, 40)), 8))
@@ -132,10 +136,10 @@ def test_bad_input_errors():
 def test_prefix_from_another_schema_is_refused_naming_fields():
     reqs = _trace(n=1, seed=6)
     q = Engine(PARAMS, CFG, PerTokenScheme(bits=8, rope_theta=CFG.rope_theta),
-               EngineConfig(num_slots=1, page_size=PAGE, num_pages=12, max_pages=8, chunk=CHUNK))
+               EngineConfig(view_buckets=1, num_slots=1, page_size=PAGE, num_pages=12, max_pages=8, chunk=CHUNK))
     q.run(reqs)
     assert q.prefixes.entries
-    f = Engine(PARAMS, CFG, None, EngineConfig(num_slots=1, page_size=PAGE, num_pages=12, max_pages=8, chunk=CHUNK))
+    f = Engine(PARAMS, CFG, None, EngineConfig(view_buckets=1, num_slots=1, page_size=PAGE, num_pages=12, max_pages=8, chunk=CHUNK))
     f.prefixes = q.prefixes                       # e.g. a prefix store shared between engines
     f.submit(dataclasses.replace(reqs[0], id=99))
     with pytest.raises(IncompatibleSchemaError, match=r"layer0\.key\.payload: 'int8' != 'fp32'"):
