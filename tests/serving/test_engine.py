@@ -161,3 +161,19 @@ def test_kvq_serve_bench_cli(capsys):
     rc = main(["serve-bench", "--model", "tiny", "--synthetic", "2", "--page-size", "8", "--num-pages", "2",
                "--prompt-len", "30", "30"])
     assert rc == 2 and "cannot fit even alone" in capsys.readouterr().err
+
+
+def test_kivi_engine_through_the_paged_kernel_equals_one_at_a_time():
+    """attention_impl="kernel": decode reads the pages through the (interpreted) paged kernel, KIVI's tail from
+    the view ladder. A 1-page decode view once gave wrong tokens here; the reference path cannot catch that."""
+    scheme = KIVIScheme(k_bits=2, v_bits=2, group_size=4, v_group_size=4, residual=8, rope_theta=CFG.rope_theta)
+    reqs = _trace(n=2, seed=4, shared=0)
+    reqs = [dataclasses.replace(r, max_new_tokens=6) for r in reqs]
+    want = _one_at_a_time(reqs, scheme)
+    eng = Engine(PARAMS, CFG, scheme, EngineConfig(view_buckets=2, num_slots=2, page_size=PAGE, num_pages=16,
+                                                   max_pages=8, chunk=CHUNK, prefix_cache=False,
+                                                   attention_impl="kernel"))
+    res = eng.run(reqs)
+    for r in reqs:
+        assert res[r.id].tokens == want[r.id], f"request {r.id}"
+    assert any("kernel" in str(v) for k, v in eng.paths.items() if "decode" in k), eng.paths
