@@ -18,13 +18,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvquant_jax.models import fixed_order as FO
+
 ATTENTION_IMPLS = ("auto", "kernel", "reference")
 NEG_INF = -1e30
 
 
 def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
            hist: tuple[jax.Array, jax.Array, jax.Array] | None, *, window=0, q_start=None,
-           hist_pos=None) -> jax.Array:
+           hist_pos=None, fixed_order: bool = False) -> jax.Array:
     """One softmax over [history, current chunk].
 
     q: [B, T, Hq, D]; k_cur, v_cur: [B, T, Hkv, D]; num_new: int32 [B] (keys t >= num_new are padding);
@@ -33,6 +35,11 @@ def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
     query at position p sees keys at positions s with ``p - W < s <= p`` (transformers' convention).  Query ``t``
     sits at ``q_start[b] + t`` (int32 [B], default 0) and history row ``c`` at ``hist_pos[b, c]`` (int32 [B, C],
     default ``c``).
+    fixed_order: the ``fixed_order`` numerics (``kvquant_jax.models.fixed_order``): the softmax normalizer by a
+    fixed pairwise tree, and the probability-weighted values formed batch-major (``[B, Hkv, G, T, D]``, then one
+    transpose) instead of in the output layout: XLA:CPU then computes every (sequence, KV head) product with one
+    kernel whatever the number of sequences and heads (the output-layout einsum changes kernels when a per-device
+    batch or head count is 1: a last-bit difference).  Off by default (the forms round differently).
     Returns [B, T, Hq, D] in q's dtype; scores and softmax in float32.
     """
     b, t, hq, d = q.shape
@@ -40,6 +47,8 @@ def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
     g = hq // hkv
     scale = jnp.float32(1.0 / (d ** 0.5))
     qf = q.astype(jnp.float32).reshape(b, t, hkv, g, d)
+    if fixed_order:    # scale folded into q: no product feeding the softmax's subtraction (XLA:CPU fuses it, FMA)
+        qf, scale = qf * scale, jnp.float32(1.0)
     kc, vc = k_cur.astype(jnp.float32), v_cur.astype(jnp.float32)
     hp = jax.lax.Precision.HIGHEST
     s_cur = jnp.einsum("btkgd,bskd->bkgts", qf, kc, precision=hp) * scale          # [B, Hkv, G, T, S=T]
@@ -63,13 +72,17 @@ def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
         s = jnp.concatenate([s_hist, s_cur], axis=-1)
     else:
         s = s_cur
-    p = jax.nn.softmax(s, axis=-1)
+    p = FO.softmax(s, axis=-1) if fixed_order else jax.nn.softmax(s, axis=-1)
+    def weighted(p, v, keys):                 # p [B, Hkv, G, T, S], v [B, S, Hkv, D] or [B, Hkv, S, D]
+        if not fixed_order:
+            return jnp.einsum(f"bkgt{keys[0]},{keys[1]}->btkgd", p, v, precision=hp)
+        return jnp.einsum(f"bkgt{keys[0]},{keys[1]}->bkgtd", p, v, precision=hp).transpose(0, 3, 1, 2, 4)
+
     if hist is not None:
         c = hk.shape[2]
-        out = (jnp.einsum("bkgtc,bkcd->btkgd", p[..., :c], hv, precision=hp)
-               + jnp.einsum("bkgts,bskd->btkgd", p[..., c:], vc, precision=hp))
+        out = weighted(p[..., :c], hv, ("c", "bkcd")) + weighted(p[..., c:], vc, ("s", "bskd"))
     else:
-        out = jnp.einsum("bkgts,bskd->btkgd", p, vc, precision=hp)
+        out = weighted(p, vc, ("s", "bskd"))
     return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
@@ -95,10 +108,11 @@ def resolve_prefill_impl(attention_impl: str, platform: str | None = None, dtype
     return "cudnn"
 
 
-def prefill_attention(q, k_cur, v_cur, num_new, hist, *, impl: str = "reference"):
-    """:func:`attend` (``impl="reference"``) or :func:`prefill_attention_cudnn` (``"cudnn"``); same arguments."""
+def prefill_attention(q, k_cur, v_cur, num_new, hist, *, impl: str = "reference", fixed_order: bool = False):
+    """:func:`attend` (``impl="reference"``, with ``fixed_order``) or :func:`prefill_attention_cudnn`
+    (``"cudnn"``); same arguments."""
     if impl == "reference":
-        return attend(q, k_cur, v_cur, num_new, hist)
+        return attend(q, k_cur, v_cur, num_new, hist, fixed_order=fixed_order)
     if impl == "cudnn":
         return prefill_attention_cudnn(q, k_cur, v_cur, num_new, hist)
     raise ValueError(f"prefill attention impl must be 'reference' or 'cudnn', got {impl!r}")
