@@ -60,7 +60,7 @@ def load(model: str):
         cfg = tiny_config(**TINY)
         return cfg, random_params(cfg, seed=1), None
     from kvquant_jax.models import load_model
-    m = load_model("smollm2-135m")
+    m = load_model()
     return m.cfg, m.params, m.tokenizer
 
 

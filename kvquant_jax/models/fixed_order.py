@@ -12,10 +12,9 @@ boundary flips its code).
 :class:`FixedOrderLinear` (a ``linear(x, w, name)`` hook, installed on ``cfg.activation`` by
 :func:`apply_numerics`) makes every output element's arithmetic independent of the mesh and of the batch:
 
-* every GEMM has ONE fixed shape ``[row_tile, K_c] @ [K_c, col_tile]``: rows are padded to a multiple of
-  ``row_tile`` and processed tile by tile (``lax.map``), output columns in tiles of ``col_tile`` as a batch axis;
-  XLA:CPU computes a batched dot per batch element with the kernel of that shape, so a row's result does not
-  depend on how many rows, column tiles or chunks share the call (measured: bit-identical);
+* every product is a matrix-vector product, one activation row at a time (``lax.map``) on the weight in place:
+  XLA:CPU's matrix-vector product gives each output column the same bits whatever the number of columns (a
+  column-split weight) and whatever the other rows (measured: bit-identical), unlike its matrix-matrix product;
 * a row-parallel contraction (o over heads, down over the FFN width) is cut into a FIXED number of chunks
   ``C`` (o: one per query head; down: ``gcd(intermediate, num_heads)``), a property of the model, not of the mesh:
   each device computes the partials of its ``C / model`` chunks, the partials are all-gathered over ``model``
@@ -25,8 +24,12 @@ boundary flips its code).
   is one local reduction, not a cross-device sum.
 
 Products accumulate in float32 (``preferred_element_type``) whatever the operand dtype; the result is cast to x's
-dtype.  Cost: no BLAS-sized GEMMs (the tiles are small), ``row_tile`` padding at small per-device batches, and the
-gathered partials (``C x`` the all-reduce's bytes); it is an opt-in numerics mode, the default path is unchanged.
+dtype.  The rest of the forward follows (``is_fixed_order``): RMSNorm means and softmax / log-softmax sums by
+:func:`tree_sum`, ``exp`` by :func:`exp_nonpositive`, and the reference attention with the scale folded into q and
+batch-major value products (``models.prefill_attention.attend``), in every phase (no kernels, no cuDNN).
+Cost: the weights are read once per activation row (a matrix-vector product per row: decode at small batches
+costs about the same as one GEMM, long prefills much more), the gathered partials (``C x`` the all-reduce's
+bytes) and the gathered logits.  An opt-in numerics mode; the default path is unchanged.
 Composes with any cache scheme; not with a W8A8 activation policy (both are the projection hook).
 """
 from __future__ import annotations
@@ -39,7 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 __all__ = ["NUMERICS", "FixedOrderLinear", "apply_numerics", "is_fixed_order", "tree_sum", "mean", "softmax",
-           "log_softmax", "exp_nonpositive", "tiled_partials", "row_chunks"]
+           "log_softmax", "exp_nonpositive", "rowwise_partials", "row_chunks"]
 
 #: the numerics modes (``model.reduction`` / ``--reduction``)
 NUMERICS = ("fast", "fixed_order")
@@ -110,25 +113,24 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def tiled_partials(x: jax.Array, w: jax.Array, *, chunks: int, row_tile: int, col_tile: int) -> jax.Array:
+def rowwise_partials(x: jax.Array, w: jax.Array, *, chunks: int) -> jax.Array:
     """Per-chunk partial products ``float32 [chunks, R, N]`` of ``x [R, K] @ w [K, N]``: chunk ``c`` contracts
-    ``K`` columns ``[c K_c, (c + 1) K_c)`` (``K_c = K / chunks``), and every GEMM has the shape ``[row_tile, K_c] @
-    [K_c, col_tile]`` (rows padded with zeros to a multiple of ``row_tile``; ``N`` must divide by ``col_tile``)."""
+    ``K`` columns ``[c K_c, (c + 1) K_c)`` (``K_c = K / chunks``).  One row at a time (``lax.map`` over ``R``),
+    each a batch over chunks of matrix-vector products ``[1, K_c] @ [K_c, N]`` on the weight in place (``w``
+    reshaped to ``[chunks, K_c, N]``, no copy).  XLA:CPU's matrix-vector product gives every output column the
+    same bits whatever ``N`` (a column-split weight) and whatever other rows exist (measured), unlike its
+    matrix-matrix product, whose blocking depends on both."""
     r, k = x.shape
     n = w.shape[1]
-    kc, nn = k // chunks, n // col_tile
-    nr = -(-r // row_tile)
-    xp = jnp.pad(x, ((0, nr * row_tile - r), (0, 0)))
-    xt = xp.reshape(nr, row_tile, chunks, kc).transpose(0, 2, 1, 3)                 # [nR, C, R0, Kc]
-    wt = w.astype(x.dtype).reshape(chunks, kc, nn, col_tile).transpose(0, 2, 1, 3)  # [C, nN, Kc, N0]
+    kc = k // chunks
+    wc = w.astype(x.dtype).reshape(chunks, kc, n)
+    rows = max(r, 2)        # a one-trip map is unrolled and its dot compiled differently: map two rows (measured)
+    xp = jnp.pad(x, ((0, rows - r), (0, 0))).reshape(rows, chunks, kc)
 
-    def tile(xr):                                                                   # [C, R0, Kc] -> [C, nN, R0, N0]
-        xb = jnp.broadcast_to(xr[:, None], (chunks, nn, row_tile, kc))
-        return jnp.einsum("cnrk,cnkj->cnrj", xb, wt, precision=_precision(x.dtype),
-                          preferred_element_type=jnp.float32)
+    def row(xr):                                                                    # [C, Kc] -> [C, N]
+        return jnp.einsum("ck,ckn->cn", xr, wc, precision=_precision(x.dtype), preferred_element_type=jnp.float32)
 
-    y = jax.lax.map(tile, xt)                                                       # [nR, C, nN, R0, N0]
-    return y.transpose(1, 0, 3, 2, 4).reshape(chunks, nr * row_tile, n)[:, :r]
+    return jnp.swapaxes(jax.lax.map(row, xp), 0, 1)[:, :r]
 
 
 def row_chunks(name: str, k: int, num_heads: int) -> int:
@@ -140,10 +142,10 @@ def row_chunks(name: str, k: int, num_heads: int) -> int:
     return num_heads if name == "o" else math.gcd(k, num_heads)
 
 
-def _fixed_matmul(x2, w, *, chunks, row_tile, col_tile, gather_axis=None):
+def _fixed_matmul(x2, w, *, chunks, gather_axis=None):
     """``x2 [R, K_local] @ w [K_local, N]`` from ``chunks`` local chunks; ``gather_axis``: the mesh axis the
     chunks are split over (their partials are all-gathered, then summed in the fixed tree)."""
-    p = tiled_partials(x2, w, chunks=chunks, row_tile=row_tile, col_tile=col_tile)
+    p = rowwise_partials(x2, w, chunks=chunks)
     if gather_axis is not None:
         p = jax.lax.all_gather(p, gather_axis, axis=0, tiled=True)
     return tree_sum(p)
@@ -156,13 +158,11 @@ class FixedOrderLinear:
     ``x [B, T, K]`` (any float dtype), ``w [K, N]`` -> ``[B, T, N]`` in x's dtype.  Under a ``(data, model)`` mesh
     (``kvquant_jax.sharding.mesh_context``) it runs in ``shard_map`` with the weight layout of
     ``kvquant_jax.sharding.param_spec`` (rows over ``data``; column-parallel outputs stay split over ``model``
-    except the head's, which is gathered).  Raises ``ValueError`` naming the sizes when a local output width is
-    not a multiple of ``col_tile`` or ``model`` does not divide a row-parallel chunk count."""
+    except the head's, which is gathered).  Raises ``ValueError`` naming the sizes when ``model`` does not divide
+    a row-parallel chunk count."""
 
     num_heads: int
     num_kv_heads: int
-    row_tile: int = 8
-    col_tile: int = 16
     #: ``logits_from_hidden`` routes the (tied or untied) float head through the hook as ``"lm_head"``
     projects_head = True
 
@@ -182,10 +182,6 @@ class FixedOrderLinear:
         m = 1 if mesh is None else int(mesh.shape[S.MODEL])
         wspec = S.param_spec(pname, w.shape, model=m, num_kv_heads=self.num_kv_heads)
         split = m > 1 and any(a == S.MODEL for a in wspec)
-        n_local = w.shape[1] // m if (split and role == "col") else w.shape[1]
-        if n_local % self.col_tile:
-            raise ValueError(f"fixed_order: projection {name!r} has {n_local} output columns per device, not a "
-                             f"multiple of col_tile={self.col_tile}")
         if split and role == "row" and chunks % m:
             raise ValueError(f"fixed_order: model={m} does not divide the {chunks} chunks of projection {name!r}")
         local_chunks = chunks // m if (split and role == "row") else chunks
@@ -193,8 +189,7 @@ class FixedOrderLinear:
 
         def local(x, w):
             bl = x.shape[0]
-            y = _fixed_matmul(x.reshape(bl * t, x.shape[2]), w, chunks=local_chunks, row_tile=self.row_tile,
-                              col_tile=self.col_tile, gather_axis=gather)
+            y = _fixed_matmul(x.reshape(bl * t, x.shape[2]), w, chunks=local_chunks, gather_axis=gather)
             if split and name == "lm_head":            # logits whole on every device: local vocab reductions
                 y = jax.lax.all_gather(y, S.MODEL, axis=1, tiled=True)
             return y.reshape(bl, t, -1).astype(x.dtype)

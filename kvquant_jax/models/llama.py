@@ -41,7 +41,7 @@ from kvquant_jax.cache.ops import publish
 from kvquant_jax.quant.dtypes import DTYPES
 from kvquant_jax.sharding import active_mesh, constrain_cache
 from kvquant_jax.models.config import LlamaConfig
-from kvquant_jax.models.fixed_order import is_fixed_order, mean as fixed_mean
+from kvquant_jax.models.fixed_order import is_fixed_order, log_softmax as fixed_log_softmax, mean as fixed_mean
 from kvquant_jax.models.prefill_attention import (ATTENTION_IMPLS, NEG_INF, attend, prefill_attention,  # noqa: F401
                                                    resolve_decode_impl, resolve_prefill_impl)
 from kvquant_jax.models.rope import apply_rope
@@ -282,9 +282,11 @@ def history_positions(scheme, lengths, capacity: int):
     return jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (lengths.shape[0], capacity))
 
 
-def token_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Per-position NLL float32 [B, T-1] of tokens[:, 1:] under logits[:, :-1]."""
-    lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+def token_nll(logits: jax.Array, tokens: jax.Array, *, fixed: bool = False) -> jax.Array:
+    """Per-position NLL float32 [B, T-1] of tokens[:, 1:] under logits[:, :-1] (``fixed``: the fixed-order
+    log-softmax, ``models.fixed_order.log_softmax``)."""
+    lf = logits[:, :-1].astype(jnp.float32)
+    lp = fixed_log_softmax(lf, axis=-1) if fixed else jax.nn.log_softmax(lf, axis=-1)
     return -jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 

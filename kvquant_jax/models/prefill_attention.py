@@ -35,11 +35,12 @@ def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
     query at position p sees keys at positions s with ``p - W < s <= p`` (transformers' convention).  Query ``t``
     sits at ``q_start[b] + t`` (int32 [B], default 0) and history row ``c`` at ``hist_pos[b, c]`` (int32 [B, C],
     default ``c``).
-    fixed_order: the ``fixed_order`` numerics (``kvquant_jax.models.fixed_order``): the softmax normalizer by a
-    fixed pairwise tree, and the probability-weighted values formed batch-major (``[B, Hkv, G, T, D]``, then one
-    transpose) instead of in the output layout: XLA:CPU then computes every (sequence, KV head) product with one
-    kernel whatever the number of sequences and heads (the output-layout einsum changes kernels when a per-device
-    batch or head count is 1: a last-bit difference).  Off by default (the forms round differently).
+    fixed_order: the ``fixed_order`` numerics (``kvquant_jax.models.fixed_order``): the 1/sqrt(D) scale folded into
+    q (XLA:CPU fuses ``scores * scale - max`` into an FMA in some fusions and not in others), ``exp`` and the
+    softmax normalizer from IEEE adds / multiplies in a fixed order (``fixed_order.softmax``), and the
+    probability-weighted values formed batch-major (``[B, Hkv, G, T, D]``, then one transpose; the output-layout
+    einsum changes kernels when a per-device batch or head count is 1).  Every (sequence, head) row is then
+    bit-identical whatever the number of sequences and heads alongside it.  Off by default (rounds differently).
     Returns [B, T, Hq, D] in q's dtype; scores and softmax in float32.
     """
     b, t, hq, d = q.shape
