@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from kvquant_jax import sharding as S
+
 __all__ = ["NUMERICS", "FixedOrderLinear", "apply_numerics", "is_fixed_order", "tree_sum", "mean", "softmax",
            "log_softmax", "exp_nonpositive", "rowwise_partials", "row_chunks"]
 
@@ -171,8 +173,6 @@ class FixedOrderLinear:
         return cls(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, **kw)
 
     def __call__(self, x: jax.Array, w: jax.Array, name: str) -> jax.Array:
-        from kvquant_jax import sharding as S
-
         if name not in _ROLES:
             raise ValueError(f"fixed_order: unknown projection {name!r} (known: {', '.join(_ROLES)})")
         role, pname = _ROLES[name]
