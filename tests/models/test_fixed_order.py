@@ -77,3 +77,9 @@ def test_switch_config_cli_and_refusals():
     with pytest.raises(ValueError, match="model.reduction"):
         from_dict({"model": {"reduction": "exact"}})
     assert from_dict({"model": {"reduction": "fixed_order"}}).model.reduction == "fixed_order"
+    from kvquant_jax.eval.rows import _stable_block, row_key   # a fixed-order row never resumes from a fast one
+    base, fixed_cfg = from_dict({}), from_dict({"model": {"reduction": "fixed_order"}})
+    spec = base.cache.scheme
+    assert row_key(base, "ppl", "point", spec) != row_key(fixed_cfg, "ppl", "point", spec)
+    # and the default leaves the keys of rows written before the option existed unchanged
+    assert "reduction" not in _stable_block(base, "model", base.to_dict()["model"])
