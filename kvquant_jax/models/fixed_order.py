@@ -161,12 +161,11 @@ class FixedOrderLinear:
     (``kvquant_jax.sharding.mesh_context``) it runs in ``shard_map`` with the weight layout of
     ``kvquant_jax.sharding.param_spec`` (rows over ``data``; column-parallel outputs stay split over ``model``
     except the head's, which is gathered).  Raises ``ValueError`` naming the sizes when ``model`` does not divide
-    a row-parallel chunk count."""
+    a row-parallel chunk count.  ``models.llama.logits_from_hidden`` routes the float head (tied: the embedding
+    transposed) through it as ``"lm_head"``."""
 
     num_heads: int
     num_kv_heads: int
-    #: ``logits_from_hidden`` routes the (tied or untied) float head through the hook as ``"lm_head"``
-    projects_head = True
 
     @classmethod
     def for_config(cls, cfg, **kw) -> "FixedOrderLinear":
