@@ -5,6 +5,8 @@
     python experiments/bench_serving.py --model tiny --T 256 --steps 8       # CPU smoke run
     python experiments/bench_serving.py --cache bf16 int4 --batch 8 --T 32768 --mesh none data=1,model=1 --reps 5
                                    # the sharded code path on a 1 x 1 mesh vs the plain one (issue N, <= 5%)
+    python experiments/bench_serving.py --cache bf16 int4 --batch 8 --T 32768 --reduction fast fixed_order
+                                   # the fixed-order (mesh- and batch-invariant) numerics' cost (vs_fast)
 
 Rows:
 * **decode**: a cache of ``--cache`` filled with ``T`` random rows per sequence through the scheme's own append
@@ -50,6 +52,7 @@ from kvquant_jax.cache import ops  # noqa: E402
 from kvquant_jax.cache.interface import init_cache  # noqa: E402
 from kvquant_jax.cache.registry import make_scheme  # noqa: E402
 from kvquant_jax.models.config import LlamaConfig  # noqa: E402
+from kvquant_jax.models.fixed_order import NUMERICS, apply_numerics  # noqa: E402
 from kvquant_jax.models.llama import (decoder_layer, logits_from_hidden, stack_layers,  # noqa: E402
                                       unstack_layers)
 from kvquant_jax.quant.ledger import Ledger, LedgerShape, ledger  # noqa: E402
@@ -165,9 +168,11 @@ def decode_rows(args, cfg, params_u, params_s, tbps, rows, log):
                 cap = -(-cap // 256) * 256
                 lg = ledger(scheme, LedgerShape(cfg.num_layers, b, cfg.num_kv_heads, cfg.head_dim, t, cap))
                 kv_read = Ledger.total(lg.read_per_step)
-                for layout, impl, mesh_name in itertools.product(args.layout, args.impl, args.mesh):
+                for layout, impl, mesh_name, reduction in itertools.product(args.layout, args.impl, args.mesh,
+                                                                            args.reduction):
                     if layout == "stacked" and params_s is None:
                         continue
+                    rcfg = apply_numerics(cfg, reduction)
                     mesh = None if mesh_name == "none" else S.make_mesh(mesh_name)
                     params = params_u if layout == "serving" else params_s
                     groups = "per_layer" if layout == "serving" else "runs"
@@ -175,13 +180,14 @@ def decode_rows(args, cfg, params_u, params_s, tbps, rows, log):
                         with S.mesh_context(mesh):
                             params = S.params_on_current_mesh(params, cfg)
                             cache = filled_cache(cfg, scheme, b, t, cap, groups)
-                            times, first_s, toks = time_decode(params, cfg, cache, args.steps, args.reps, impl)
+                            times, first_s, toks = time_decode(params, rcfg, cache, args.steps, args.reps, impl)
                         del cache, params
                     except Exception as e:  # noqa: BLE001 - a benchmark row records its failure
                         log(f"decode {spec} B={b} T={t} {layout}/{impl} mesh {mesh_name}: FAILED "
                             f"{type(e).__name__}: {e}"[:400])
                         rows.append(dict(kind="decode", cache=spec, B=b, T=t, layout=layout, impl=impl,
-                                         mesh=mesh_name, error=f"{type(e).__name__}: {e}"[:400]))
+                                         mesh=mesh_name, reduction=reduction,
+                                         error=f"{type(e).__name__}: {e}"[:400]))
                         gc.collect()
                         continue
                     gc.collect()
@@ -190,19 +196,26 @@ def decode_rows(args, cfg, params_u, params_s, tbps, rows, log):
                     roof_ms = (w + kv_read) / (tbps * 1e12) * 1e3
                     ms = statistics.median(times) * 1e3
                     row = dict(kind="decode", cache=spec, B=b, T=t, layout=layout, impl=impl, mesh=mesh_name,
-                               ms_per_step=ms, ms_runs=[x * 1e3 for x in times], tokens_per_s=b / (ms / 1e3),
+                               reduction=reduction, ms_per_step=ms, ms_runs=[x * 1e3 for x in times],
+                               tokens_per_s=b / (ms / 1e3),
                                weights_gb=w / 1e9, kv_read_gb=kv_read / 1e9,
                                cache_gb=Ledger.total(lg.physical) / 1e9, roofline_ms=roof_ms,
                                frac_of_roofline=roof_ms / ms, compile_and_first_s=first_s,
                                tokens_head=np.asarray(toks)[0, :8].tolist())
-                    base = [r for r in rows if r.get("kind") == "decode" and r.get("mesh") == "none"
-                            and "error" not in r and (r["cache"], r["B"], r["T"], r["layout"], r["impl"]) ==
-                            (spec, b, t, layout, impl)]
+                    key = (spec, b, t, layout, impl)
+                    ok = [r for r in rows if r.get("kind") == "decode" and "error" not in r and
+                          (r["cache"], r["B"], r["T"], r["layout"], r["impl"]) == key]
+                    base = [r for r in ok if r["mesh"] == "none" and r["reduction"] == reduction]
                     if mesh_name != "none" and base:   # the sharded code path's cost vs the plain one
                         row["vs_unsharded"] = ms / base[-1]["ms_per_step"]
+                    fast = [r for r in ok if r["mesh"] == mesh_name and r["reduction"] == "fast"]
+                    if reduction != "fast" and fast:   # the fixed-order numerics' cost vs the default
+                        row["vs_fast"] = ms / fast[-1]["ms_per_step"]
                     rows.append(row)
                     vs = f"  {100 * (row['vs_unsharded'] - 1):+5.1f}% vs unsharded" if "vs_unsharded" in row else ""
-                    log(f"decode {spec:8s} B={b} T={t} {layout:8s} {impl:9s} mesh {mesh_name:14s} {ms:8.2f} "
+                    vs += f"  {row['vs_fast']:.2f}x vs fast" if "vs_fast" in row else ""
+                    log(f"decode {spec:8s} B={b} T={t} {layout:8s} {impl:9s} {reduction:11s} mesh {mesh_name:14s} "
+                        f"{ms:8.2f} "
                         f"ms/step  roofline {roof_ms:6.2f} ms ({100 * roof_ms / ms:5.1f}%)  compile+first "
                         f"{first_s:6.1f} s{vs}")
 
@@ -301,16 +314,19 @@ def markdown(meta, rows) -> str:
            "TB/s; the roofline divides by the copy figure)", ""]
     dec = [r for r in rows if r["kind"] == "decode"]
     if dec:
-        out += ["| cache | B | T | layout | attention | mesh | ms/step | runs | tok/s | cache GB | KV read GB | "
-                "roofline ms | % of roofline | compile+first s | vs unsharded |", "|" + "---|" * 15]
+        out += ["| cache | B | T | layout | attention | numerics | mesh | ms/step | runs | tok/s | cache GB | "
+                "KV read GB | roofline ms | % of roofline | compile+first s | vs unsharded | vs fast |",
+                "|" + "---|" * 17]
         for r in dec:
             mesh = r.get("mesh", "none")
+            red = r.get("reduction", "fast")
             if "error" in r:
-                out.append(f"| {r['cache']} | {r['B']} | {r['T']} | {r['layout']} | {r['impl']} | {mesh} | failed: "
-                           f"{r['error'][:80]} | | | | | | | | |")
+                out.append(f"| {r['cache']} | {r['B']} | {r['T']} | {r['layout']} | {r['impl']} | {red} | {mesh} | "
+                           f"failed: {r['error'][:80]} | | | | | | | | | |")
                 continue
             vs = f"{r['vs_unsharded']:.3f}x" if "vs_unsharded" in r else "-"
-            out.append(f"| {r['cache']} | {r['B']} | {r['T']} | {r['layout']} | {r['impl']} | {mesh} | "
+            vs += f" | {r['vs_fast']:.2f}x" if "vs_fast" in r else " | -"
+            out.append(f"| {r['cache']} | {r['B']} | {r['T']} | {r['layout']} | {r['impl']} | {red} | {mesh} | "
                        f"{r['ms_per_step']:.2f} "
                        f"| {' / '.join(f'{x:.2f}' for x in r['ms_runs'])} | {r['tokens_per_s']:.0f} | "
                        f"{r['cache_gb']:.2f} | {r['kv_read_gb']:.2f} | {r['roofline_ms']:.2f} | "
@@ -355,6 +371,9 @@ def main(argv=None):
     ap.add_argument("--mesh", nargs="+", default=["none"],
                     help="decode rows per device mesh: 'none' (the plain path) and/or 'data=D,model=M' (the sharded "
                          "path, kvquant_jax.sharding); 'none data=1,model=1' measures the 1x1 overhead")
+    ap.add_argument("--reduction", nargs="+", default=["fast"], choices=list(NUMERICS),
+                    help="decode rows per projection numerics (kvquant_jax/models/fixed_order.py): 'fast' and/or "
+                         "'fixed_order' (its rows add vs_fast; it always runs the float32 reference attention)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     for m in args.mesh:

@@ -19,6 +19,9 @@ def _add_model_args(p):
     p.add_argument("--w8a8", action="store_true",
                    help="W8A8 live activations (per-token INT8 x per-channel INT8 weights) in q/k/v/o/gate/up/down; "
                         "prefill W8A8, decode weight-only W8A16")
+    p.add_argument("--reduction", default="fast", choices=["fast", "fixed_order"],
+                   help="projection numerics: fast (one XLA dot each) or fixed_order (bit-identical results for "
+                        "every --mesh and batch size, slower; kvquant_jax/models/fixed_order.py); not with --w8a8")
     p.add_argument("--smooth-alpha", type=float, default=None,
                    help="SmoothQuant migration strength (statistics from 8 x 512 WikiText-2 validation tokens)")
 
@@ -47,6 +50,7 @@ def _mesh(args):
 def _load(args):
     """load_model + the activation options (SmoothQuant fold, W8A8 weights and policy on cfg.activation)."""
     from kvquant_jax.models import load_model
+    from kvquant_jax.models.fixed_order import apply_numerics
 
     m = load_model(args.model, dtype=args.dtype, rope_pairing=args.rope_pairing, verbose=True)
     params, cfg = m.params, m.cfg
@@ -61,6 +65,7 @@ def _load(args):
         from kvquant_jax.models.w8a8 import W8A8Policy, apply_policy
 
         params, cfg = apply_policy(params, cfg, W8A8Policy())
+    cfg = apply_numerics(cfg, getattr(args, "reduction", "fast"))
     return dataclasses.replace(m, params=params, cfg=cfg)
 
 
@@ -141,6 +146,7 @@ def cmd_ppl(args):
            "bos": res.bos, "model": m.path, "model_sha256": m.cfg.sha256, "corpus": corpus.name,
            "corpus_sha256": corpus.sha256, "cache": args.cache or "none", "dtype": args.dtype,
            "w8a8": bool(args.w8a8), "smooth_alpha": args.smooth_alpha, "mesh": args.mesh,
+           "reduction": args.reduction,
            "load_s": round(m.load_seconds, 3), "tokenize_s": round(tok_s, 3), "eval_s": round(res.seconds, 3)}
     print(json.dumps(out))
 

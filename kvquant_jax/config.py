@@ -4,7 +4,7 @@ A config file is a mapping with the blocks below (every key optional; defaults a
 
     base: ../base.yaml            # str or list: files merged first (paths relative to this file), MaxText-style
     name: kivi-axes
-    model:       {name: smollm2-135m, dtype: fp32, rope_pairing: half_split, random: null}
+    model:       {name: smollm2-135m, dtype: fp32, rope_pairing: half_split, reduction: fast, random: null}
     data:        {corpus: null, split: test, fallback: true, offset: 0, calibration_corpus: null, ...}
     cache:       {scheme: kivi2, full_precision_first: 0, full_precision_last: 0, layers: [...], ...}
     activation:  {enabled: false, prefill: w8a8, smooth_alpha: null, ...}  # W8A8 + smoothing
@@ -70,11 +70,14 @@ class RandomModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """``name``: a known model name (``smollm2-135m``), a ``.gguf`` file or a HF folder, or ``random``."""
+    """``name``: a known model name (``smollm2-135m``), a ``.gguf`` file or a HF folder, or ``random``.
+    ``reduction``: the projection numerics (``kvquant_jax.models.fixed_order``): "fast" (one XLA dot per
+    projection) or "fixed_order" (results bit-identical for every mesh and batch size; slower; not with W8A8)."""
 
     name: str = "smollm2-135m"
     dtype: str = "fp32"
     rope_pairing: str = "half_split"
+    reduction: str = "fast"
     random: RandomModelConfig | None = None
 
 
@@ -322,6 +325,7 @@ class ExperimentConfig:
 CHOICES: dict[str, tuple] = {
     "model.dtype": ("fp32", "bf16", "fp16"),
     "model.rope_pairing": ("half_split", "interleaved"),
+    "model.reduction": ("fast", "fixed_order"),
     "data.split": ("test", "validation"),
     "data.calibration_split": ("test", "validation"),
     "cache.full_precision_dtype": ("fp32", "bf16", "fp16"),
@@ -735,6 +739,9 @@ def _check(cfg: ExperimentConfig, origins: _Origins) -> None:
     if t.passkey.digits > 12:
         raise origins.error("tasks.passkey.digits", f"at most 12, got {t.passkey.digits}")
     a = cfg.activation
+    if cfg.model.reduction == "fixed_order" and a.enabled:
+        raise origins.error("model.reduction", "fixed_order replaces the projection hook; it does not combine with "
+                                               "W8A8 (activation.enabled: true)")
     if a.smooth_alpha is not None and not 0.0 <= a.smooth_alpha <= 1.0:
         raise origins.error("activation.smooth_alpha", f"must be in [0, 1], got {a.smooth_alpha}")
     if a.smooth_attention_alpha is not None and not 0.0 <= a.smooth_attention_alpha <= 1.0:

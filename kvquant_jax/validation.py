@@ -176,6 +176,8 @@ def existing_dir(path, flag: str) -> None:
 
 
 def model_args(args) -> None:
+    if getattr(args, "reduction", "fast") == "fixed_order" and getattr(args, "w8a8", False):
+        raise ValueError("--reduction fixed_order replaces the projection hook; it does not combine with --w8a8")
     if getattr(args, "smooth_alpha", None) is not None:
         check_float(args.smooth_alpha, "--smooth-alpha", low=0.0, high=1.0)
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from kvquant_jax.data import load_corpus
 from kvquant_jax.models import load_model
+from kvquant_jax.models.fixed_order import apply_numerics
 from kvquant_jax.models.testing import random_params, tiny_config
 
 
@@ -40,7 +41,7 @@ class EvalModel:
 
 
 def load_eval_model(mc) -> EvalModel:
-    """The model of a config ``model`` block."""
+    """The model of a config ``model`` block (``reduction``: its projection numerics on ``cfg.activation``)."""
     if mc.name == "random":
 
         r = mc.random
@@ -52,10 +53,11 @@ def load_eval_model(mc) -> EvalModel:
         h = hashlib.sha256()
         for leaf in jax.tree.leaves(params):
             h.update(np.asarray(leaf, np.float32).tobytes())
-        return EvalModel(params=params, cfg=cfg, tokenizer=ByteTokenizer(), sha256=h.hexdigest(),
-                         path=f"random:{dataclasses.asdict(r)}")
+        return EvalModel(params=params, cfg=apply_numerics(cfg, mc.reduction), tokenizer=ByteTokenizer(),
+                         sha256=h.hexdigest(), path=f"random:{dataclasses.asdict(r)}")
     m = load_model(mc.name, dtype=mc.dtype, rope_pairing=mc.rope_pairing)
-    return EvalModel(params=m.params, cfg=m.cfg, tokenizer=m.tokenizer, sha256=m.cfg.sha256, path=m.path)
+    return EvalModel(params=m.params, cfg=apply_numerics(m.cfg, mc.reduction), tokenizer=m.tokenizer,
+                     sha256=m.cfg.sha256, path=m.path)
 
 
 @dataclasses.dataclass

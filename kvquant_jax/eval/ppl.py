@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvquant_jax.models.config import LlamaConfig
+from kvquant_jax.models.fixed_order import is_fixed_order
 from kvquant_jax.models.llama import forward_nocache, token_nll  # noqa: F401  (token_nll: public here too)
 
 
@@ -39,7 +40,7 @@ def segments(ids: list[int], seq_len: int, max_segments: int | None, *, bos_id: 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _segment_nll(params, cfg: LlamaConfig, tokens):
-    return token_nll(forward_nocache(params, cfg, tokens), tokens)
+    return token_nll(forward_nocache(params, cfg, tokens), tokens, fixed=is_fixed_order(cfg.activation))
 
 
 @dataclasses.dataclass

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvquant_jax.eval.policy import as_policy
+from kvquant_jax.models import fixed_order as FO
 from kvquant_jax.models.llama import forward
 
 
@@ -37,15 +38,21 @@ class CacheEvalError(RuntimeError):
     """A forward through the cache produced non-finite K/V (nothing was appended)."""
 
 
-def _gather_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+def _log_softmax(logits: jax.Array, cfg) -> jax.Array:
+    """float32 log-softmax over the vocabulary (by a fixed pairwise tree under the fixed-order numerics)."""
+    lf = logits.astype(jnp.float32)
+    return FO.log_softmax(lf, axis=-1) if FO.is_fixed_order(cfg.activation) else jax.nn.log_softmax(lf, axis=-1)
+
+
+def _gather_nll(logits: jax.Array, targets: jax.Array, cfg) -> jax.Array:
+    lp = _log_softmax(logits, cfg)
     return -jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def _chunk_step(params, cfg, tokens, targets, cache, num_new):
     logits, cache, ok = forward(params, cfg, tokens, cache, num_new)
-    return _gather_nll(logits, targets), cache, ok
+    return _gather_nll(logits, targets, cfg), cache, ok
 
 
 def chunked_nll(params, cfg, tokens, policy, chunk: int) -> jax.Array:
@@ -119,12 +126,12 @@ def _decode_scan(params, cfg, cache, first, forced, targets, free_running, ref=N
         nxt_forced, target = xs[:2]
         logits, cache, ok2 = forward(params, cfg, tok[:, None], cache, ones, attention_impl=attention_impl)
         lg = logits[:, 0]
-        nll = _gather_nll(lg, target)
+        nll = _gather_nll(lg, target, cfg)
         am = jnp.argmax(lg, axis=-1).astype(jnp.int32)
         nxt = jnp.where(free_running, am, nxt_forced)
         extra = ()
         if mode != "nll":
-            lp = jax.nn.log_softmax(lg.astype(jnp.float32), axis=-1)
+            lp = _log_softmax(lg, cfg)
             if mode == "logprobs":
                 extra = (lp,)
             else:

@@ -21,7 +21,8 @@ USES_DATA = {"ppl", "serving_ppl", "kv_error", "agreement", "passkey"}
 # default value, so adding an option never invalidates finished rows (setting it does change the key).
 KEY_STABLE_ADDITIONS = {"activation": ("linears", "prefill", "decode", "float_layers", "impl", "act_qparam_dtype",
                                        "fuse_norm", "smooth_sites", "smooth_attention_alpha", "smooth_windows",
-                                       "smooth_len")}
+                                       "smooth_len"),
+                        "model": ("reduction",)}
 
 
 def _stable_block(cfg: ExperimentConfig, name: str, block: dict) -> dict:
@@ -32,7 +33,7 @@ def _stable_block(cfg: ExperimentConfig, name: str, block: dict) -> dict:
 
 def row_key(cfg: ExperimentConfig, metric: str, role: str, baseline: SchemeSpec) -> str:
     d = cfg.to_dict()
-    blocks = {"model": d["model"], "cache": d["cache"], "calibration": d["calibration"],
+    blocks = {"model": _stable_block(cfg, "model", d["model"]), "cache": d["cache"], "calibration": d["calibration"],
               "activation": _stable_block(cfg, "activation", d["activation"]), "task": d["tasks"][metric]}
     if metric in USES_DATA:
         blocks["data"] = d["data"]

@@ -41,6 +41,7 @@ from kvquant_jax.cache.ops import publish
 from kvquant_jax.quant.dtypes import DTYPES
 from kvquant_jax.sharding import active_mesh, constrain_cache
 from kvquant_jax.models.config import LlamaConfig
+from kvquant_jax.models.fixed_order import is_fixed_order, log_softmax as fixed_log_softmax, mean as fixed_mean
 from kvquant_jax.models.prefill_attention import (ATTENTION_IMPLS, NEG_INF, attend, prefill_attention,  # noqa: F401
                                                    resolve_decode_impl, resolve_prefill_impl)
 from kvquant_jax.models.rope import apply_rope
@@ -58,11 +59,14 @@ def cast_params(params: dict, dtype: str = "fp32") -> dict:
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0, *, fixed: bool = False) -> jax.Array:
     """RMSNorm in float32; returns x's dtype. x: [..., H], w: [H]; the multiplier is ``offset + w`` (Gemma's
-    ``1 + w`` in transformers' weight convention; llama.cpp stores Gemma norms with the 1 already added)."""
+    ``1 + w`` in transformers' weight convention; llama.cpp stores Gemma norms with the 1 already added).
+    ``fixed``: the mean square by a fixed pairwise tree (``models.fixed_order.mean``: the same bits whatever the
+    number of rows; XLA's row reduction rounds differently at different row counts)."""
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + jnp.float32(eps))
+    ms = fixed_mean(xf * xf, axis=-1, keepdims=True) if fixed else jnp.mean(xf * xf, axis=-1, keepdims=True)
+    y = xf * jax.lax.rsqrt(ms + jnp.float32(eps))
     wf = w.astype(jnp.float32)
     if offset:
         wf = wf + jnp.float32(offset)
@@ -70,7 +74,7 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax
 
 
 def _norm(cfg: LlamaConfig, x, w):
-    return rms_norm(x, w, cfg.rms_eps, cfg.norm_offset)
+    return rms_norm(x, w, cfg.rms_eps, cfg.norm_offset, fixed=is_fixed_order(cfg.activation))
 
 
 def _norm_weight(cfg: LlamaConfig, w):
@@ -145,7 +149,7 @@ def norm_linears(linear: Callable, x, norm_w, eps: float, projections) -> list:
     group = getattr(linear, "norm_linears", None)
     if group is not None:
         return group(x, norm_w, eps, projections)
-    h = rms_norm(x, norm_w, eps)
+    h = rms_norm(x, norm_w, eps, fixed=is_fixed_order(linear))
     return [linear(h, w, name) for w, name in projections]
 
 
@@ -238,7 +242,10 @@ def logits_from_hidden(params, cfg: LlamaConfig, x, linear: Callable | None = No
                               ((params["lm_head_q"], "lm_head"),))[0].astype(jnp.float32)
     else:
         x = _norm(cfg, x, params["final_norm"])
-        if cfg.tie_embeddings:
+        if is_fixed_order(linear):                       # fixed-order numerics: the head is one of its projections
+            w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+            logits = linear(x, w, "lm_head").astype(jnp.float32)
+        elif cfg.tie_embeddings:
             logits = jnp.einsum("bth,vh->btv", x, params["embed"].astype(x.dtype),
                                 precision=_precision(x.dtype)).astype(jnp.float32)
         else:
@@ -275,9 +282,11 @@ def history_positions(scheme, lengths, capacity: int):
     return jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (lengths.shape[0], capacity))
 
 
-def token_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Per-position NLL float32 [B, T-1] of tokens[:, 1:] under logits[:, :-1]."""
-    lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+def token_nll(logits: jax.Array, tokens: jax.Array, *, fixed: bool = False) -> jax.Array:
+    """Per-position NLL float32 [B, T-1] of tokens[:, 1:] under logits[:, :-1] (``fixed``: the fixed-order
+    log-softmax, ``models.fixed_order.log_softmax``)."""
+    lf = logits[:, :-1].astype(jnp.float32)
+    lp = fixed_log_softmax(lf, axis=-1) if fixed else jax.nn.log_softmax(lf, axis=-1)
     return -jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
@@ -294,11 +303,13 @@ def forward_nocache(params, cfg: LlamaConfig, tokens: jax.Array, positions: jax.
     if num_new is None:
         num_new = jnp.full((b,), t, jnp.int32)
     x = embed_tokens(params, cfg, tokens)
+    fixed = is_fixed_order(linear)
 
     def layer(x, lp, i):
         window = layer_window(cfg, i)
         x, _, _ = decoder_layer(cfg, x, lp, positions,
-                                lambda q, k, v: attend(q, k, v, num_new, None, window=window), linear, layer=i)
+                                lambda q, k, v: attend(q, k, v, num_new, None, window=window, fixed_order=fixed),
+                                linear, layer=i)
         return x
 
     if is_unstacked(params):
@@ -345,8 +356,10 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
         raise ValueError(f"params hold {num_param_layers(params)} layers, the cache {cache.num_layers}")
     lengths = cache.lengths
     positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    prefill_impl = resolve_prefill_impl(attention_impl, dtype=params["embed"].dtype)
-    decode_impl = resolve_decode_impl(attention_impl)
+    fixed = is_fixed_order(linear)
+    # fixed-order numerics: the float32 reference attention in every phase, batch-major (models/fixed_order.py)
+    prefill_impl = "reference" if fixed else resolve_prefill_impl(attention_impl, dtype=params["embed"].dtype)
+    decode_impl = "reference" if fixed else resolve_decode_impl(attention_impl)
     x = embed_tokens(params, cfg, tokens)
     new_groups = []
     ok = jnp.bool_(True)
@@ -382,9 +395,10 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
                                             impl=decode_impl)[:, None].astype(q.dtype)
                 if window:
                     return attend(q, k, v, num_new, scheme.materialize_layer(view, lengths), window=window,
-                                  q_start=lengths, hist_pos=history_positions(scheme, lengths, cache.capacity))
+                                  q_start=lengths, hist_pos=history_positions(scheme, lengths, cache.capacity),
+                                  fixed_order=fixed)
                 return prefill_attention(q, k, v, num_new, scheme.materialize_layer(view, lengths),
-                                         impl=prefill_impl)
+                                         impl=prefill_impl, fixed_order=fixed)
 
             if layer_step is not None:
                 gst, fin, a = layer_step(gi, gst, i, attn, q, k, v, num_new, decode_impl=decode_impl)

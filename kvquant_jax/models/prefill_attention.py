@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvquant_jax.models import fixed_order as FO
+
 ATTENTION_IMPLS = ("auto", "kernel", "reference")
 NEG_INF = -1e30
 
@@ -27,7 +29,7 @@ QUERY_BLOCK = 1024    # attend() scores at most this many query rows at once (me
 
 def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
            hist: tuple[jax.Array, jax.Array, jax.Array] | None, *, window=0, q_start=None,
-           hist_pos=None, query_block: int = QUERY_BLOCK) -> jax.Array:
+           hist_pos=None, query_block: int = QUERY_BLOCK, fixed_order: bool = False) -> jax.Array:
     """One softmax over [history, current chunk].
 
     A forward of more than ``query_block`` tokens is scored ``query_block`` query rows at a time (``lax.map``
@@ -40,6 +42,12 @@ def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
     query at position p sees keys at positions s with ``p - W < s <= p`` (transformers' convention).  Query ``t``
     sits at ``q_start[b] + t`` (int32 [B], default 0) and history row ``c`` at ``hist_pos[b, c]`` (int32 [B, C],
     default ``c``).
+    fixed_order: the ``fixed_order`` numerics (``kvquant_jax.models.fixed_order``): the 1/sqrt(D) scale folded into
+    q (XLA:CPU fuses ``scores * scale - max`` into an FMA in some fusions and not in others), ``exp`` and the
+    softmax normalizer from IEEE adds / multiplies in a fixed order (``fixed_order.softmax``), and the
+    probability-weighted values formed batch-major (``[B, Hkv, G, T, D]``, then one transpose; the output-layout
+    einsum changes kernels when a per-device batch or head count is 1).  Every (sequence, head) row is then
+    bit-identical whatever the number of sequences and heads alongside it.  Off by default (rounds differently).
     Returns [B, T, Hq, D] in q's dtype; scores and softmax in float32.
     """
     b, t, hq, d = q.shape
@@ -52,14 +60,14 @@ def attend(q: jax.Array, k_cur: jax.Array, v_cur: jax.Array, num_new: jax.Array,
 
         def one(args):
             q_blk, off = args
-            return _attend_rows(q_blk, off, k_cur, v_cur, num_new, hist, window, q_start, hist_pos)
+            return _attend_rows(q_blk, off, k_cur, v_cur, num_new, hist, window, q_start, hist_pos, fixed_order)
 
         out = jax.lax.map(one, (blocks, jnp.arange(nb, dtype=jnp.int32) * query_block))
         return jnp.moveaxis(out, 0, 1).reshape(b, nb * query_block, hq, d)[:, :t]
-    return _attend_rows(q, jnp.int32(0), k_cur, v_cur, num_new, hist, window, q_start, hist_pos)
+    return _attend_rows(q, jnp.int32(0), k_cur, v_cur, num_new, hist, window, q_start, hist_pos, fixed_order)
 
 
-def _attend_rows(q, row0, k_cur, v_cur, num_new, hist, window, q_start, hist_pos):
+def _attend_rows(q, row0, k_cur, v_cur, num_new, hist, window, q_start, hist_pos, fixed_order=False):
     """:func:`attend` for the query rows ``row0 + [0, Tq)`` of the forward (``q [B, Tq, Hq, D]``); keys are the
     whole current chunk ``k_cur, v_cur [B, T, Hkv, D]`` and the history."""
     b, tq, hq, d = q.shape
@@ -68,6 +76,8 @@ def _attend_rows(q, row0, k_cur, v_cur, num_new, hist, window, q_start, hist_pos
     g = hq // hkv
     scale = jnp.float32(1.0 / (d ** 0.5))
     qf = q.astype(jnp.float32).reshape(b, tq, hkv, g, d)
+    if fixed_order:    # scale folded into q: no product feeding the softmax's subtraction (XLA:CPU fuses it, FMA)
+        qf, scale = qf * scale, jnp.float32(1.0)
     kc, vc = k_cur.astype(jnp.float32), v_cur.astype(jnp.float32)
     hp = jax.lax.Precision.HIGHEST
     s_cur = jnp.einsum("btkgd,bskd->bkgts", qf, kc, precision=hp) * scale          # [B, Hkv, G, Tq, S=T]
@@ -92,13 +102,18 @@ def _attend_rows(q, row0, k_cur, v_cur, num_new, hist, window, q_start, hist_pos
         s = jnp.concatenate([s_hist, s_cur], axis=-1)
     else:
         s = s_cur
-    p = jax.nn.softmax(s, axis=-1)
+    p = FO.softmax(s, axis=-1) if fixed_order else jax.nn.softmax(s, axis=-1)
+
+    def weighted(p, v, keys):                 # p [B, Hkv, G, Tq, S], v [B, S, Hkv, D] or [B, Hkv, S, D]
+        if not fixed_order:
+            return jnp.einsum(f"bkgt{keys[0]},{keys[1]}->btkgd", p, v, precision=hp)
+        return jnp.einsum(f"bkgt{keys[0]},{keys[1]}->bkgtd", p, v, precision=hp).transpose(0, 3, 1, 2, 4)
+
     if hist is not None:
         c = hk.shape[2]
-        out = (jnp.einsum("bkgtc,bkcd->btkgd", p[..., :c], hv, precision=hp)
-               + jnp.einsum("bkgts,bskd->btkgd", p[..., c:], vc, precision=hp))
+        out = weighted(p[..., :c], hv, ("c", "bkcd")) + weighted(p[..., c:], vc, ("s", "bskd"))
     else:
-        out = jnp.einsum("bkgts,bskd->btkgd", p, vc, precision=hp)
+        out = weighted(p, vc, ("s", "bskd"))
     return out.reshape(b, tq, hq, d).astype(q.dtype)
 
 
@@ -124,10 +139,11 @@ def resolve_prefill_impl(attention_impl: str, platform: str | None = None, dtype
     return "cudnn"
 
 
-def prefill_attention(q, k_cur, v_cur, num_new, hist, *, impl: str = "reference"):
-    """:func:`attend` (``impl="reference"``) or :func:`prefill_attention_cudnn` (``"cudnn"``); same arguments."""
+def prefill_attention(q, k_cur, v_cur, num_new, hist, *, impl: str = "reference", fixed_order: bool = False):
+    """:func:`attend` (``impl="reference"``, with ``fixed_order``) or :func:`prefill_attention_cudnn`
+    (``"cudnn"``); same arguments."""
     if impl == "reference":
-        return attend(q, k_cur, v_cur, num_new, hist)
+        return attend(q, k_cur, v_cur, num_new, hist, fixed_order=fixed_order)
     if impl == "cudnn":
         return prefill_attention_cudnn(q, k_cur, v_cur, num_new, hist)
     raise ValueError(f"prefill attention impl must be 'reference' or 'cudnn', got {impl!r}")

@@ -31,9 +31,10 @@ def _oracle(q, kc, vc, num_new, hk, hv, valid, window, q_start):
     return out
 
 
+@pytest.mark.parametrize("fixed_order", [False, True])
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("block", [4, 7, 64])
-def test_blocked_attend_equals_unblocked_and_the_float64_oracle(window, block):
+def test_blocked_attend_equals_unblocked_and_the_float64_oracle(window, block, fixed_order):
     rng = np.random.default_rng(block + window)
     b, t, hq, hkv, d, c = 2, 19, 6, 2, 8, 11
     q = rng.standard_normal((b, t, hq, d)).astype(np.float32)
@@ -47,7 +48,7 @@ def test_blocked_attend_equals_unblocked_and_the_float64_oracle(window, block):
     q_start = n_hist.astype(np.int32)
     args = (jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(num_new),
             (jnp.asarray(hk), jnp.asarray(hv), jnp.asarray(valid)))
-    kw = dict(window=window, q_start=jnp.asarray(q_start))
+    kw = dict(window=window, q_start=jnp.asarray(q_start), fixed_order=fixed_order)
     blocked = np.asarray(jax.jit(lambda *a: attend(*a, **kw, query_block=block))(*args))
     whole = np.asarray(attend(*args, **kw, query_block=1024))
     ref = _oracle(q.astype(np.float64), kc, vc, num_new, hk, hv, valid, window, q_start)
