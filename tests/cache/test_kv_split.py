@@ -46,6 +46,17 @@ def _softmax_attention64(q, k, v):
     return out
 
 
+def _assert_decode_matches_oracle(out, q, want_k, want_v, kn, vn, num_new):
+    """One decode step's attention ``out [B, Hq, D]`` over each sequence's ``num_new`` oracle rows plus the exact
+    current token equals the float64 softmax attention."""
+    for b in range(len(num_new)):
+        n = num_new[b]
+        kk = np.concatenate([want_k[b, :n], kn[b][None].astype(np.float64)])
+        vv = np.concatenate([want_v[b, :n], vn[b][None].astype(np.float64)])
+        np.testing.assert_allclose(out[b], _softmax_attention64(q[b].astype(np.float64), kk, vv),
+                                   rtol=1e-4, atol=1e-5)
+
+
 def test_int4_keys_fp16_values_match_float64_oracle_and_reference_attention():
     k, v = _rows(0)
     num_new = np.array([T, 4])
@@ -64,12 +75,7 @@ def test_int4_keys_fp16_values_match_float64_oracle_and_reference_attention():
     kn, vn = rng.normal(0, 1, (2, B, H, D)).astype(np.float32)
     sch, st = layer_state(cache, 0)
     out = np.asarray(dispatch.decode_attention(jnp.asarray(q), sch, st, cache.lengths, kn, vn, impl="reference"))
-    for b in range(B):
-        n = num_new[b]
-        kk = np.concatenate([want_k[b, :n], kn[b][None].astype(np.float64)])
-        vv = np.concatenate([want_v[b, :n], vn[b][None].astype(np.float64)])
-        np.testing.assert_allclose(out[b], _softmax_attention64(q[b].astype(np.float64), kk, vv),
-                                   rtol=1e-4, atol=1e-5)
+    _assert_decode_matches_oracle(out, q, want_k, want_v, kn, vn, num_new)
 
 
 def test_kivi_values_keep_their_own_residual_ring():
@@ -152,9 +158,4 @@ def test_region_kernel_reads_mixed_k_and_v_formats_in_place():
     out = np.asarray(dispatch.decode_attention(jnp.asarray(q), sch, st, cache.lengths, kn, vn, impl="kernel"))
     want_k = _oracle_int_per_token(k.astype(np.float32).astype(np.float64), 4)
     want_v = v.astype(np.float16).astype(np.float64)
-    for b in range(B):
-        n = num_new[b]
-        kk = np.concatenate([want_k[b, :n], kn[b][None].astype(np.float64)])
-        vv = np.concatenate([want_v[b, :n], vn[b][None].astype(np.float64)])
-        np.testing.assert_allclose(out[b], _softmax_attention64(q[b].astype(np.float64), kk, vv),
-                                   rtol=1e-4, atol=1e-5)
+    _assert_decode_matches_oracle(out, q, want_k, want_v, kn, vn, num_new)
