@@ -133,20 +133,33 @@ class FP8Scheme(SchemeBase):
         """Window append: the warm-up test reads the TRUE lengths, rows land at ``position - row0``."""
         return self._append(state, lengths, k, v, num_new, row0), rows_finite(k, v, num_new)
 
+    def observe_shared(self, state, lengths, k, v, num_new):
+        """``scales="warmup"``: the scales observed on the valid rows of ``k, v [B, T, Hkv, D]`` unless the layer is
+        warm (it holds a row at the layer's committed ``lengths``, over every batch shard); other sources: as is."""
+        if self.scales != "warmup":
+            return state
+        mask = _rows.new_row_mask(num_new, k.shape[1])
+        warm = shard_any(jnp.any(lengths > 0), BATCH)
+        return state.replace(k_scale=self._warmup(_rows.head_major(k), mask, state.k_scale, warm),
+                             v_scale=self._warmup(_rows.head_major(v), mask, state.v_scale, warm))
+
+    def append_observed_with_status(self, state, lengths, k, v, num_new):
+        """Rows encoded with the scales of ``state`` at body rows ``lengths + t`` (the scales are not touched)."""
+        return self._encode(state, lengths, k, v, num_new), rows_finite(k, v, num_new)
+
     def _append(self, state, lengths, k, v, num_new, row0):
+        return self._encode(self.observe_shared(state, lengths, k, v, num_new), lengths - row0, k, v, num_new)
+
+    def _encode(self, state, first_row, k, v, num_new):
+        """Valid rows ``t < num_new[b]`` of ``k, v [B, T, Hkv, D]`` written at rows ``first_row[b] + t`` under
+        the scales of ``state``."""
         t = k.shape[1]
         mask = _rows.new_row_mask(num_new, t)
         kt, vt = _rows.head_major(k), _rows.head_major(v)
-        k_scale, v_scale = state.k_scale, state.v_scale
-        if self.scales == "warmup":
-            warm = shard_any(jnp.any(lengths > 0), BATCH)
-            k_scale = self._warmup(kt, mask, k_scale, warm)
-            v_scale = self._warmup(vt, mask, v_scale, warm)
-        pos = (lengths - row0)[:, None] + _rows.arange_rows(t)[None, :]         # row index of each position
-        kc = quantize_fp8(kt, k_scale, self.fmt, head_axis=1)
-        vc = quantize_fp8(vt, v_scale, self.fmt, head_axis=1)
-        return FP8LayerState(k=_rows.write_rows(state.k, kc, pos, mask), v=_rows.write_rows(state.v, vc, pos, mask),
-                             k_scale=k_scale, v_scale=v_scale)
+        pos = first_row[:, None] + _rows.arange_rows(t)[None, :]                # row index of each position
+        kc = quantize_fp8(kt, state.k_scale, self.fmt, head_axis=1)
+        vc = quantize_fp8(vt, state.v_scale, self.fmt, head_axis=1)
+        return state.replace(k=_rows.write_rows(state.k, kc, pos, mask), v=_rows.write_rows(state.v, vc, pos, mask))
 
     def append_layer_with_status(self, state, lengths, k, v, num_new):
         return self.append_layer(state, lengths, k, v, num_new), rows_finite(k, v, num_new)

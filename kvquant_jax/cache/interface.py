@@ -105,7 +105,9 @@ class CacheScheme(abc.ABC):
     #: there is rebuilt by ``scheme_from_config``): the prefix wrapper's ``body``.
     nested_fields: ClassVar[tuple[str, ...]] = ()
     #: state fields WITHOUT a batch axis (shared by every sequence, e.g. FP8 scales ``[Hkv]``): fork/reorder
-    #: leave them alone.  Every other field is ``[B, ...]`` (``[L_g, B, ...]`` stacked).
+    #: leave them alone.  Every other field is ``[B, ...]`` (``[L_g, B, ...]`` stacked).  A body scheme of a window
+    #: ring must also give them no row axis (one value per layer: the ring stores them once, ``cache/window.py``)
+    #: and update them only in :meth:`observe_shared`.
     unbatched_fields: ClassVar[tuple[str, ...]] = ()
     #: fields that a MULTI-row append may overwrite at slots visible at the old length (residual rings).  A
     #: one-row append never does; :func:`kvquant_jax.cache.ops.publish` keeps the old ring contents when a
@@ -128,6 +130,32 @@ class CacheScheme(abc.ABC):
         quantizer can reject finite inputs (a stored qparam that overflows its dtype) override this.
         """
         return self.append_layer(state, lengths, k, v, num_new), rows_finite(k, v, num_new)
+
+    # ----- layer-wide (shared) state: the split a container of several body states (a window ring) needs -----
+
+    def observe_shared(self, state: LayerState, lengths: jax.Array, k: jax.Array, v: jax.Array,
+                       num_new: jax.Array) -> LayerState:
+        """The first half of an append: ``state`` with its *shared* fields (``unbatched_fields``: no batch axis, no
+        row axis, one value per layer) updated for appending ``k, v`` (``[B, T, Hkv, D]``, ``num_new`` int32
+        ``[B]``) at the LAYER's committed ``lengths`` (int32 ``[B]``); every other field is returned as it is.
+
+        This is where a scheme whose shared state is set from the data decides, from the layer's lengths, whether
+        the layer is warm (FP8 ``scales="warmup"``: observe the scales iff the layer holds no row).  A container
+        that keeps several body states per layer (``cache/window.py``) calls it once per append with the layer's
+        lengths and all the appended rows, then :meth:`append_observed_with_status` per body state.  ``state``
+        may be any state of the layer's geometry holding the layer's shared fields (only those are read).
+        Default: nothing is observed (right for schemes whose shared fields are fixed: calibrated scales).
+        Contract (tested for every family): ``append_layer_with_status(s, L, k, v, n)`` equals
+        ``append_observed_with_status(observe_shared(s, L, k, v, n), L, k, v, n)`` bit for bit."""
+        del lengths, k, v, num_new
+        return state
+
+    def append_observed_with_status(self, state: LayerState, lengths: jax.Array, k: jax.Array, v: jax.Array,
+                                    num_new: jax.Array) -> tuple[LayerState, jax.Array]:
+        """The second half: :meth:`append_layer_with_status` at this state's own committed ``lengths`` with the
+        shared fields taken as given (already observed for the layer by :meth:`observe_shared`) and returned
+        unchanged.  Default: the plain append (right whenever :meth:`observe_shared` is the default)."""
+        return self.append_layer_with_status(state, lengths, k, v, num_new)
 
     def supports_window_append(self) -> bool:
         """Static: is :meth:`append_window_with_status` right for this scheme?  A paged engine step then appends
@@ -209,7 +237,9 @@ class CacheScheme(abc.ABC):
 
         ``rows`` = the length T for the logical view (every sequence holds T rows), the capacity C for the
         physical one; categories are those of :mod:`kvquant_jax.quant.ledger`.  The physical view must equal
-        :meth:`layer_nbytes` of an allocation of that shape (tested for every registered family)."""
+        :meth:`layer_nbytes` of an allocation of that shape (tested for every registered family).  Every term of a
+        batched field carries the ``batch`` factor, so ``batch=0, rows=0`` gives the bytes of the shared
+        (``unbatched_fields``) state alone: a window ring counts those once (``cache/window.py``)."""
         del batch, heads, head_dim, rows, logical, capacity
         raise ValueError(f"ledger: no byte formula for scheme family {self.family or self.schema.scheme!r} "
                          "(give the scheme a ledger_layer method, see kvquant_jax.quant.ledger)")

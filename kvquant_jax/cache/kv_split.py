@@ -160,6 +160,18 @@ class KVSplitScheme(CacheScheme):
         vs, ok_v = self.v.append_layer_with_status(vs, lengths, v, v, num_new)
         return self._join(ks, vs, state.geometry), ok_k & ok_v
 
+    def observe_shared(self, state, lengths, k, v, num_new):
+        """Each component observes its own tensor's shared fields (``k`` from ``(k, k)``, ``v`` from ``(v, v)``)."""
+        ks, vs = self._halves(state)
+        return self._join(self.k.observe_shared(ks, lengths, k, k, num_new),
+                          self.v.observe_shared(vs, lengths, v, v, num_new), state.geometry)
+
+    def append_observed_with_status(self, state, lengths, k, v, num_new):
+        ks, vs = self._halves(state)
+        ks, ok_k = self.k.append_observed_with_status(ks, lengths, k, k, num_new)
+        vs, ok_v = self.v.append_observed_with_status(vs, lengths, v, v, num_new)
+        return self._join(ks, vs, state.geometry), ok_k & ok_v
+
     def append_layer(self, state, lengths, k, v, num_new):
         ks, vs = self._halves(state)
         return self._join(self.k.append_layer(ks, lengths, k, k, num_new),

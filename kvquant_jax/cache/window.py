@@ -15,9 +15,20 @@ convention).  The next forward starts at the committed length ``L``, so the hist
 * the last ``nb`` chunks are retained: at least the ``W`` newest rows, at most ``W + block`` (the ledger counts
   exactly the retained rows of each block, :meth:`WindowScheme.ledger_layer`).
 
-The layer state is flat (``blk{j}__{field}`` for every field of the body state) so fork / reorder / publish /
-validate / serialization work unchanged; the body's unbatched and ring fields stay unbatched / ring fields.  Every
-field is a ring field: a multi-row append may restart blocks whose rows the old length still exposes, so a rejected
+Shared (layer-wide) state is stored once and observed once per append.  The body's ``unbatched_fields`` (no
+batch axis, and checked here to have no row axis either: FP8 / static-INT scales, KVQuant's calibration) are one
+value per LAYER, not per block: every append first asks the body to update them from the layer's committed
+lengths and all the appended rows (:meth:`~kvquant_jax.cache.interface.CacheScheme.observe_shared`, where the body
+decides whether the layer is warm: FP8 ``scales="warmup"`` observes its scales iff the layer holds no row), then
+appends each block's rows with them as given (``append_observed_with_status``, at the block's local length).  So the
+warm-up scales of the first append into the layer (the prefill) serve every block for the rest of the sequence's
+life, exactly as without the window (the retained rows' codes equal the unwindowed cache's bit for bit), and a
+truncation to length 0 (or a fresh cache) warms up again.
+
+The layer state is flat: ``shared__{field}`` once for every shared field, ``blk{j}__{field}`` for every other field
+of the body state, so fork / reorder / publish / validate / serialization work unchanged (the shared fields are the
+window's ``unbatched_fields``; the schema records them in ``extra.window_shared``, so an artifact of the per-block
+layout is refused).  Every field is a ring field: a multi-row append may restart blocks whose rows the old length still exposes, so a rejected
 prefill restores the whole state (``ops.publish``) and a multi-row append is never read in place
 (``append_keeps_old_view``).  A one-row append at ``L`` restarts at most the block of the oldest chunk, whose rows
 are all ``<= L - W``: invisible to the query at ``L``.
@@ -45,35 +56,59 @@ _STATE_CLASSES: dict[tuple[type, int], type] = {}
 _SEP = "__"
 
 
-def windowed_state_class(body_cls: type, blocks: int) -> type:
-    """The flat layer-state class holding ``blocks`` copies of the body state's fields (``blk{j}__{name}``)."""
-    key = (body_cls, blocks)
+def windowed_state_class(body_cls: type, blocks: int, shared: tuple[str, ...] = ()) -> type:
+    """The flat layer-state class: ``shared__{name}`` once for each name in ``shared`` (the body's layer-wide
+    fields) and ``blk{j}__{name}`` for every other field of ``body_cls``, ``j < blocks``."""
+    key = (body_cls, blocks, tuple(shared))
     if key in _STATE_CLASSES:
         return _STATE_CLASSES[key]
     fields = dataclasses.fields(body_cls)
     if any(not f.metadata.get("pytree_node", True) for f in fields):
         raise TypeError(f"{body_cls.__name__} has static fields; a window body state must be all arrays")
     names = tuple(f.name for f in fields)
-    flat = tuple(f"blk{j}{_SEP}{n}" for j in range(blocks) for n in names)
+    if not set(shared) <= set(names):
+        raise TypeError(f"{body_cls.__name__} has no fields {sorted(set(shared) - set(names))}")
+    per_block = tuple(n for n in names if n not in shared)
+    flat = tuple(_shared_name(n) for n in shared) + tuple(_block_name(j, n) for j in range(blocks) for n in per_block)
     name = f"Windowed{blocks}{body_cls.__name__}"
     cls = struct.dataclass(type(name, (), {"__annotations__": {n: jax.Array for n in flat}, "__module__": __name__,
                                            "__qualname__": name,
-                                           "__doc__": f"{blocks} ring blocks of {body_cls.__name__}."}))
+                                           "__doc__": f"{blocks} ring blocks of {body_cls.__name__} "
+                                                      f"(shared once: {', '.join(shared) or 'none'})."}))
     cls.body_class, cls.body_fields, cls.blocks = body_cls, names, blocks
+    cls.shared_fields, cls.block_fields = tuple(shared), per_block
     _STATE_CLASSES[key] = cls
     return cls
 
 
-def split_blocks(state) -> list:
-    """The body states of the ring blocks, in block order."""
+def _shared_name(name: str) -> str:
+    return f"shared{_SEP}{name}"
+
+
+def _block_name(j: int, name: str) -> str:
+    return f"blk{j}{_SEP}{name}"
+
+
+def shared_of(state) -> dict:
+    """``{body field: array}``: the layer-wide fields of a windowed ``state`` (stored once)."""
+    return {n: getattr(state, _shared_name(n)) for n in type(state).shared_fields}
+
+
+def split_blocks(state, shared: dict | None = None) -> list:
+    """The body states of the ring blocks, in block order, each carrying the layer's shared fields (``shared``
+    when given: ``{body field: array}``, e.g. freshly observed ones; else the state's own)."""
     cls = type(state)
-    return [cls.body_class(**{n: getattr(state, f"blk{j}{_SEP}{n}") for n in cls.body_fields})
+    shared = shared_of(state) if shared is None else shared
+    return [cls.body_class(**shared, **{n: getattr(state, _block_name(j, n)) for n in cls.block_fields})
             for j in range(cls.blocks)]
 
 
-def join_blocks(blocks: list):
-    cls = windowed_state_class(type(blocks[0]), len(blocks))
-    return cls(**{f"blk{j}{_SEP}{n}": getattr(b, n) for j, b in enumerate(blocks) for n in cls.body_fields})
+def join_blocks(blocks: list, shared: dict):
+    """The flat state of body states ``blocks`` (their per-block fields) and the layer's ``shared`` fields
+    (``{body field: array}``; the blocks' own copies of them are ignored)."""
+    cls = windowed_state_class(type(blocks[0]), len(blocks), tuple(shared))
+    return cls(**{_shared_name(n): a for n, a in shared.items()},
+               **{_block_name(j, n): getattr(b, n) for j, b in enumerate(blocks) for n in cls.block_fields})
 
 
 def chunk_of_block(j: int, lengths, block: int, nb: int, xp=jnp):
@@ -136,16 +171,24 @@ class WindowScheme(CacheScheme):
             return getattr(self.body, name)
         raise AttributeError(name)
 
+    @property
+    def shared_fields(self) -> tuple[str, ...]:
+        """The body's layer-wide fields (its ``unbatched_fields``), stored once as ``shared__{name}``."""
+        return _body_layout(self.body, self.block)[1]
+
     def _flat(self, names) -> tuple:
-        return tuple(f"blk{j}{_SEP}{n}" for j in range(self.num_blocks) for n in names)
+        """Flat state names of body fields ``names``: once if shared, else one per block."""
+        shared = self.shared_fields
+        return tuple(_shared_name(n) for n in names if n in shared) + \
+            tuple(_block_name(j, n) for j in range(self.num_blocks) for n in names if n not in shared)
 
     @property
     def unbatched_fields(self):  # type: ignore[override]
-        return self._flat(self.body.unbatched_fields)
+        return self._flat(self.shared_fields)
 
     @property
     def ring_fields(self):  # type: ignore[override]
-        return self._flat(_body_field_names(self.body, self.block))
+        return self._flat(_body_layout(self.body, self.block)[0])
 
     @property
     def rotates_stored_keys(self):  # type: ignore[override]
@@ -159,6 +202,8 @@ class WindowScheme(CacheScheme):
         bs = self.body.schema
         extra = dict(bs.extra)
         extra.update(window=self.window, window_block=self.block, window_blocks=self.num_blocks)
+        if self.shared_fields:                  # stored once per layer (layout 2); absent: no field is shared
+            extra.update(window_shared=",".join(self.shared_fields))
         return dataclasses.replace(bs, extra=tuple(sorted((k, str(v)) for k, v in extra.items())))
 
     def config(self) -> dict[str, Any]:
@@ -168,7 +213,7 @@ class WindowScheme(CacheScheme):
     def init_layer(self, batch, capacity, num_kv_heads, head_dim):
         del capacity                      # the ring's size is the window's, whatever the cache's capacity
         one = self.body.init_layer(batch, self.block, num_kv_heads, head_dim)
-        return join_blocks([one] * self.num_blocks)
+        return join_blocks([one] * self.num_blocks, {n: getattr(one, n) for n in self.shared_fields})
 
     def block_lengths(self, lengths) -> list:
         return [block_length(j, lengths, self.block, self.num_blocks) for j in range(self.num_blocks)]
@@ -187,11 +232,29 @@ class WindowScheme(CacheScheme):
         pos = self.row_positions(lengths)
         return (pos >= 0) & (pos < lengths[:, None]) & (pos > lengths[:, None] - self.window)
 
+    def observe_shared(self, state, lengths, k, v, num_new):
+        """The body observes the layer's shared fields from the layer's ``lengths`` and every appended row."""
+        shared = self._observed(state, lengths, k, v, num_new)
+        return state.replace(**{_shared_name(n): a for n, a in shared.items()})
+
+    def _observed(self, state, lengths, k, v, num_new) -> dict:
+        """``{body field: array}``: the shared fields after the body's :meth:`observe_shared` at LAYER level."""
+        if not self.shared_fields:
+            return {}
+        seen = self.body.observe_shared(split_blocks(state)[0], lengths, k, v, num_new)
+        return {n: getattr(seen, n) for n in self.shared_fields}
+
     def append_layer_with_status(self, state, lengths, k, v, num_new):
+        """Observe the shared fields once for the layer, then append each block's rows (local lengths) with them."""
+        return self.append_observed_with_status(self.observe_shared(state, lengths, k, v, num_new), lengths, k, v,
+                                                num_new)
+
+    def append_observed_with_status(self, state, lengths, k, v, num_new):
         t = k.shape[1]
         tj = min(t, self.block)
         new_len = lengths + num_new
         out, ok = [], rows_finite(k, v, num_new)
+        shared = shared_of(state)
         for j, bst in enumerate(split_blocks(state)):
             c0, e0 = chunk_of_block(j, lengths, self.block, self.num_blocks)
             c1, e1 = chunk_of_block(j, new_len, self.block, self.num_blocks)
@@ -202,10 +265,10 @@ class WindowScheme(CacheScheme):
             idx = jnp.clip((first - lengths)[:, None] + jnp.arange(tj, dtype=jnp.int32)[None, :], 0, t - 1)
             kj = jnp.take_along_axis(k, idx[:, :, None, None], axis=1)
             vj = jnp.take_along_axis(v, idx[:, :, None, None], axis=1)
-            nb_state, ok_j = self.body.append_layer_with_status(bst, base, kj, vj, m.astype(jnp.int32))
+            nb_state, ok_j = self.body.append_observed_with_status(bst, base, kj, vj, m.astype(jnp.int32))
             out.append(nb_state)
             ok = ok & ok_j
-        return join_blocks(out), ok
+        return join_blocks(out, shared), ok
 
     def append_layer(self, state, lengths, k, v, num_new):
         return self.append_layer_with_status(state, lengths, k, v, num_new)[0]
@@ -251,10 +314,22 @@ class WindowScheme(CacheScheme):
                 raise ValueError(f"window block {j}: {e}") from None
 
     def layer_nbytes(self, state):
+        """The body's count over every block, the shared fields once (block 0 holds them, the others count them
+        as empty arrays of their dtype).  Unstacked or stacked states alike."""
+        shared = shared_of(state)
+        empty = {n: jnp.zeros((0,), a.dtype) for n, a in shared.items()}
         out: dict[str, int] = {}
-        for bst in split_blocks(state):
-            for cat, n in self.body.layer_nbytes(bst).items():
-                out[cat] = out.get(cat, 0) + n
+        for j, bst in enumerate(split_blocks(state)):
+            for cat, n in self.body.layer_nbytes(bst if j == 0 else bst.replace(**empty)).items():
+                out[cat] = out.get(cat, 0) + int(n)
+        return out
+
+    def field_axes(self, state):
+        """The body's axes of each block's fields, the shared fields' once (``state`` may be abstract)."""
+        out: dict[str, tuple] = {}
+        for j, bst in enumerate(split_blocks(state)):
+            for n, ax in self.body.field_axes(bst).items():
+                out[_shared_name(n) if n in self.shared_fields else _block_name(j, n)] = ax
         return out
 
     def retained_rows(self, length: int) -> list[int]:
@@ -264,15 +339,20 @@ class WindowScheme(CacheScheme):
 
     def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
         """Physical: every block's allocation (``block`` rows each).  Logical at T rows: each block's body bytes
-        at the rows it really retains at T (between min(T, W) and W + block in all)."""
-        out: dict[tuple[str, str], int] = {}
+        at the rows it really retains at T (between min(T, W) and W + block in all).  The shared fields are counted
+        once: the body's formula at ``batch=0, rows=0`` (their bytes alone, ``CacheScheme.ledger_layer``) is taken
+        off every block and added back once."""
+        def body(b, r):
+            return self.body.ledger_layer(b, heads, head_dim, r, logical=logical, capacity=self.block)
+
+        shared = body(0, 0)
+        out: dict[tuple[str, str], int] = dict(shared)
         per_block = self.retained_rows(rows) if logical else [self.block] * self.num_blocks
         for r in per_block:
             if logical and r == 0:
                 continue
-            for key, n in self.body.ledger_layer(batch, heads, head_dim, r, logical=logical,
-                                                 capacity=self.block).items():
-                out[key] = out.get(key, 0) + n
+            for key, n in body(batch, r).items():
+                out[key] = out.get(key, 0) + n - shared.get(key, 0)
         return out
 
     # ----- truncation -----
@@ -295,7 +375,7 @@ class WindowScheme(CacheScheme):
         """Rebuild every block whose chunk starts at or after ``start`` from the given rows (row ``t`` =
         position ``start + t``): a fresh body append of the chunk's rows ``[c * block, new_length)``."""
         t = k.shape[1]
-        out = []
+        out, shared = [], shared_of(state)
         for j, bst in enumerate(split_blocks(state)):
             chunk, exists = chunk_of_block(j, new_lengths, self.block, self.num_blocks)
             c0 = chunk * self.block
@@ -305,36 +385,35 @@ class WindowScheme(CacheScheme):
             idx = jnp.clip((c0 - start)[:, None] + jnp.arange(tj, dtype=jnp.int32)[None, :], 0, t - 1)
             kj = jnp.take_along_axis(k, idx[:, :, None, None], axis=1)
             vj = jnp.take_along_axis(v, idx[:, :, None, None], axis=1)
-            fresh = self.body.append_layer(bst, jnp.zeros_like(n), kj, vj, n)
-            out.append(jax.tree.map(lambda a, b: jnp.where(_bcast(rebuild, a), a, b), fresh, bst)
-                       if self.body.unbatched_fields == () else
-                       _select_batched(self.body, rebuild, fresh, bst))
-        return join_blocks(out)
+            fresh, _ = self.body.append_observed_with_status(bst, jnp.zeros_like(n), kj, vj, n)   # layer's shared
+            out.append(bst.replace(**{f: jnp.where(_bcast(rebuild, getattr(fresh, f)), getattr(fresh, f),
+                                                   getattr(bst, f)) for f in type(state).block_fields}))
+        return join_blocks(out, shared)
 
 
 @functools.lru_cache(maxsize=None)
-def _body_field_names(body: CacheScheme, block: int) -> tuple[str, ...]:
-    """Field names of ``body``'s layer state (from an abstract allocation at a head_dim it accepts)."""
+def _body_layout(body: CacheScheme, block: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(fields, shared)``: the field names of ``body``'s layer state and its layer-wide ones (from abstract
+    allocations at a head_dim it accepts, two batch sizes and two capacities).  ``shared`` is the body's declared
+    ``unbatched_fields``; raises ``TypeError`` when one of them grows with the batch or the rows, or a field that
+    grows with neither is not declared (the ring could not store it once, or would store it per block)."""
     err = None
     for d in (256, 128, 64, 512, 32, 16, 8):
         try:
-            st = jax.eval_shape(lambda d=d: body.init_layer(1, block, 1, d))
+            shapes = [jax.eval_shape(lambda b=b, c=c, d=d: body.init_layer(b, c, 1, d))
+                      for b, c in ((1, block), (2, block), (1, 2 * block))]
         except ValueError as e:
             err = e
             continue
-        return tuple(f.name for f in dataclasses.fields(st))
+        names = tuple(f.name for f in dataclasses.fields(shapes[0]))
+        fixed = {n for n in names if len({getattr(s, n).shape for s in shapes}) == 1}
+        declared = set(body.unbatched_fields)
+        if fixed != declared:
+            raise TypeError(f"WindowScheme: {type(body).__name__} declares unbatched_fields {sorted(declared)} but "
+                            f"its fields without a batch or row axis are {sorted(fixed)}")
+        return names, tuple(n for n in names if n in declared)
     raise ValueError(f"WindowScheme: cannot allocate a {block}-row block of {body!r}: {err}")
 
 
 def _bcast(mask, a):
     return mask.reshape(mask.shape + (1,) * (a.ndim - 1))
-
-
-def _select_batched(body, mask, fresh, old):
-    """Per sequence: the rebuilt block where ``mask``, the held one elsewhere (unbatched fields: rebuilt if any)."""
-    fields = {}
-    for f in dataclasses.fields(fresh):
-        a, b = getattr(fresh, f.name), getattr(old, f.name)
-        fields[f.name] = jnp.where(jnp.any(mask), a, b) if f.name in body.unbatched_fields else \
-            jnp.where(_bcast(mask, a), a, b)
-    return fresh.replace(**fields)
