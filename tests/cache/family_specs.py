@@ -13,8 +13,10 @@ SPECS = {
     "kivi": KIVI,
     "kvquant": {"name": "kvquant", "bits": 3, "k_sparse_capacity": 1, "v_outliers": 1, "sink": 1},
     "prefix": {"name": "prefix", "prefix_len": 3, "body": KIVI},
-    "window": {"name": "window", "window": 16, "block": 8, "body": {"name": "kivi2", "group_size": 8,
-                                                                   "v_group_size": 8, "residual": 8}},
+    # a window over a K/V split: FP8 warm-up K (layer-wide scales, stored once in the ring) and KIVI V (rings)
+    "window": {"name": "window", "window": 16, "block": 8,
+               "body": {"name": "kv", "k": "fp8_e4m3:scales=warmup,axis=head",
+                        "v": {"name": "kivi2", "group_size": 8, "v_group_size": 8, "residual": 8}}},
     "axis_ablation": {"name": "kivi_axes", "k_axis": "token", "group_size": 8, "token_group_size": 8,
                       "residual": 16},
     "kv": {"name": "kv", "k": "int4:group_size=8", "v": KIVI},

@@ -6,7 +6,10 @@ step of a hypothesis state machine (prefill / decode / fork / reorder / truncate
 * the window view is exactly positions ``[L - W + 1, L)`` (``valid`` and ``row_positions``);
 * each block's decoded rows equal a FRESH body cache built from that chunk's original rows in one append (bit
   for bit: codes, qparams and residual rows of evicted positions leave no trace; the body's frontiers come from
-  the block length alone);
+  the block length alone) -- except for a body with layer-wide state set from the data (FP8 warm-up), whose
+  blocks use the layer's scales;
+* for a body encoding every row on its own (``ROWWISE``, FP8 warm-up included) the window's view rows equal an
+  unwindowed shadow cache of the body fed the same operations, bit for bit;
 * decode attention over ``decode_regions`` equals a float64 NumPy softmax over the window rows;
 * ``ops.validate`` holds and the physical ledger equals the measured bytes; the logical ledger counts exactly
   the retained rows.
@@ -40,7 +43,13 @@ BODIES = {
     "int4_g4": PerTokenScheme(bits=4, group_size=4),
     "fp8_unit": FP8Scheme("e4m3"),
     "kivi2": KIVIScheme(k_bits=2, v_bits=2, group_size=4, v_group_size=4, residual=4),
+    "fp8_warmup": FP8Scheme("e4m3", scales="warmup"),
 }
+#: bodies that encode every row on its own: the window's view rows equal an UNWINDOWED cache of the body fed the
+#: same operations (a shadow), bit for bit -- for FP8 warm-up that is the layer's scales observed by its first
+#: append, whatever the block (a fresh block would re-observe them, so it has no fresh-block oracle)
+ROWWISE = ("fp32", "int4_g4", "fp8_unit", "fp8_warmup")
+LAYER_SHARED = ("fp8_warmup",)
 
 
 def _scheme(body):
@@ -77,19 +86,34 @@ def _attention64(q, k, v, kn, vn):
     return np.einsum("hn,nhd->hd", p, vv)
 
 
-def check_against_history(cache, body, hist_k, hist_v, seed=0):
-    """The module doc's checks of ``cache`` (one layer) against the per-sequence row histories."""
+def _shadow(body):
+    """An unwindowed cache of a row-wise body (None for the others)."""
+    return init_cache(BODIES[body], num_layers=1, batch=B, capacity=C, num_kv_heads=H, head_dim=D) \
+        if body in ROWWISE else None
+
+
+def check_against_history(cache, body, hist_k, hist_v, seed=0, flat=None):
+    """The module doc's checks of ``cache`` (one layer) against the per-sequence row histories, and against the
+    unwindowed shadow ``flat`` of a row-wise body."""
     sch, stt = layer_state(cache, 0)
     lengths = np.asarray(cache.lengths)
     k, v, valid = (np.asarray(a) for a in sch.materialize_layer(stt, cache.lengths))
     pos = np.asarray(sch.row_positions(cache.lengths))
     blocks = sch.num_blocks
+    if flat is not None:
+        np.testing.assert_array_equal(np.asarray(flat.lengths), lengths)
+        fsch, fst = layer_state(flat, 0)
+        fk, fv, _ = (np.asarray(a) for a in fsch.materialize_layer(fst, flat.lengths))
+        for b in range(B):
+            p = pos[b][valid[b]]
+            np.testing.assert_array_equal(k[b][:, valid[b]], fk[b][:, p])
+            np.testing.assert_array_equal(v[b][:, valid[b]], fv[b][:, p])
     for b in range(B):
         L = int(lengths[b])
         want = np.arange(max(0, L - W + 1), L)
         assert sorted(pos[b][valid[b]].tolist()) == want.tolist(), (b, L)
         assert not k[b][:, ~valid[b]].any() and not v[b][:, ~valid[b]].any()
-        for j in range(blocks):
+        for j in range(blocks if body not in LAYER_SHARED else 0):
             rows = pos[b, j * BLOCK:(j + 1) * BLOCK]
             if rows[0] < 0 or rows[0] >= L:
                 continue
@@ -121,12 +145,15 @@ class WindowMachine(RuleBasedStateMachine):
         self.body = body
         self.rng = np.random.default_rng(seed)
         self.cache = init_cache(_scheme(body), num_layers=1, batch=B, capacity=C, num_kv_heads=H, head_dim=D)
+        self.flat = _shadow(body)
         self.hk = [np.zeros((0, H, D), np.float32) for _ in range(B)]
         self.hv = [np.zeros((0, H, D), np.float32) for _ in range(B)]
 
     def _append(self, t, num):
         k, v = _rows(self.rng, t)
         self.cache = ops.append(self.cache, [(k, v)], num)
+        if self.flat is not None:
+            self.flat = ops.append(self.flat, [(k, v)], num)
         for b in range(B):
             self.hk[b] = np.concatenate([self.hk[b], k[b, :num[b]]])
             self.hv[b] = np.concatenate([self.hv[b], v[b, :num[b]]])
@@ -146,6 +173,8 @@ class WindowMachine(RuleBasedStateMachine):
     @rule(parents=st.lists(st.integers(0, B - 1), min_size=B, max_size=B))
     def reorder(self, parents):
         self.cache = ops.reorder(self.cache, np.array(parents))
+        if self.flat is not None:
+            self.flat = ops.reorder(self.flat, np.array(parents))
         self.hk = [self.hk[p].copy() for p in parents]
         self.hv = [self.hv[p].copy() for p in parents]
 
@@ -164,6 +193,8 @@ class WindowMachine(RuleBasedStateMachine):
                 k[b, :n], v[b, :n] = self.hk[b][start[b]:new[b]], self.hv[b][start[b]:new[b]]
             rows = [(k, v)]
         self.cache = ops.truncate(self.cache, new, rows=rows)
+        if self.flat is not None:
+            self.flat = ops.truncate(self.flat, new)
         self.hk = [self.hk[b][:new[b]] for b in range(B)]
         self.hv = [self.hv[b][:new[b]] for b in range(B)]
 
@@ -178,7 +209,7 @@ class WindowMachine(RuleBasedStateMachine):
     @invariant()
     def matches_history(self):
         if hasattr(self, "cache"):
-            check_against_history(self.cache, self.body, self.hk, self.hv)
+            check_against_history(self.cache, self.body, self.hk, self.hv, flat=self.flat)
 
 
 TestWindowMachine = WindowMachine.TestCase
@@ -190,6 +221,7 @@ def test_long_decode_past_many_windows(body):
     """A prefill then 3 windows of decode steps: every step's view is the window, rows from fresh body blocks."""
     rng = np.random.default_rng(1)
     cache = init_cache(_scheme(body), num_layers=1, batch=B, capacity=C, num_kv_heads=H, head_dim=D)
+    flat = _shadow(body)
     hk = [np.zeros((0, H, D), np.float32)] * B
     hv = [np.zeros((0, H, D), np.float32)] * B
     for step in range(3 * W + 2):
@@ -197,9 +229,10 @@ def test_long_decode_past_many_windows(body):
         k, v = _rows(rng, t)
         num = np.array([t, t if step % 3 else 0])
         cache = ops.append(cache, [(k, v)], num)
+        flat = ops.append(flat, [(k, v)], num) if flat is not None else None
         hk = [np.concatenate([hk[b], k[b, :num[b]]]) for b in range(B)]
         hv = [np.concatenate([hv[b], v[b, :num[b]]]) for b in range(B)]
-        check_against_history(cache, body, hk, hv, seed=step)
+        check_against_history(cache, body, hk, hv, seed=step, flat=flat)
 
 
 def test_rejected_prefill_keeps_the_old_ring():
