@@ -11,7 +11,10 @@ Scale sources (``scales=``, recorded in the schema: ``calibration_id`` and ``ext
   while every committed length is 0 (then no stored row depends on it: the frontier rule), so "frozen" is a
   function of the committed lengths: the cache is warm iff it holds any row.  Truncating every sequence to 0
   therefore returns a cache equal to a fresh one (the next append warms up again); truncating to a positive length
-  keeps the scale the surviving rows were encoded with.
+  keeps the scale the surviving rows were encoded with.  The observation is :meth:`FP8Scheme.observe_shared`
+  (from the layer's lengths), the encode :meth:`FP8Scheme.append_observed_with_status`: a window ring
+  (``cache/window.py``) stores the scales once and observes them once per layer, so its blocks encode with the
+  layer's first-append scales exactly as the unwindowed cache does.
 * ``"calibrated"``: scales come from data: ``k_scales`` / ``v_scales`` on the scheme (one value per tensor, or one
   per KV head, same for every layer) or per layer through :func:`load_scales`.  ``calibration_id`` names the
   artifact and must be given.
