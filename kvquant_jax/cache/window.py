@@ -28,10 +28,10 @@ truncation to length 0 (or a fresh cache) warms up again.
 The layer state is flat: ``shared__{field}`` once for every shared field, ``blk{j}__{field}`` for every other field
 of the body state, so fork / reorder / publish / validate / serialization work unchanged (the shared fields are the
 window's ``unbatched_fields``; the schema records them in ``extra.window_shared``, so an artifact of the per-block
-layout is refused).  Every field is a ring field: a multi-row append may restart blocks whose rows the old length still exposes, so a rejected
-prefill restores the whole state (``ops.publish``) and a multi-row append is never read in place
-(``append_keeps_old_view``).  A one-row append at ``L`` restarts at most the block of the oldest chunk, whose rows
-are all ``<= L - W``: invisible to the query at ``L``.
+layout is refused). Every field is a ring field: a multi-row append may restart blocks whose rows the old length
+still exposes, so a rejected prefill restores the whole state (``ops.publish``) and a multi-row append is never read
+in place (``append_keeps_old_view``). A one-row append at ``L`` restarts at most the block of the oldest chunk,
+whose rows are all ``<= L - W``: invisible to the query at ``L``.
 
 Reads: ``materialize_layer`` returns the ``nb * block`` ring rows in block order with ``valid`` exactly the window
 view ``[L - W + 1, L)`` (other rows zero); :meth:`WindowScheme.row_positions` gives each row's position (the model
@@ -94,11 +94,10 @@ def shared_of(state) -> dict:
     return {n: getattr(state, _shared_name(n)) for n in type(state).shared_fields}
 
 
-def split_blocks(state, shared: dict | None = None) -> list:
-    """The body states of the ring blocks, in block order, each carrying the layer's shared fields (``shared``
-    when given: ``{body field: array}``, e.g. freshly observed ones; else the state's own)."""
+def split_blocks(state) -> list:
+    """The body states of the ring blocks, in block order, each carrying the layer's shared fields."""
     cls = type(state)
-    shared = shared_of(state) if shared is None else shared
+    shared = shared_of(state)
     return [cls.body_class(**shared, **{n: getattr(state, _block_name(j, n)) for n in cls.block_fields})
             for j in range(cls.blocks)]
 
@@ -202,7 +201,7 @@ class WindowScheme(CacheScheme):
         bs = self.body.schema
         extra = dict(bs.extra)
         extra.update(window=self.window, window_block=self.block, window_blocks=self.num_blocks)
-        if self.shared_fields:                  # stored once per layer (layout 2); absent: no field is shared
+        if self.shared_fields:           # stored once per layer; absent when no field is shared (same layout)
             extra.update(window_shared=",".join(self.shared_fields))
         return dataclasses.replace(bs, extra=tuple(sorted((k, str(v)) for k, v in extra.items())))
 
@@ -250,6 +249,8 @@ class WindowScheme(CacheScheme):
                                                 num_new)
 
     def append_observed_with_status(self, state, lengths, k, v, num_new):
+        """Each block's rows (``k, v [B, T, Hkv, D]`` at the layer's ``lengths``) appended at its local length,
+        with the state's shared fields as given (the blocks' outputs of them are dropped)."""
         t = k.shape[1]
         tj = min(t, self.block)
         new_len = lengths + num_new

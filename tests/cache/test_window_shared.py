@@ -79,7 +79,7 @@ def _run(scheme, steps, rng, cache=None, hist=None):
 
 
 def _truncate(cache, new, hist):
-    """``ops.truncate`` to ``new [B]`` with the original rows from ``rebuild_start`` (from ``hist``); ``hist`` is cut."""
+    """``ops.truncate`` to ``new [B]``, given the original rows from ``rebuild_start`` on (``hist``, cut too)."""
     start = ops.rebuild_start(cache, new)
     rows = None
     if (start < new).any():
