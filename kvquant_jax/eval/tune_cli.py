@@ -81,16 +81,26 @@ def parse_candidates(text: str) -> tuple[str, ...]:
     return names
 
 
+def _without_bits_length(identity: dict) -> dict:
+    """An identity with ``probe.bits_length`` left out: the bits length is accounting, not measurement."""
+    probe = identity.get("probe")
+    if not isinstance(probe, dict):
+        return identity
+    return {**identity, "probe": {k: v for k, v in probe.items() if k != "bits_length"}}
+
+
 def reuse_sensitivity(path, *, identity: dict):
     """The measurements of an earlier run's ``sensitivity.json`` / ``manifest.json``; raises ``ValueError``
-    naming every identity field (model, calibration text, sizes, candidates) that differs from ``identity``."""
+    naming every identity field (model, calibration text, sizes, candidates) that differs from ``identity``.
+    ``probe.bits_length`` may differ (the caller recounts the bits at its own length)."""
     try:
         d = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"--sensitivity {path}: cannot read ({e})") from None
     if not isinstance(d, dict) or "sensitivity" not in d:
         raise ValueError(f"--sensitivity {path}: not a tune-policy sensitivity.json / manifest.json")
-    bad = [k for k, v in identity.items() if d.get(k) != v]
+    mine, theirs = _without_bits_length(identity), _without_bits_length(d)
+    bad = [k for k, v in mine.items() if theirs.get(k) != v]
     if bad:
         raise ValueError(f"--sensitivity {path}: measured for another setup: " + "; ".join(
             f"{k} {d.get(k)!r} != {identity[k]!r}" for k in bad))
@@ -134,7 +144,8 @@ def run(loaded, *, budgets, metric: str, candidates, out: Path, max_backoff: int
                                                                                    "bits_length")}}
     if sensitivity is not None:
         sens = reuse_sensitivity(sensitivity, identity=identity)
-        log(f"sensitivity: reused {sensitivity}")
+        sens = sens.replace(bits=TP.layer_bits(candidates, model.cfg, bits_length), bits_length=bits_length)
+        log(f"sensitivity: reused {sensitivity} (bits recounted at {bits_length} tokens)")
     else:
         limits = [math.log1p(b / 100.0) if metric == "ppl" else b for b in budgets]
         t0 = time.perf_counter()

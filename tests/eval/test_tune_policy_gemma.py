@@ -136,3 +136,8 @@ def test_run_writes_a_gemma_policy_with_per_layer_bits(tmp_path, monkeypatch):
     assert man["choice"] == {"k": ["int2"] * 4, "v": ["int2"] * 4} and man["validation"]["within_budget"]
     built = TP.policy_from_block(man["cache"], CFG).schemes
     assert built == TP.choice_schemes(TP.Choice(k=tuple(man["choice"]["k"]), v=tuple(man["choice"]["v"])), CFG)
+    again, = tune_cli.run(load_config(f), budgets=[1.0], metric="ppl", candidates=("int8", "int2"),
+                          out=tmp_path / "o8", validation_segments=1, context=8, log=lambda m: None,
+                          sensitivity=str(tmp_path / "o" / "sensitivity.json"))
+    assert again["settings"]["bits_length"] == 8 and "layer_bits" not in again["sensitivity"]   # recounted
+    assert again["sensitivity"]["per_item"] == man["sensitivity"]["per_item"]
