@@ -141,3 +141,11 @@ def test_run_writes_a_gemma_policy_with_per_layer_bits(tmp_path, monkeypatch):
                           sensitivity=str(tmp_path / "o" / "sensitivity.json"))
     assert again["settings"]["bits_length"] == 8 and "layer_bits" not in again["sensitivity"]   # recounted
     assert again["sensitivity"]["per_item"] == man["sensitivity"]["per_item"]
+
+
+def test_context_flag_is_checked(tmp_path, capsys):
+    from kvquant_jax import cli
+
+    assert cli.main(["tune-policy", str(tmp_path / "none.yaml"), "--budget", "1", "--context", "0",
+                     "--out", str(tmp_path / "o")]) == 2
+    assert "--context must be >= 1 tokens, got 0" in capsys.readouterr().err and not (tmp_path / "o").exists()
