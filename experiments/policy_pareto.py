@@ -2,6 +2,8 @@
 
     python experiments/policy_pareto.py --rows docs/results/policy/sweep/results.jsonl \
         --rows docs/results/mixed_layers/results.jsonl --tuned docs/results/policy/tuned --out docs/results/policy
+    python experiments/policy_pareto.py --rows docs/results/policy/gemma3/sweep/results.jsonl \
+        --out docs/results/policy/gemma3 --title "Gemma-3-270M, WikiText-2 test, fast path 4 x ([BOS] + 511)"
 
 Reads ``kvq sweep`` rows (fast-path ``ppl`` with per-segment NLL, ``bytes`` with bits/element); every Δ is against
 the fp32 baseline row of the same file on the same segments (the files must share the baseline tokens: checked),
@@ -32,7 +34,9 @@ def load_points(path: Path) -> tuple[dict, list[dict]]:
         out.append({"point": r["point"], "policy": r["cache_policy"], "bits": bits.get(r["point"]),
                     "ppl": r["values"]["ppl"], "dppl": ci.delta, "pct": 100 * ci.delta / p0,
                     "lo": 100 * ci.lo / p0, "hi": 100 * ci.hi / p0, "ns": not ci.excludes_zero,
-                    "tokens": r["values"]["tokens"], "source": path.parent.name})
+                    "tokens": r["values"]["tokens"], "source": path.parent.name,
+                    "bits_length": next((b["values"]["length"] for b in rows if b["metric"] == "bytes"
+                                         and b["point"] == r["point"]), None)})
     return base, out
 
 
@@ -58,6 +62,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", action="append", required=True, help="a sweep results.jsonl (repeatable)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--title", default="SmolLM2-135M, WikiText-2 test, fast path 4 x 512", help="plot title")
     args = ap.parse_args(argv)
     bases, points = [], []
     for f in args.rows:
@@ -71,7 +76,8 @@ def main(argv=None) -> None:
     front = pareto(points)
     p0 = bases[0]["values"]["ppl"]
     lines = [f"fp32 baseline ppl {p0:.3f} ({bases[0]['values']['tokens']} scored tokens per point, "
-             f"{bases[0]['values']['segments']} segments x {bases[0]['values']['seq_len']}, chunk "
+             f"{bases[0]['values']['segments']} segments x {bases[0]['values']['seq_len']}"
+             f"{' ([BOS] + text)' if bases[0]['values'].get('bos') else ''}, chunk "
              f"{bases[0]['values']['chunk']}); Δppl% = 100 Δppl / baseline ppl, [95% CI] paired bootstrap over the "
              "segments; n.s. = the interval contains 0; * = on the Pareto frontier (bits, Δppl%).", "",
              "| point | source | bits/elem | ppl | Δppl % [95% CI] | cache policy |", "|---|---|---|---|---|---|"]
@@ -92,7 +98,8 @@ def main(argv=None) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     kinds = (("uniform", "tab:blue", "uniform", True), ("tuned-dnll", "tab:gray", "tuned, cost Δ NLL only", False),
              ("tuned", "tab:red", "tuned (cost max(Δ NLL, KL))", True),
-             ("full_precision", "tab:green", "mixed layers (KIVI-2 R=32, fp32 ends)", False))
+             ("full_precision", "tab:green", "mixed layers (KIVI-2 R=32, fp32 ends)", False),
+             ("local", "tab:green", "by layer type (local / global)", True))
     for kind, color, label, annotate in kinds:
         sel = [p for p in points if p["point"].startswith(kind) and not (kind == "tuned" and "dnll" in p["point"])]
         if not sel:
@@ -105,11 +112,12 @@ def main(argv=None) -> None:
             ax.annotate(p["point"].split("-", 1)[-1], (p["bits"], p["pct"]), fontsize=7,
                         xytext=(3, 3), textcoords="offset points")
     ax.axhline(0, color="gray", lw=0.5)
-    ax.set_xlabel("bits / element (at 2048 tokens)")
+    lengths = sorted({p["bits_length"] for p in points if p["bits_length"]})
+    ax.set_xlabel(f"bits / element (at {', '.join(f'{n:,}' for n in lengths)} tokens)")
     ax.set_ylabel("Δppl vs fp32 (%), 95% CI")
     ax.set_yscale("symlog", linthresh=1)
     ax.legend(fontsize=8)
-    ax.set_title("SmolLM2-135M, WikiText-2 test, fast path 4 x 512")
+    ax.set_title(args.title)
     fig.tight_layout()
     fig.savefig(out / "pareto.png", dpi=120)
 

@@ -8,18 +8,21 @@
 Layers of the simulated ablation scheme (``cache.axis_ablation``) keep float32 rows, so their measured bytes are not
 those of a packed cache: their logical bytes come from :meth:`AxisAblationScheme.logical_bits` and the result is
 marked ``simulated``.  Per-layer metadata a scheme stores (KVQuant's row positions) is counted beside the
-``lengths`` vector.  A family without a ledger formula (``ledger_layer``) falls back to the measured allocation of a
-cache holding exactly ``length`` rows (``ledger`` says so in the row).
+``lengths`` vector.  Every layer is counted as the cache stores it (``models.cache_layout.layer_schemes``: a
+sliding-window layer keeps only its ring's rows).  A family without a ledger formula (``ledger_layer``) falls back
+to the measured allocation of a cache holding exactly ``length`` rows (``ledger`` says so in the row).
 """
 from __future__ import annotations
 
 from kvquant_jax.eval.policy import as_policy
+from kvquant_jax.models.cache_layout import layer_schemes
 from kvquant_jax.quant.ledger import CATEGORIES, Ledger, LedgerShape, ledger, measured_nbytes
 
 
 def cache_footprint(policy, cfg, length: int) -> dict:
     policy = as_policy(policy)
     schemes = policy.schemes * cfg.num_layers if len(policy.schemes) == 1 else policy.schemes
+    schemes = layer_schemes(cfg, schemes, capacity=length)       # what each layer keeps (local layers: a ring)
     hkv, d = cfg.num_kv_heads, cfg.head_dim
     one = LedgerShape(num_layers=1, batch=1, num_kv_heads=hkv, head_dim=d, length=length, capacity=length)
     logical = dict.fromkeys(CATEGORIES, 0.0)

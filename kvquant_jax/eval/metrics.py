@@ -208,12 +208,13 @@ def compute(session: Session, cfg: ExperimentConfig, metric: str, *,
     corpus = session.corpus(cfg)
     if metric == "ppl":
         r = perplexity(m.params, m.cfg, corpus.ids.tolist(), seq_len=t.seq_len, max_segments=t.max_segments,
-                       batch_size=t.batch_size, nll_fn=make_nll_fn(policy, t.chunk))
+                       batch_size=t.batch_size, nll_fn=make_nll_fn(policy, t.chunk),
+                       bos_id=m.cfg.bos_id if m.cfg.bos_required else None)    # the model's protocol (kvq ppl)
         if r.segments < t.max_segments:
             raise ValueError(f"tasks.ppl: corpus {corpus.name} has only {r.segments} segments of {t.seq_len} tokens, "
                              f"max_segments is {t.max_segments}")
         return {"ppl": r.ppl, "nll": r.nll, "tokens": r.tokens, "segments": r.segments, "seq_len": t.seq_len,
-                "chunk": t.chunk, "segment_nll": r.segment_nll}
+                "chunk": t.chunk, "segment_nll": r.segment_nll, **({"bos": True} if r.bos else {})}
     if metric == "serving_ppl":
         segs = corpus.take(t.prefill + t.decode + 1, t.segments, "tasks.serving_ppl")
         ref = session.serving_reference(cfg, baseline, segs, t.prefill, t.attention)

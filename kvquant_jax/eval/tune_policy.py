@@ -7,10 +7,15 @@
    once and its layer inputs kept (shared by every probe), layer ``l`` is fed in ``chunk``-token pieces through a
    real one-layer cache of ``kv:k=f,v=fp32`` (or ``k=fp32,v=f``) -- the queries of a piece see its exact K/V and
    the STORED representation of earlier pieces, exactly what ``llama.forward`` does -- and the later layers run in
-   float (an fp32 cache is exact).  One compilation per (format, tensor): the layer index is traced.
+   float (an fp32 cache is exact).  One compilation per (format, tensor, layer type): the layer index is traced.
+   Models with sliding-window layers (Gemma-3) probe each layer through the cache the evaluation builds for it
+   (``models.cache_layout.layer_schemes``: its RoPE base, a window ring on local layers when the segment is longer
+   than the window) and segments follow the model's protocol (``[BOS] + text`` when ``cfg.bos_required``).
 2. **Search**: a multiple-choice knapsack (``eval.policy_search``) minimizing mean bits/element (the byte
-   ledger's logical bits of each tensor at ``bits_length`` tokens: codes, qparams, residual rows) subject to the sum
-   of the chosen items' Δ NLL <= log(1 + budget%) (budget metric ``ppl``) or their KL <= budget (``kl``).
+   ledger's logical bits of each layer's tensor at ``bits_length`` tokens -- the target context: codes, qparams,
+   residual rows, and on a local layer only the rows its window ring retains -- over the elements of a full-length
+   cache) subject to the sum of the chosen items' Δ NLL <= log(1 + budget%) (budget metric ``ppl``) or their KL <=
+   budget (``kl``).
 3. **Validation**: the chosen policy through the real cache (``eval.quantized_ppl.chunked_nll``) on the same
    calibration tokens against the fp32 cache; when its Δppl exceeds the budget (losses are not exactly additive)
    the internal budget shrinks and the search re-runs (``max_backoff`` times), every attempt recorded.
@@ -44,9 +49,11 @@ from kvquant_jax.data import SPLITS, data_dirs
 from kvquant_jax.eval import policy_search
 from kvquant_jax.eval.policy import build_policy
 from kvquant_jax.eval.quantized_ppl import chunked_nll
+from kvquant_jax.eval.ppl import segments
 from kvquant_jax.eval.stats import ppl_delta_ci
-from kvquant_jax.models.llama import (decoder_layer, embed_tokens, finish_layer, is_unstacked, logits_from_hidden,
-                                      project_qkv, stack_layers)
+from kvquant_jax.models.cache_layout import layer_schemes
+from kvquant_jax.models.llama import (decoder_layer, embed_tokens, finish_layer, history_positions, is_unstacked,
+                                      layer_window, logits_from_hidden, project_qkv, stack_layers)
 from kvquant_jax.models.prefill_attention import attend
 
 TENSORS = ("k", "v")
@@ -85,11 +92,35 @@ def candidate_scheme(fmt: str, tensor: str, cfg) -> KVSplitScheme:
     return KVSplitScheme(k=q, v=full) if tensor == "k" else KVSplitScheme(k=full, v=q)
 
 
-def _uniform_layers(cfg) -> None:
-    if len({cfg.layer_type(i) for i in range(cfg.num_layers)}) > 1 or any(
-            cfg.layer_window(i) for i in range(cfg.num_layers)):
-        raise NotImplementedError(f"tune-policy: {cfg.name} has sliding-window / mixed layer types; the per-layer "
-                                  "probe supports models whose layers share one attention type (LLaMA)")
+def per_layer_schemes(scheme, cfg, rows: int) -> tuple:
+    """The scheme every layer of ``cfg`` really stores ``scheme`` as in a cache of ``rows`` rows
+    (``layer_schemes``: the layer's RoPE base; a window ring on local layers when ``rows`` exceeds the window;
+    LLaMA: ``scheme`` on every layer)."""
+    return layer_schemes(cfg, (scheme,) * cfg.num_layers, capacity=rows)
+
+
+def layer_bits(candidates, cfg, rows: int) -> np.ndarray:
+    """float64 ``[L, 2, F]``: bits/element of layer ``l``'s tensor (K, V) stored as candidate ``f`` at ``rows``
+    tokens -- the ledger's logical bytes of what that layer retains (a local layer's ring keeps about its window,
+    however long the context) over the ``Hkv x rows x D`` elements of a full-length tensor, so the mean over every
+    item is the cache's bits/element (``eval.footprint``, metadata aside)."""
+    if rows < 1:
+        raise ValueError(f"bits length (tasks.bytes.length / --context) must be >= 1, got {rows}")
+    return np.array([[[tensor_bits(s, t, rows=rows, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+                       for s in per] for t in TENSORS]
+                     for per in zip(*(per_layer_schemes(make_scheme(f), cfg, rows) for f in candidates))])
+
+
+def calibration_segments(ids, seq_len: int, count: int, cfg) -> np.ndarray:
+    """int32 ``[count, seq_len]`` consecutive calibration segments in the model's protocol: ``[BOS] + seq_len - 1``
+    text tokens each when ``cfg.bos_required`` (Gemma, as ``kvq ppl``), plain text tokens otherwise; raises
+    ``ValueError`` when ``ids`` (int ``[N]``) is too short."""
+    bos = cfg.bos_id if cfg.bos_required else None
+    segs = segments(list(np.asarray(ids).tolist()), seq_len, count, bos_id=bos)
+    if len(segs) < count:
+        raise ValueError(f"tune-policy calibration: needs {count} segment(s) of {seq_len} tokens"
+                         f"{' ([BOS] + text)' if bos is not None else ''} but the corpus has {len(ids)} tokens")
+    return segs
 
 
 # --------------------------------------------------------------------------------------------- the probe
@@ -102,29 +133,45 @@ def float_trace(params, cfg, tokens):
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     num_new = jnp.full((b,), t, jnp.int32)
 
-    def layer(x, lp):
-        y, _, _ = decoder_layer(cfg, x, lp, positions, lambda q, k, v: attend(q, k, v, num_new, None))
-        return y, x
+    def layer(x, inp):
+        return _float_layer(cfg, x, *inp, positions, num_new), x
 
-    x, hidden = jax.lax.scan(layer, embed_tokens(params, cfg, tokens), params["layers"])
+    n = jax.tree.leaves(params["layers"])[0].shape[0]
+    x, hidden = jax.lax.scan(layer, embed_tokens(params, cfg, tokens),
+                             (params["layers"], jnp.arange(n, dtype=jnp.int32)))
     return hidden, jax.nn.log_softmax(logits_from_hidden(params, cfg, x)[:, :-1], axis=-1)
 
 
-def layer_through_cache(cfg, lp, x, scheme, chunk: int):
+def _float_layer(cfg, x, lp, i, positions, num_new):
+    """Decoder layer ``i`` (traced int32) without a cache: its RoPE base and attention window (``forward_nocache``)."""
+    window = layer_window(cfg, i)
+    return decoder_layer(cfg, x, lp, positions, lambda q, k, v: attend(q, k, v, num_new, None, window=window),
+                         layer=i)[0]
+
+
+def layer_through_cache(cfg, lp, x, scheme, chunk: int, layer=None):
     """One decoder layer fed in ``chunk``-token pieces through a fresh one-layer cache of ``scheme`` (the fast
     chunked path of ``llama.forward`` for that layer): x float ``[B, T, H]`` (``T`` a multiple of ``chunk``), lp
-    one layer's params -> the layer's output ``[B, T, H]``."""
+    one layer's params -> the layer's output ``[B, T, H]``.  ``layer`` (an int or traced int32; needed when
+    layers differ) picks the RoPE base and attention window; a window ring ``scheme`` is read at its rows'
+    positions as ``llama.forward`` does."""
     b, t, h = x.shape
     n = t // chunk
     state = scheme.init_layer(b, t, cfg.num_kv_heads, cfg.head_dim)
     full = jnp.full((b,), chunk, jnp.int32)
+    window = layer_window(cfg, layer) if cfg.local_layers else None
 
     def piece(state, inp):
         xc, i = inp
         lengths = jnp.full((b,), i * chunk, jnp.int32)
         positions = lengths[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
-        q, k, v = project_qkv(cfg, xc, lp, positions)
-        a = attend(q, k, v, full, scheme.materialize_layer(state, lengths))
+        q, k, v = project_qkv(cfg, xc, lp, positions, layer=layer)
+        hist = scheme.materialize_layer(state, lengths)
+        if window is None:                                  # every layer unbounded (LLaMA): the plain call
+            a = attend(q, k, v, full, hist)
+        else:
+            a = attend(q, k, v, full, hist, window=window, q_start=lengths,
+                       hist_pos=history_positions(scheme, lengths, t))
         return scheme.append_layer(state, lengths, k, v, full), finish_layer(cfg, xc, lp, a)
 
     xs = jnp.swapaxes(x.reshape(b, n, chunk, h), 0, 1)
@@ -134,18 +181,19 @@ def layer_through_cache(cfg, lp, x, scheme, chunk: int):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "scheme", "chunk"))
 def probe(params, cfg, tokens, hidden, ref_logprobs, layer, scheme, chunk: int):
-    """``(nll, kl)`` float32 ``[B, T-1]`` with only ``layer`` (a traced int) cached as ``scheme``: that layer
+    """``(nll, kl)`` float32 ``[B, T-1]`` with only ``layer`` (a traced int) cached as ``scheme`` (the scheme
+    that layer really stores: :func:`per_layer_schemes`): that layer
     through :func:`layer_through_cache` from its float input ``hidden[layer]``, the later layers in float.
     ``kl`` = KL(``ref_logprobs`` || probe) per prediction."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     num_new = jnp.full((b,), t, jnp.int32)
     lp_l = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), params["layers"])
-    x = layer_through_cache(cfg, lp_l, hidden[layer].astype(hidden.dtype), scheme, chunk)
+    x = layer_through_cache(cfg, lp_l, hidden[layer].astype(hidden.dtype), scheme, chunk, layer)
 
     def later(x, inp):
         lp, i = inp
-        run = lambda x: decoder_layer(cfg, x, lp, positions, lambda q, k, v: attend(q, k, v, num_new, None))[0]
+        run = lambda x: _float_layer(cfg, x, lp, i, positions, num_new)
         return jax.lax.cond(i > layer, run, lambda x: x, x), None
 
     n = hidden.shape[0]
@@ -160,8 +208,9 @@ def probe(params, cfg, tokens, hidden, ref_logprobs, layer, scheme, chunk: int):
 class Sensitivity:
     """Measured sensitivities.  ``dnll``, ``kl``: float64 ``[L, 2, F]`` (layer, tensor K/V, candidate) mean Δ NLL
     (nats per scored token, vs the fp32 cache) and mean KL; NaN = not measured (pruned: a more precise format of
-    the same item already exceeded ``prune_above``).  ``bits``: float64 ``[2, F]`` bits/element of each tensor in
-    each candidate format at ``bits_length`` tokens.  ``base_nll``: the fp32 cache's mean NLL; ``tokens``: scored
+    the same item already exceeded ``prune_above``).  ``bits``: float64 ``[L, 2, F]`` (:func:`layer_bits`) or
+    ``[2, F]`` (every layer alike) bits/element of each tensor in each candidate format at ``bits_length``
+    tokens; :meth:`item_bits` broadcasts.  ``base_nll``: the fp32 cache's mean NLL; ``tokens``: scored
     predictions."""
 
     dnll: np.ndarray
@@ -172,7 +221,13 @@ class Sensitivity:
     tokens: int = struct.field(pytree_node=False)
     bits_length: int = struct.field(pytree_node=False)
 
+    def item_bits(self) -> np.ndarray:
+        """float64 ``[L, 2, F]``: the bits of every (layer, tensor, candidate)."""
+        return np.broadcast_to(self.bits, self.dnll.shape)
+
     def to_dict(self) -> dict:
+        """Plain JSON: ``bits`` per tensor of the first full-length (global) layer, plus ``layer_bits`` (per tensor
+        and format, one value per layer) when layers differ."""
         out = []
         for layer in range(self.dnll.shape[0]):
             for ti, t in enumerate(TENSORS):
@@ -180,9 +235,15 @@ class Sensitivity:
                     d, k = self.dnll[layer, ti, fi], self.kl[layer, ti, fi]
                     out.append({"layer": layer, "tensor": t, "format": f,
                                 "dnll": None if np.isnan(d) else float(d), "kl": None if np.isnan(k) else float(k)})
-        return {"base_nll": float(self.base_nll), "scored_tokens": self.tokens, "bits_length": self.bits_length,
-                "bits": {t: dict(zip(self.candidates, map(float, self.bits[ti]))) for ti, t in enumerate(TENSORS)},
-                "per_item": out}
+        per = self.item_bits()
+        full = next((i for i in range(per.shape[0]) if np.all(per[i] >= per.max(axis=0))), 0)
+        d = {"base_nll": float(self.base_nll), "scored_tokens": self.tokens, "bits_length": self.bits_length,
+             "bits": {t: dict(zip(self.candidates, map(float, per[full, ti]))) for ti, t in enumerate(TENSORS)},
+             "per_item": out}
+        if not np.all(per == per[:1]):
+            d["layer_bits"] = {t: {f: per[:, ti, fi].tolist() for fi, f in enumerate(self.candidates)}
+                               for ti, t in enumerate(TENSORS)}
+        return d
 
 
 def sensitivity_from_dict(d: dict) -> Sensitivity:
@@ -196,6 +257,8 @@ def sensitivity_from_dict(d: dict) -> Sensitivity:
         dnll[at] = np.nan if it["dnll"] is None else it["dnll"]
         kl[at] = np.nan if it["kl"] is None else it["kl"]
     bits = np.array([[d["bits"][t][f] for f in cands] for t in TENSORS])
+    if "layer_bits" in d:
+        bits = np.array([[d["layer_bits"][t][f] for f in cands] for t in TENSORS]).transpose(2, 0, 1)
     return Sensitivity(dnll=dnll, kl=kl, bits=bits, base_nll=d["base_nll"], candidates=cands,
                        tokens=d["scored_tokens"], bits_length=d["bits_length"])
 
@@ -207,10 +270,11 @@ def _bits_order(bits_row, candidates) -> list[int]:
 def measure_sensitivity(params, cfg, tokens, candidates=DEFAULT_CANDIDATES, *, chunk: int = 64,
                         bits_length: int = 2048, prune_above: float = math.inf,
                         log: Callable[[str], None] = lambda m: None) -> Sensitivity:
-    """Probe every (layer, tensor, candidate) on ``tokens`` (int32 ``[B, T]``, calibration text; ``T`` a multiple
-    of ``chunk``).  Per item the candidates run from most to fewest bits; once both the Δ NLL and the KL of one
-    exceed ``prune_above`` (nats) the cheaper ones are not measured (NaN)."""
-    _uniform_layers(cfg)
+    """Probe every (layer, tensor, candidate) on ``tokens`` (int32 ``[B, T]``, calibration text in the model's
+    protocol (:func:`calibration_segments`); ``T`` a multiple of ``chunk``): each layer through the scheme it
+    really stores (:func:`per_layer_schemes` at ``T`` rows).  Bits per item at ``bits_length`` tokens
+    (:func:`layer_bits`).  Per item the candidates run from most to fewest bits; once both the Δ NLL and the KL
+    of one exceed ``prune_above`` (nats) the cheaper ones are not measured (NaN)."""
     tokens = np.asarray(tokens, np.int32)
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise ValueError(f"tokens must be int32 [B, T >= 2], got shape {tokens.shape}")
@@ -221,8 +285,7 @@ def measure_sensitivity(params, cfg, tokens, candidates=DEFAULT_CANDIDATES, *, c
     if is_unstacked(params):
         params = stack_layers(params)
     n = cfg.num_layers
-    bits = np.array([[tensor_bits(make_scheme(f), t, rows=bits_length, num_kv_heads=cfg.num_kv_heads,
-                                  head_dim=cfg.head_dim) for f in candidates] for t in TENSORS])
+    bits = layer_bits(candidates, cfg, bits_length)
     toks = jnp.asarray(tokens)
     hidden, ref = float_trace(params, cfg, toks)
     base_nll = float(-jnp.mean(jnp.take_along_axis(ref, toks[:, 1:, None], axis=-1)))
@@ -230,11 +293,11 @@ def measure_sensitivity(params, cfg, tokens, candidates=DEFAULT_CANDIDATES, *, c
     kl = np.full_like(dnll, np.nan)
     t0 = time.perf_counter()
     for ti, t in enumerate(TENSORS):
-        order = _bits_order(bits[ti], candidates)
-        schemes = {j: candidate_scheme(candidates[j], t, cfg) for j in order}
+        order = _bits_order(bits.max(axis=0)[ti], candidates)   # by precision
+        schemes = {j: per_layer_schemes(candidate_scheme(candidates[j], t, cfg), cfg, tokens.shape[1]) for j in order}
         for layer in range(n):
             for j in order:
-                nll, k = probe(params, cfg, toks, hidden, ref, jnp.int32(layer), schemes[j], chunk)
+                nll, k = probe(params, cfg, toks, hidden, ref, jnp.int32(layer), schemes[j][layer], chunk)
                 dnll[layer, ti, j] = float(jnp.mean(nll)) - base_nll
                 kl[layer, ti, j] = float(jnp.mean(k))
                 if min(dnll[layer, ti, j], kl[layer, ti, j]) > prune_above:
@@ -288,15 +351,16 @@ def solve(sens: Sensitivity, metric: str, budget: float, *, cost: str = "max", g
     limit = math.log1p(budget / 100.0) if metric == "ppl" else budget
     n, _, f = per_item.shape
     flat_cost = np.where(np.isnan(per_item), np.inf, per_item).reshape(n * 2, f)
-    flat_bits = np.broadcast_to(sens.bits[None], (n, 2, f)).reshape(n * 2, f)
+    flat_bits = sens.item_bits().reshape(n * 2, f)
     pick = policy_search.solve_exact(flat_bits, flat_cost, limit, grid=grid).reshape(n, 2)
     return Choice(k=tuple(sens.candidates[j] for j in pick[:, 0]), v=tuple(sens.candidates[j] for j in pick[:, 1]))
 
 
 def choice_bits(sens: Sensitivity, choice: Choice) -> float:
-    """Mean bits/element of a choice over every layer's K and V."""
+    """Mean bits/element of a choice over every layer's K and V (each at its layer's bits)."""
     idx = {f: j for j, f in enumerate(sens.candidates)}
-    b = [sens.bits[0, idx[k]] for k in choice.k] + [sens.bits[1, idx[v]] for v in choice.v]
+    per = sens.item_bits()
+    b = [per[i, 0, idx[k]] for i, k in enumerate(choice.k)] + [per[i, 1, idx[v]] for i, v in enumerate(choice.v)]
     return float(np.mean(b))
 
 
@@ -386,13 +450,15 @@ def tune(params, cfg, tokens, sens: Sensitivity, *, metric: str = "ppl", budget:
 
 
 def protected_summary(sens: Sensitivity, choice: Choice) -> dict:
-    """Which items kept more bits than the policy's most common format per tensor (the "protected" ones)."""
+    """Which items kept a more precise format (more bits on a full-length layer) than the policy's most common
+    format per tensor (the "protected" ones)."""
     out = {}
+    full = sens.item_bits().max(axis=0)                   # [2, F]: a full-length layer's bits rank precision
     for ti, (t, fmts) in enumerate(zip(TENSORS, (choice.k, choice.v))):
         common = max(set(fmts), key=fmts.count)
         idx = {f: j for j, f in enumerate(sens.candidates)}
         out[t] = {"typical": common, "protected": [{"layer": i, "format": f} for i, f in enumerate(fmts)
-                                                   if sens.bits[ti, idx[f]] > sens.bits[ti, idx[common]]]}
+                                                   if full[ti, idx[f]] > full[ti, idx[common]]]}
     return out
 
 
