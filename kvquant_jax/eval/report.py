@@ -136,7 +136,8 @@ def delta_ci(e, metric):
 def _transformed(e) -> bool:
     """The point runs a transformed model (a non-default ``activation`` block: W8A8, SmoothQuant, SmoothAttention
     folds), so its baseline rows are the baseline cache on that transformed model."""
-    return e["point"].config.activation != ActivationConfig()
+    point = e.get("point")
+    return point is not None and point.config.activation != ActivationConfig()
 
 
 def _delta_cell(e, metric) -> str:
