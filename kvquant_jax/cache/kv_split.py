@@ -154,11 +154,16 @@ class KVSplitScheme(CacheScheme):
         return self._join(self.k.init_layer(batch, capacity, num_kv_heads, head_dim),
                           self.v.init_layer(batch, capacity, num_kv_heads, head_dim), geometry)
 
-    def append_layer_with_status(self, state, lengths, k, v, num_new):
+    def _append_halves(self, method: str, state, lengths, k, v, num_new):
+        """``method`` (an appending ``CacheScheme`` method returning ``(state, ok)``) on each half: the K component
+        stores ``k`` (from ``(k, k)``), the V component ``v``; ``ok`` of both."""
         ks, vs = self._halves(state)
-        ks, ok_k = self.k.append_layer_with_status(ks, lengths, k, k, num_new)
-        vs, ok_v = self.v.append_layer_with_status(vs, lengths, v, v, num_new)
+        ks, ok_k = getattr(self.k, method)(ks, lengths, k, k, num_new)
+        vs, ok_v = getattr(self.v, method)(vs, lengths, v, v, num_new)
         return self._join(ks, vs, state.geometry), ok_k & ok_v
+
+    def append_layer_with_status(self, state, lengths, k, v, num_new):
+        return self._append_halves("append_layer_with_status", state, lengths, k, v, num_new)
 
     def observe_shared(self, state, lengths, k, v, num_new):
         """Each component observes its own tensor's shared fields (``k`` from ``(k, k)``, ``v`` from ``(v, v)``)."""
@@ -167,10 +172,7 @@ class KVSplitScheme(CacheScheme):
                           self.v.observe_shared(vs, lengths, v, v, num_new), state.geometry)
 
     def append_observed_with_status(self, state, lengths, k, v, num_new):
-        ks, vs = self._halves(state)
-        ks, ok_k = self.k.append_observed_with_status(ks, lengths, k, k, num_new)
-        vs, ok_v = self.v.append_observed_with_status(vs, lengths, v, v, num_new)
-        return self._join(ks, vs, state.geometry), ok_k & ok_v
+        return self._append_halves("append_observed_with_status", state, lengths, k, v, num_new)
 
     def append_layer(self, state, lengths, k, v, num_new):
         ks, vs = self._halves(state)
