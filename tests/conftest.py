@@ -60,3 +60,41 @@ def gemma():
 
     return load_model("gemma3-270m")
 
+
+
+_MAPPING_BUDGET = 30_000
+
+
+def _mapping_count() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_executables():
+    """Drop every compiled executable when a test module ends.
+
+    Each XLA:CPU executable holds ~6 memory mappings for its JIT code, and jax keeps every executable of every jitted
+    function (module-level ``@jax.jit`` included) alive for the life of the process. One xdist worker runs ~600 tests
+    and compiles tens of thousands of programs, so without this the worker passes the kernel's ``vm.max_map_count``
+    (65530 by default); the next compile's mmap then fails inside LLVM and the worker dies with SIGSEGV/SIGABRT in
+    ``backend_compile_and_load`` in whichever test happens to run then (CI stop 24). Recompiling across modules
+    costs little: modules rarely share programs. After clearing, the worker's mapping count must be back under
+    ``_MAPPING_BUDGET``; a module that still leaks executables (a ``Compiled`` object kept in a module-level cache,
+    say) fails here, by name, instead of crashing a later test.
+    """
+    yield
+    jax.clear_caches()
+    import gc
+
+    gc.collect()
+    n = _mapping_count()
+    if n > _MAPPING_BUDGET:
+        pytest.fail(
+            f"{n} memory mappings remain after jax.clear_caches() (budget {_MAPPING_BUDGET}, kernel limit ~65530): "
+            "something in this module keeps compiled executables alive",
+            pytrace=False,
+        )
