@@ -59,14 +59,20 @@ def main():
     rng = np.random.default_rng(a.seed)
     keys = {(n, d, t): str(rng.integers(10000, 100000)) for n in a.lengths for d in a.depths for t in range(a.trials)}
     out = {"model": m.path, "dtype": a.dtype, "lengths": a.lengths, "depths": a.depths, "trials": a.trials,
-           "command": "python " + " ".join(sys.argv), "policies": {}}
+           "seed": a.seed, "new_tokens": a.new_tokens, "command": "python " + " ".join(sys.argv), "policies": {}}
+    out["policies"], partial = previous_rows(Path(a.out) / "passkey.json", out)
+    if partial:                                # cells only logged by an interrupted run, until a row replaces them
+        out["partial_policies"] = partial
     longest = max(a.lengths) + a.new_tokens
     for name in a.policies:
         per = policy(cfg, name)
         led = ledger(layer_schemes(cfg, per), LedgerShape(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim,
                                                             longest, longest))
-        row = {"bytes_at_longest": Ledger.total(led.logical), "accuracy": [], "answers": [], "seconds": 0.0}
-        for n in a.lengths:
+        row = out["policies"].pop(name, None) or {"accuracy": [], "answers": [], "seconds": 0.0}
+        row["bytes_at_longest"] = Ledger.total(led.logical)
+        out["policies"][name] = row
+        out.get("partial_policies", {}).pop(name, None)
+        for n in a.lengths[len(row["accuracy"]):]:     # resume: the lengths a previous run finished are kept
             acc, ans = [], []
             for d in a.depths:
                 texts = []
@@ -83,8 +89,26 @@ def main():
                 print(f"{name} T={n} depth={d}: acc {acc[-1]:.2f} {texts[0]!r}", flush=True)
             row["accuracy"].append(acc)
             row["answers"].append(ans)
-        out["policies"][name] = row
-        write(a, out)                          # after every policy: a run stopped early keeps what it finished
+            write(a, out)                      # after every length: a run stopped early keeps what it finished
+
+
+def previous_rows(path: Path, out: dict) -> tuple[dict, dict]:
+    """The policy rows of an earlier ``passkey.json`` at ``path`` measured with the same protocol (model, dtype,
+    lengths, depths, trials, seed, new tokens: then its keys and prompts are the same), to be resumed; ``{}`` when
+    there is none; and its ``partial_policies`` (cells an interrupted run only logged).  A file with another
+    protocol is refused by name rather than mixed in or overwritten."""
+    if not path.is_file():
+        return {}, {}
+    old = json.loads(path.read_text())
+    old.setdefault("seed", 0)
+    old.setdefault("new_tokens", 8)
+    differ = [k for k in ("model", "dtype", "lengths", "depths", "trials", "seed", "new_tokens")
+              if old.get(k) != out[k]]
+    if differ:
+        raise SystemExit(f"{path} was measured with another protocol ({', '.join(differ)} differ: "
+                         + "; ".join(f"{k} {old.get(k)!r} vs {out[k]!r}" for k in differ)
+                         + "); pass another --out")
+    return dict(old["policies"]), dict(old.get("partial_policies", {}))
 
 
 def write(a, out) -> None:

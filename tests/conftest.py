@@ -62,7 +62,8 @@ def gemma():
 
 
 
-_MAPPING_BUDGET = 30_000
+_MAPPING_BUDGET = 30_000        # left after a module's executables are dropped
+_MODULE_PEAK_BUDGET = 50_000    # one module's own, before they are dropped
 
 
 def _mapping_count() -> int:
@@ -84,14 +85,20 @@ def _release_compiled_executables():
     ``backend_compile_and_load`` in whichever test happens to run then (CI stop 24). Recompiling across modules
     costs little: modules rarely share programs. After clearing, the worker's mapping count must be back under
     ``_MAPPING_BUDGET``; a module that still leaks executables (a ``Compiled`` object kept in a module-level cache,
-    say) fails here, by name, instead of crashing a later test.
+    say) fails here, by name, instead of crashing a later test; so does a module that by itself comes near the limit
+    (``_MODULE_PEAK_BUDGET``, counted before the drop).
     """
     yield
+    peak = _mapping_count()
     jax.clear_caches()
     import gc
 
     gc.collect()
     n = _mapping_count()
+    if peak > _MODULE_PEAK_BUDGET:
+        pytest.fail(f"this module alone reached {peak} memory mappings (budget {_MODULE_PEAK_BUDGET}, kernel limit "
+                    "~65530): it compiles too many programs for one worker; split it or reuse compiled shapes",
+                    pytrace=False)
     if n > _MAPPING_BUDGET:
         pytest.fail(
             f"{n} memory mappings remain after jax.clear_caches() (budget {_MAPPING_BUDGET}, kernel limit ~65530): "

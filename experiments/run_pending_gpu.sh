@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Every H200 measurement the open issues still wait for, as one device block (issues J, L, M, N, P).
+#
+#     bash experiments/run_pending_gpu.sh [JOB ...]        # default: all jobs, in the order below
+#     LOG=/tmp/pending bash experiments/run_pending_gpu.sh engine gemma_passkey
+#
+# Jobs (each writes its own results directory; logs go to $LOG/<job>.log; each job runs in the background with
+# its own share of GPU memory, XLA_PYTHON_CLIENT_MEM_FRACTION, so that a short job does not wait for a long one):
+#   engine         M: continuous batching on the LLaMA-3-8B shape at a 16 GB KV budget, bf16 / int8 / int4 /
+#                  KIVI-2 against the static batch on one seeded trace (target: int4 >= 1.8x bf16 output tok/s)
+#   gemma_passkey  L: Gemma-3-270M passkey for the quantized policies (resumes: the committed bf16 row is kept,
+#                  int8 is re-run whole: only its first two lengths were measured)
+#   sweeps         P: the GPU-preset sweeps not yet committed (passkey, KIVI axes, KVQuant main with its three
+#                  calibrations on WikiText-2 validation)
+#   fixed_order    N: what the fixed-order (mesh- and batch-invariant) numerics cost against the fast path
+#   decode         J: the packed decode kernels against cuDNN at 32K / 128K (the baseline table of issue J)
+# Needs SmolLM2 and Gemma-3 in $KVQ_CACHE_DIR (kvq fetch-model), WikiText-2 in $KVQ_DATA_DIR, gguf importable.
+# The jobs share the GPU, so their absolute speeds are only comparable within a job (each job measures its own
+# baseline in the same run), never across jobs.
+set -u
+LOG=${LOG:-/tmp/pending_gpu}
+mkdir -p "$LOG"
+JOBS=${*:-engine gemma_passkey sweeps fixed_order decode}
+PY=${PY:-python3}
+
+start_job() {   # name, memory fraction, command...
+  local name=$1 frac=$2
+  shift 2
+  echo "[pending] $(date +%T) start $name (mem fraction $frac): $*" | tee -a "$LOG/jobs.txt"
+  ( XLA_PYTHON_CLIENT_MEM_FRACTION=$frac setsid nohup "$@" > "$LOG/$name.log" 2>&1; \
+    echo "[pending] $(date +%T) $name rc $?" >> "$LOG/jobs.txt" ) &
+}
+
+for job in $JOBS; do
+  case $job in
+    engine)
+      start_job engine 0.30 $PY experiments/bench_engine.py --model llama3-8b-shaped \
+        --cache bf16 int8 int4 kivi2 --requests 64 --rate 2 --prompt-len 512 8192 --output-len 64 1024 \
+        --hbm-gb 16 --slots 128 --page-size 64 --chunk 256 --max-seconds 90 --view-buckets 2 \
+        --compile-cache /tmp/kvq-jax-cache --out docs/results/engine ;;
+    gemma_passkey)
+      start_job gemma_passkey 0.20 $PY experiments/gemma3_passkey.py --dtype bf16 --trials 20 --batch 10 \
+        --policies bf16 int8 int4 kivi2 "local bf16 + global kivi2" "local kivi2 + global bf16" \
+        --out docs/results/gemma3/gpu ;;
+    sweeps)
+      start_job sweeps 0.25 bash experiments/run_gpu_sweeps.sh docs/results/gpu passkey kivi_axes kvquant_main ;;
+    fixed_order)
+      start_job fixed_order 0.10 $PY experiments/bench_serving.py --model llama3-8b-shaped --cache bf16 int4 \
+        --batch 8 --T 32768 --reduction fast fixed_order --reps 5 --out docs/results/sharding/gpu ;;
+    decode)
+      start_job decode 0.10 $PY experiments/bench_decode_attention.py --check --T 32768,131072 \
+        --out docs/results/decode_attention/pending ;;
+    *) echo "unknown job $job (engine gemma_passkey sweeps fixed_order decode)" >&2; exit 2 ;;
+  esac
+done
+echo "[pending] started: $JOBS; poll $LOG/jobs.txt"
