@@ -37,8 +37,10 @@ anything is allocated (``sharding.check_paged_mesh``, a ``ValueError`` naming th
 Megatron-style (``sharding.place_params``), every page pool ``[L_g, num_pages + 1, Hkv, page rows, ...]`` and
 per-sequence field with its KV heads over ``model`` and the page table / lengths replicated
 (``sharding.paged_cache_specs``); each step runs under the mesh and each layer appends and attends per device on
-its own heads (``PagedStep.layer_step`` -> ``attention.sharded.shard_layer``).  Tokens equal the unsharded
-engine's (``tests/sharding/test_paged_mesh.py``).
+its own heads (``PagedStep.layer_step`` -> ``attention.sharded.shard_layer``; the paged kernel, where decode uses
+it, reads the device's own pool shard).  Tokens equal the unsharded engine's (``tests/sharding/test_paged_mesh.py``:
+the reference attention; the interpreted paged kernel and ``forward="view"`` were checked by hand on CPU, INT8 at
+model = 2, not in the tests).
 
 Bad input raises ``ValueError`` at :meth:`Engine.submit`: an empty prompt, a token outside the vocabulary, a
 request longer than the model's context or the cache's, a request that needs more pages than the whole pool.
