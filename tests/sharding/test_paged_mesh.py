@@ -7,8 +7,9 @@
   (max over every head of every shard: ``cache.shards.shard_max``); the attention output agrees to float32
   rounding (<= 5e-7 x max|out|; bit for bit at model = 8).
 * The engine on model = 2 produces the unsharded engine's greedy tokens on a seeded trace with preemptions and
-  prefix hits, keeps the pools' heads split, and compiles each step shape once.
-* A mesh that does not fit (data > 1; a model axis that does not divide the KV heads) is refused naming the sizes,
+  prefix hits, keeps the pools' heads split, and compiles each step shape once; its compiled decode step (model = 4)
+  holds no collective on a pool buffer; ``kvq serve-bench --mesh model=2`` runs.
+* A mesh that does not fit (data > 1; a model axis that does not divide the heads) is refused naming the sizes,
   before the cache changes.
 CPU, 8 host devices (tests/conftest.py).
 """
@@ -36,9 +37,9 @@ B, HKV, HQ, D = 3, 4, 8, 16
 PAGE, MAX_PAGES, NUM_PAGES = 8, 4, 16
 SCHEMES = {"bf16": "bf16", "int8": "int8", "kivi2": "kivi2:group_size=8,v_group_size=8,residual=8",
            "fp8": "fp8_e4m3:scales=warmup,axis=tensor"}
-# model = 2 for every scheme; 4 (one KV head per device) for int8 and the per-tensor FP8 max; 8 (> Hkv: heads
-# replicated) once, on FP8
-MESHES = {"bf16": ("model=2",), "int8": ("model=2", "model=4"), "kivi2": ("model=2",),
+# model = 2 for every scheme; 4 (one KV head per device) and 8 (> Hkv: heads replicated) on the per-tensor FP8
+# max, the one cross-head reduction (CPU time)
+MESHES = {"bf16": ("model=2",), "int8": ("model=2",), "kivi2": ("model=2",),
           "fp8": ("model=2", "model=4", "model=8")}
 STEPS = ((12, (12, 7, 0)), (8, (8, 8, 5)), (1, (1, 1, 1)))      # (T, num_new): from empty, ragged, an idle slot
 
@@ -205,3 +206,18 @@ def test_compiled_decode_step_moves_no_page():
             pools |= {hlo_shape(jax.ShapeDtypeStruct(x, a.dtype)) for x in (sh, sh[1:])}
     bad = [(op, t) for op, ts in coll for t in ts if t in pools]
     assert not bad, bad
+
+
+def test_kvq_serve_bench_on_a_mesh(capsys):
+    import json
+
+    from kvquant_jax.cli import main
+
+    args = ["serve-bench", "--model", "tiny", "--cache", "int4", "--synthetic", "2", "--rate", "50", "--prompt-len",
+            "8", "12", "--output-len", "3", "3", "--slots", "2", "--page-size", "8", "--num-pages", "8", "--chunk",
+            "8", "--view-buckets", "1", "--no-realtime"]
+    assert main(args + ["--mesh", "model=2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["mesh"] == "data=1,model=2" and out["output_tokens"] == 6
+    assert main(args + ["--mesh", "data=2"]) == 2
+    assert "the page pools are one address space" in capsys.readouterr().err
