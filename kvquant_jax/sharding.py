@@ -33,6 +33,14 @@ field_axes` (logical axes ``batch``, ``heads``, ``heads_replicated``, None): bat
 field that has a head axis moves with its head), per-tensor scales replicated, codebooks / positions tables
 unsharded on ``model``; ``lengths [B]`` over ``data``.
 
+**Paged cache** (``cache/paged.PagedKVCache``, and the paged-direct step ``attention.paged.PagedStep``):
+tensor parallel only.  Every page pool ``[L_g, num_pages + 1, ...]`` has its KV-head axis over ``model`` (with
+the heads: codes, per-row qparams, sparse outliers; replicated when ``Hkv < M`` as above); per-sequence fields
+(residual rings, sinks) likewise; the page axis, the batch axes, ``page_table [B, max_pages]`` and ``lengths [B]``
+are replicated: a page id is global (any slot may map any page: prefix sharing, copy-on-write), so the pools are
+one address space that cannot be split over sequences.  The mesh must have ``data = 1``
+(:func:`check_paged_mesh`); data parallel serving is one engine (one pool) per data replica.
+
 **Hkv < M** (e.g. 2 KV heads on 4 model shards): the KV heads (wk, wv, every cache field) are REPLICATED on the
 model axis and each model shard attends all heads (the attention is computed redundantly; the MLP, the query and
 output projections and the vocabulary are still split).  ``Hkv >= M`` must divide: 3 KV heads on 2 shards is
@@ -59,11 +67,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvquant_jax.cache.interface import BATCH, HEADS, HEADS_REPLICATED, KVCache
+from kvquant_jax.cache.paged import PAGED
 from kvquant_jax.quant.ledger import measured_nbytes
 
 __all__ = ["AXES", "DATA", "MODEL", "MeshShape", "parse_mesh", "make_mesh", "mesh_context", "active_mesh",
-           "check_mesh", "kv_heads_sharded", "current_mesh", "on_current_mesh", "params_on_current_mesh", "param_spec", "param_specs", "place_params", "layer_specs",
-           "cache_specs", "place_cache", "constrain_cache", "activation_spec", "place", "device_ledger",
+           "check_mesh", "check_paged_mesh", "kv_heads_sharded", "current_mesh", "on_current_mesh", "params_on_current_mesh", "param_spec", "param_specs", "place_params", "layer_specs",
+           "cache_specs", "paged_cache_specs", "place_cache", "constrain_cache", "activation_spec", "place", "device_ledger",
            "addressable_bytes", "to_host", "initialize_distributed", "WEIGHT_RULES", "ACTIVATIONS"]
 
 DATA, MODEL = "data", "model"
@@ -213,6 +222,18 @@ def check_mesh(mesh, *, batch: int | None = None, num_heads: int | None = None,
                          f"(model must divide {num_kv_heads}, or exceed it: then KV heads are replicated)")
 
 
+def check_paged_mesh(mesh, *, num_heads: int | None = None, num_kv_heads: int | None = None) -> None:
+    """:func:`check_mesh` for a paged cache, which also needs ``data == 1``: its page pools are one address space
+    shared by every sequence slot (a page id is global), so they are split over KV heads only (module doc).
+    Raises ``ValueError`` naming the sizes."""
+    d, m = _sizes(mesh)
+    if d != 1:
+        raise ValueError(f"paged cache on mesh data={d},model={m}: the page pools are one address space shared "
+                         "by every sequence (a page id is global), so the paged path is tensor parallel only -- "
+                         f"use data=1 (model={m}) and one engine per data replica")
+    check_mesh(mesh, num_heads=num_heads, num_kv_heads=num_kv_heads)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Weights
 # ----------------------------------------------------------------------------------------------------------------
@@ -339,14 +360,18 @@ def _abstract(tree):
 
 
 def layer_specs(scheme, state, *, model: int, batch: int, num_kv_heads: int, stacked: bool = False,
-                compute: bool = False):
+                compute: bool = False, layout: tuple | None = None):
     """PartitionSpecs of one layer state (``stacked``: a group state ``[L_g, ...]``) from the scheme's
     ``field_axes``, as a pytree of the state's own type.
 
     ``compute=False``: the STORED layout (``heads_replicated`` fields replicated); ``compute=True``: what a
     per-device computation over local heads receives (``heads_replicated`` sliced with the heads).  Every declared
     ``batch`` axis must have size ``batch`` and every head axis ``num_kv_heads`` (else ``TypeError`` naming the
-    scheme and field: a wrong declaration would silently shard the wrong axis)."""
+    scheme and field: a wrong declaration would silently shard the wrong axis).
+
+    ``layout``: the state is a paged-cache group (``cache.paged.FieldLayout`` per field): in a ``paged`` field
+    (a pool) the declared batch axis is the page axis (any size); every batch / page axis is then replicated
+    (the paged path runs with ``data = 1``, :func:`check_paged_mesh`)."""
     unstacked = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype), state) if stacked \
         else _abstract(state)
     axes = scheme.field_axes(unstacked)
@@ -354,6 +379,7 @@ def layer_specs(scheme, state, *, model: int, batch: int, num_kv_heads: int, sta
     names = [f.name for f in dataclasses.fields(unstacked)]
     if set(axes) != set(names):
         raise TypeError(f"{type(scheme).__name__}.field_axes names {sorted(axes)}, the state has {sorted(names)}")
+    pools = {f.name for f in layout if f.kind == PAGED} if layout is not None else set()
     specs = {}
     for name in names:
         shape, ax = getattr(unstacked, name).shape, axes[name]
@@ -362,7 +388,12 @@ def layer_specs(scheme, state, *, model: int, batch: int, num_kv_heads: int, sta
                             f"shape {tuple(shape)}")
         spec = []
         for size, a in zip(shape, ax):
-            if a == BATCH:
+            if a == BATCH and layout is not None:
+                if size != batch and name not in pools:
+                    raise TypeError(f"{type(scheme).__name__}: per-sequence field {name!r} axis declared batch has "
+                                    f"size {size}, the cache batch is {batch}")
+                spec.append(None)
+            elif a == BATCH:
                 if size != batch:
                     raise TypeError(f"{type(scheme).__name__}: field {name!r} axis declared batch has size {size}, "
                                     f"the cache batch is {batch}")
@@ -380,13 +411,30 @@ def layer_specs(scheme, state, *, model: int, batch: int, num_kv_heads: int, sta
     return type(unstacked)(**specs)
 
 
-def cache_specs(cache: KVCache, mesh) -> KVCache:
-    """PartitionSpecs of a whole :class:`KVCache` (a KVCache pytree of ``P``), checking the mesh first."""
+def cache_specs(cache, mesh):
+    """PartitionSpecs of a whole :class:`KVCache` (a KVCache pytree of ``P``), checking the mesh first.  A paged
+    cache (``cache.paged.PagedKVCache``, or any cache value with ``layouts``: ``attention.paged.PagedStep``) gets
+    :func:`paged_cache_specs`."""
+    if hasattr(cache, "layouts"):
+        return paged_cache_specs(cache, mesh)
     d, m = _sizes(mesh)
     check_mesh(mesh, batch=cache.batch, num_kv_heads=cache.num_kv_heads)
     groups = tuple(layer_specs(s, g, model=m, batch=cache.batch, num_kv_heads=cache.num_kv_heads, stacked=True)
                    for (s, _, _), g in zip(cache.schemes, cache.groups))
     return cache.replace(groups=groups, lengths=P(DATA))
+
+
+def paged_cache_specs(cache, mesh):
+    """PartitionSpecs of a paged cache value (``PagedKVCache`` or ``PagedStep``: ``groups``, ``layouts``,
+    ``schemes``, ``lengths [B]``, ``num_kv_heads``; same pytree type): pools and per-sequence fields with their KV
+    heads over ``model`` (:func:`layer_specs` with the group's ``layout``), every other array (page table,
+    lengths, a step's write mask and window starts) replicated.  Checks the mesh (:func:`check_paged_mesh`)."""
+    d, m = _sizes(mesh)
+    check_paged_mesh(mesh, num_kv_heads=cache.num_kv_heads)
+    b = int(np.shape(cache.lengths)[0])
+    groups = tuple(layer_specs(s, g, model=m, batch=b, num_kv_heads=cache.num_kv_heads, stacked=True, layout=lay)
+                   for (s, _, _), g, lay in zip(cache.schemes, cache.groups, cache.layouts))
+    return jax.tree.map(lambda _: P(), cache.replace(groups=())).replace(groups=groups)
 
 
 def _is_spec(x) -> bool:

@@ -12,6 +12,7 @@ through the view (``impl="kernel"`` then runs the contiguous kernels on the gath
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable
 
@@ -19,11 +20,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvquant_jax import sharding as S
 from kvquant_jax.abi.regions import Region
 from kvquant_jax.attention import dispatch
+from kvquant_jax.attention.sharded import shard_layer
 from kvquant_jax.cache import paged as paged_cache
 from kvquant_jax.cache.paged import PAGED, PagedKVCache
-from kvquant_jax.sharding import active_mesh
 from pallas_kernels import paged_decode_attention as paged_kernel
 
 __all__ = ["layer_view", "paged_regions", "layer_pool_regions", "decode_attention", "PagedStep", "PATHS",
@@ -180,8 +182,8 @@ class PagedStep:
                             num_pages=self.num_pages, max_pages=self.max_pages, row_offset=self.row_offset,
                             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
 
-    def _view(self, layout, state):
-        return paged_cache.layer_window(layout, state, self.page_table[:, :self.view_pages], self.num_pages)
+    def _view(self, layout, state, page_table):
+        return paged_cache.layer_window(layout, state, page_table[:, :self.view_pages], self.num_pages)
 
     def layer_step(self, group: int, gst, i, attn: Callable, q, k, v, num_new, *, decode_impl: str):
         """Append this forward's ``k, v`` to layer ``i`` of group ``group`` and attend (class docstring).
@@ -189,35 +191,55 @@ class PagedStep:
         ``gst``: the group's state (``[L_g, ...]``); ``i``: the layer's index in it (int or traced int32);
         ``attn(q, k, v, view, lengths, num_new) -> [B, T, Hq, D]``: the model's attention over a contiguous
         layer state; ``q [B, T, Hq, D]``, ``k, v [B, T, Hkv, D]``, ``num_new`` int32 ``[B]``.
-        Returns ``(gst', ok [B], out [B, T, Hq, D])``."""
-        if active_mesh() is not None:
-            raise ValueError("the paged-direct forward has no mesh path (run the engine without a mesh)")
+        Returns ``(gst', ok [B], out [B, T, Hq, D])``.
+
+        Under :func:`kvquant_jax.sharding.mesh_context` (a ``(data, model)`` mesh with ``data = 1``) the append and
+        the attention run per device on its KV heads (``attention.sharded.shard_layer``, as the contiguous cache's
+        ``local_layer``): each device gathers its heads of the window / view pages from its shard of the pools,
+        appends, scatters them back and attends its query heads; the page table, lengths, write mask and window
+        starts are replicated.  Raises ``ValueError`` naming the sizes when the mesh does not fit
+        (``sharding.check_paged_mesh``: data > 1, KV or query heads the model axis does not divide)."""
         scheme, lay = self.schemes[group][0], self.layouts[group]
-        t = q.shape[1]
-        lengths = self.lengths
         st = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), gst)
+        args = (q, k, v, st, self.lengths, num_new, self.page_table, self.write, self.first)
+        body = functools.partial(self._layer_body, scheme, lay, attn, decode_impl)
+        mesh = S.active_mesh()
+        if mesh is None:
+            st2, ok, out = body(*args)
+        else:
+            S.check_paged_mesh(mesh, num_heads=q.shape[2], num_kv_heads=k.shape[2])
+            specs = S.layer_specs(scheme, st, model=int(mesh.shape[S.MODEL]), batch=q.shape[0],
+                                  num_kv_heads=k.shape[2], layout=lay)
+            st2, ok, out = shard_layer(body, scheme, *args[:4], specs, *args[4:], batch_axis=None)
+        gst = jax.tree.map(lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, 0), gst, st2)
+        return gst, ok, out
+
+    def _layer_body(self, scheme, lay, attn, decode_impl, q, k, v, st, lengths, num_new, page_table, write, first):
+        """One layer's append + attention on (this device's heads of) the layer state ``st`` (pools, no layer
+        axis): ``(st', ok [B], out [B, T, Hq, D])``."""
+        t = q.shape[1]
         view_old = None
         if scheme.supports_window_append():
-            table, inside = paged_cache.window_table(self.page_table, self.first, self.window_pages)
-            wr, _ = paged_cache.window_table(self.write.astype(jnp.int32), self.first, self.window_pages)
+            table, inside = paged_cache.window_table(page_table, first, self.window_pages)
+            wr, _ = paged_cache.window_table(write.astype(jnp.int32), first, self.window_pages)
             win = paged_cache.layer_window(lay, st, table, self.num_pages)
-            row0 = (self.row_offset + self.first * self.page_size).astype(jnp.int32)
+            row0 = (self.row_offset + first * self.page_size).astype(jnp.int32)
             win2, ok = scheme.append_window_with_status(win, lengths, k, v, num_new, row0)
             st2 = paged_cache.layer_unwindow(lay, st, win2, table, (wr > 0) & inside, self.num_pages)
             _record(scheme, "append", t, "window")
             view_new = None
         else:
-            view_old = self._view(lay, st)
+            view_old = self._view(lay, st, page_table)
             view_new, ok = scheme.append_layer_with_status(view_old, lengths, k, v, num_new)
-            st2 = paged_cache.layer_unwindow(lay, st, view_new, self.page_table[:, :self.view_pages],
-                                             self.write[:, :self.view_pages], self.num_pages)
+            st2 = paged_cache.layer_unwindow(lay, st, view_new, page_table[:, :self.view_pages],
+                                             write[:, :self.view_pages], self.num_pages)
             _record(scheme, "append", t, "view", "no window append")
         keep = scheme.append_keeps_old_view(t)          # read the appended state at the old lengths, or the old one
         read = st2 if keep else st
 
         def view():
             cached = view_new if keep else view_old
-            return cached if cached is not None else self._view(lay, read)
+            return cached if cached is not None else self._view(lay, read, page_table)
 
         out = None
         if t == 1 and decode_impl != "reference":
@@ -225,14 +247,13 @@ class PagedStep:
             why = ("scheme not read in place" if pool_region is None
                    else paged_kernel.paged_unsupported(pool_region, q.shape[-1]))
             if why is None:
-                out = paged_kernel.paged_decode_attention(q[:, 0], pool_region, self.page_table, small,
+                out = paged_kernel.paged_decode_attention(q[:, 0], pool_region, page_table, small,
                                                           k_new=k[:, 0], v_new=v[:, 0])[:, None].astype(q.dtype)
                 _record(scheme, "attention", t, "paged_kernel")
         if out is None:
             out = attn(q, k, v, view(), lengths, num_new)
             _record(scheme, "attention", t, "view")
-        gst = jax.tree.map(lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, 0), gst, st2)
-        return gst, ok, out
+        return st2, ok, out
 
 
 def paged_step(cache: PagedKVCache, write: jax.Array, first: jax.Array, *, view_pages: int,

@@ -16,6 +16,10 @@ append makes across sequences or heads (FP8 warm-up scales) see the whole batch 
 the append sees its first ``Hkv / model`` entries (all equal) and it leaves broadcast back to every head.  When
 ``Hkv < model`` the KV heads are replicated and every model shard appends and attends all heads (``q`` is
 gathered over ``model``, the output is replicated; the row-parallel output projection takes its own slice).
+
+:func:`shard_layer` is that per-device machinery for any layer body: :func:`local_layer` (the contiguous cache)
+and the paged-direct step (``attention.paged.PagedStep.layer_step``: pools split over KV heads only, the batch,
+page table and lengths replicated, ``batch_axis=None``) both run through it.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from kvquant_jax import sharding as S
 from kvquant_jax.cache.interface import HEADS_REPLICATED
 from kvquant_jax.cache.shards import split_over
 
-__all__ = ["local_layer"]
+__all__ = ["local_layer", "shard_layer"]
 
 
 def _replicated_fields(scheme, state) -> dict[str, int]:
@@ -58,22 +62,39 @@ def local_layer(attn: Callable, scheme, q: jax.Array, k: jax.Array, v: jax.Array
     mesh = S.active_mesh()
     if mesh is None:
         return step(q, k, v, layer_state, lengths, num_new)
+    S.check_mesh(mesh, batch=q.shape[0], num_heads=q.shape[2], num_kv_heads=k.shape[2])
+    specs = S.layer_specs(scheme, layer_state, model=int(mesh.shape[S.MODEL]), batch=q.shape[0],
+                          num_kv_heads=k.shape[2])
+    return shard_layer(step, scheme, q, k, v, layer_state, specs, lengths, num_new)
+
+
+def shard_layer(step: Callable, scheme, q: jax.Array, k: jax.Array, v: jax.Array, layer_state, specs, *per_seq,
+                batch_axis: str | None = S.DATA):
+    """``step(q, k, v, state, *per_seq) -> (state', ok [B], out [B, T, Hq, D])`` run per device of the active mesh
+    (``shard_map``) on its sequences and KV heads (module doc): the body of :func:`local_layer` and of the
+    paged-direct layer step (``attention.paged.PagedStep``).
+
+    ``q [B, T, Hq, D]``, ``k, v [B, T, Hkv, D]``; ``layer_state`` one layer of ``scheme`` laid out by ``specs``
+    (``sharding.layer_specs``, stored layout); ``per_seq``: arrays with a leading batch axis ``[B, ...]`` (lengths,
+    num_new, a page table ...).  ``batch_axis``: the mesh axis the batch axis of ``q, k, v``, ``per_seq`` and
+    ``ok`` is split over (``data``; None: replicated, the paged cache).  Cross-shard reductions of the append go
+    through ``cache.shards`` (:func:`~kvquant_jax.cache.shards.split_over`), ``heads_replicated`` fields are
+    sliced to the local heads and broadcast back, ``ok`` is AND-ed over ``model``."""
+    mesh = S.active_mesh()
     d, m = int(mesh.shape[S.DATA]), int(mesh.shape[S.MODEL])
-    b, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
-    S.check_mesh(mesh, batch=b, num_heads=hq, num_kv_heads=hkv)
+    hkv = k.shape[2]
     split_heads = S.kv_heads_sharded(hkv, m) and m > 1
     heads = S.MODEL if split_heads else None
-    rows = P(S.DATA, None, heads, None)
-    specs = S.layer_specs(scheme, layer_state, model=m, batch=b, num_kv_heads=hkv)
+    rows = P(batch_axis, None, heads, None)
     repl = _replicated_fields(scheme, layer_state) if split_heads else {}
     local_h = hkv // m
 
-    def per_device(q, k, v, st, lengths, num_new):
+    def per_device(q, k, v, st, *per_seq):
         fields = {f.name: getattr(st, f.name) for f in dataclasses.fields(st)}
         for name, axis in repl.items():        # every entry holds the same per-tensor value: take the local count
             fields[name] = jax.lax.slice_in_dim(fields[name], 0, local_h, axis=axis)
-        with split_over(batch=S.DATA if d > 1 else None, heads=heads):
-            st2, ok, out = step(q, k, v, type(st)(**fields), lengths, num_new)
+        with split_over(batch=batch_axis if d > 1 else None, heads=heads):
+            st2, ok, out = step(q, k, v, type(st)(**fields), *per_seq)
         fields = {f.name: getattr(st2, f.name) for f in dataclasses.fields(st2)}
         for name, axis in repl.items():
             a = jax.lax.slice_in_dim(fields[name], 0, 1, axis=axis)
@@ -82,6 +103,7 @@ def local_layer(attn: Callable, scheme, q: jax.Array, k: jax.Array, v: jax.Array
             ok = jax.lax.pmin(ok.astype(jnp.int32), S.MODEL) > 0
         return type(st2)(**fields), ok, out
 
-    smap = jax.shard_map(per_device, mesh=mesh, in_specs=(rows, rows, rows, specs, P(S.DATA), P(S.DATA)),
-                         out_specs=(specs, P(S.DATA), rows), check_vma=False)
-    return smap(q, k, v, layer_state, lengths, num_new)
+    seq_specs = tuple(P(batch_axis, *([None] * (jnp.ndim(a) - 1))) for a in per_seq)
+    smap = jax.shard_map(per_device, mesh=mesh, in_specs=(rows, rows, rows, specs) + seq_specs,
+                         out_specs=(specs, P(batch_axis), rows), check_vma=False)
+    return smap(q, k, v, layer_state, *per_seq)

@@ -29,6 +29,19 @@ the whole view).  Either way every registry scheme serves and the results equal 
 at a time (same prefill chunking) token for token: ``tests/serving/test_engine.py``; which path served each
 scheme and phase is in ``Engine.paths``.
 
+**On a device mesh** (``Engine(..., mesh=)``, default the enclosing ``sharding.mesh_context``): tensor parallel
+over KV heads, like vLLM's TP.  The mesh must be ``data=1, model=M`` (a page id is global to the pool, so the
+pools are one address space, never split over sequences: run one engine per data replica) with ``M`` dividing the
+query heads and dividing the KV heads or exceeding them (then the KV heads are replicated); it is checked before
+anything is allocated (``sharding.check_paged_mesh``, a ``ValueError`` naming the sizes).  The weights are placed
+Megatron-style (``sharding.place_params``), every page pool ``[L_g, num_pages + 1, Hkv, page rows, ...]`` and
+per-sequence field with its KV heads over ``model`` and the page table / lengths replicated
+(``sharding.paged_cache_specs``); each step runs under the mesh and each layer appends and attends per device on
+its own heads (``PagedStep.layer_step`` -> ``attention.sharded.shard_layer``; the paged kernel, where decode uses
+it, reads the device's own pool shard).  Tokens equal the unsharded engine's (``tests/sharding/test_paged_mesh.py``:
+the reference attention; the interpreted paged kernel and ``forward="view"`` were checked by hand on CPU, INT8 at
+model = 2, not in the tests).
+
 Bad input raises ``ValueError`` at :meth:`Engine.submit`: an empty prompt, a token outside the vocabulary, a
 request longer than the model's context or the cache's, a request that needs more pages than the whole pool.
 """
@@ -45,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvquant_jax import sharding as S
 from kvquant_jax.attention import paged as paged_attention
 from kvquant_jax.cache import page_pool as pp
 from kvquant_jax.cache import paged
@@ -52,6 +66,7 @@ from kvquant_jax.cache import prefix_cache as pcache
 from kvquant_jax.cache.full import FullPrecisionScheme
 from kvquant_jax.models.config import LlamaConfig
 from kvquant_jax.models.llama import forward
+from kvquant_jax.sharding import constrain_cache
 from kvquant_jax.serving.sampling import SamplingParams
 
 __all__ = ["EngineConfig", "Request", "StreamEvent", "Result", "Engine", "sample_rows", "synthetic_trace",
@@ -196,7 +211,7 @@ def _step_view(params, cfg: LlamaConfig, cache: paged.PagedKVCache, tokens, num_
     Returns (next token int32 ``[S]``, cache', ok)."""
     view = paged.gather(cache)
     logits, view2, ok = forward(params, cfg, tokens, view, num_new, attention_impl=attention_impl)
-    cache2 = paged.scatter(cache, view2, write)
+    cache2 = constrain_cache(paged.scatter(cache, view2, write))
     return _sample_last(logits, num_new, temperature, top_k, top_p, base_key, req_ids, n_gen), cache2, ok
 
 
@@ -212,21 +227,29 @@ def _step_direct(params, cfg: LlamaConfig, cache: paged.PagedKVCache, index, tok
     sub = paged.select_slots(cache, index)
     step = paged_attention.paged_step(sub, write, first, view_pages=view_pages, window_pages=window_pages)
     logits, step2, ok = forward(params, cfg, tokens, step, num_new, attention_impl=attention_impl)
-    cache2 = paged.merge_slots(cache, step2.paged(), index)
+    cache2 = constrain_cache(paged.merge_slots(cache, step2.paged(), index))   # under a mesh: its placed layout
     return _sample_last(logits, num_new, temperature, top_k, top_p, base_key, req_ids, n_gen), cache2, ok
 
 
 class Engine:
-    """Continuous batching over a paged cache (module docstring).  ``scheme``: one scheme or a per-layer tuple."""
+    """Continuous batching over a paged cache (module docstring).  ``scheme``: one scheme or a per-layer tuple;
+    ``mesh``: a ``(data=1, model)`` device mesh (default: the enclosing ``sharding.mesh_context``'s; None: one
+    device), ``ValueError`` naming the sizes when it does not fit the model."""
 
     def __init__(self, params, cfg: LlamaConfig, scheme=None, config: EngineConfig = EngineConfig(), *,
-                 model_hash: str = "", tokenizer_hash: str = "", calibration_id: str = ""):
-        self.params, self.cfg, self.config = params, cfg, config
+                 model_hash: str = "", tokenizer_hash: str = "", calibration_id: str = "", mesh=None):
+        mesh = S.current_mesh() if mesh is None else mesh
+        if mesh is not None:           # before anything is allocated: data = 1, the heads must fit the model axis
+            S.check_paged_mesh(mesh, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
+            params = S.place_params(params, cfg, mesh)
+        self.params, self.cfg, self.config, self.mesh = params, cfg, config, mesh
         scheme = scheme or FullPrecisionScheme(rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
         self.cache, self.pool = paged.init_paged(
             scheme, num_layers=cfg.num_layers, batch=config.num_slots, num_pages=config.num_pages,
             page_size=config.page_size, max_pages=config.max_pages, num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, layer_groups="runs" if jax.default_backend() == "cpu" else "per_layer")
+        if mesh is not None:
+            self.cache = S.place_cache(self.cache, mesh)
         self.hashes = dict(model_hash=model_hash or cfg.name, tokenizer_hash=tokenizer_hash,
                            calibration_id=calibration_id)
         self.prefixes = pcache.PrefixCache()
@@ -241,6 +264,16 @@ class Engine:
         self.ladder = view_ladder(config.max_pages, config.view_buckets)
         self._windows: dict[int, int] = {}
         self.t0 = time.perf_counter()
+
+    def _jit_step(self, fn, *args, **kw):
+        """``fn(params, cfg, cache, *args, **kw)`` (a jitted step) on the engine's mesh: under
+        ``sharding.mesh_context`` with the cache re-placed on its ``sharding.cache_specs`` layout first (a no-op
+        unless a host-side edit -- ``reserve``'s copy-on-write, ``release``, a prefix ``attach`` -- left an array
+        elsewhere), so every step shape compiles once; no mesh: called as is."""
+        if self.mesh is None:
+            return fn(self.params, self.cfg, self.cache, *args, **kw)
+        with S.mesh_context(self.mesh):
+            return fn(self.params, self.cfg, S.place_cache(self.cache, self.mesh), *args, **kw)
 
     @property
     def paths(self) -> dict[str, str]:
@@ -386,7 +419,7 @@ class Engine:
             raise AssertionError(f"engine: a row writes {win} pages, more than the {self._window_pages(t)} of a "
                                  f"T={t} window")
         shape = (t, len(rows), self._view_pages(t, int(np.max(need[real], initial=1))), self._window_pages(t))
-        nxt, self.cache, ok = _step_direct(self.params, self.cfg, self.cache, jnp.asarray(rows, jnp.int32),
+        nxt, self.cache, ok = self._jit_step(_step_direct, jnp.asarray(rows, jnp.int32),
                                            jnp.asarray(toks), jnp.asarray(num), jnp.asarray(pad),
                                            jnp.asarray(firsts, jnp.int32), *sampling,
                                            attention_impl=self.config.attention_impl, view_pages=shape[2],
@@ -422,7 +455,7 @@ class Engine:
         for t, r, v, w in self.compile_shapes():
             rows = np.full(r, self.config.num_slots, np.int64)
             toks, num, sampling = self._row_inputs(rows, t, np.zeros(self.config.num_slots + 1, np.int64))
-            _, self.cache, ok = _step_direct(self.params, self.cfg, self.cache, jnp.asarray(rows, jnp.int32),
+            _, self.cache, ok = self._jit_step(_step_direct, jnp.asarray(rows, jnp.int32),
                                              jnp.asarray(toks), jnp.asarray(num),
                                              jnp.zeros((r, self.cache.max_pages), jnp.bool_),
                                              jnp.zeros(r, jnp.int32), *sampling,
@@ -480,7 +513,7 @@ class Engine:
         else:
             t = 1 if n.max() <= 1 else self.config.chunk
             toks, num, sampling = self._row_inputs(np.arange(self.config.num_slots), t, n)
-            out, self.cache, ok = _step_view(self.params, self.cfg, self.cache, jnp.asarray(toks), jnp.asarray(num),
+            out, self.cache, ok = self._jit_step(_step_view, jnp.asarray(toks), jnp.asarray(num),
                                              jnp.asarray(write), *sampling, attention_impl=self.config.attention_impl)
             shape = (t, self.config.num_slots, self.cache.max_pages, 0)
             self.step_shapes[shape] = self.step_shapes.get(shape, 0) + 1

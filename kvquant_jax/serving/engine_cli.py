@@ -13,6 +13,7 @@ import time
 import jax
 import numpy as np
 
+from kvquant_jax import sharding as S
 from kvquant_jax.cache import paged
 from kvquant_jax.cache.registry import make_scheme
 from kvquant_jax.models import load_model
@@ -43,13 +44,14 @@ def pages_for_budget(scheme, cfg, page_size: int, hbm_bytes: float) -> int:
 
 
 def serve_bench(params, cfg, scheme, requests, engine_config, *, realtime: bool = True, warmup: bool = True,
-                max_seconds: float | None = None) -> dict:
+                max_seconds: float | None = None, mesh=None) -> dict:
     """Run ``requests`` through a fresh :class:`~kvquant_jax.serving.engine.Engine`; returns ``summarize``'s
     dict plus the geometry, the compiled step shapes and which path served each phase.  ``warmup`` first
     compiles every step shape (``Engine.warmup``; its seconds are reported as ``compile_s``, not timed).
     ``max_seconds``: stop stepping once the run took that long (``partial``: True; the summary covers the tokens
-    served so far, ``finished`` counts completed requests)."""
-    eng = Engine(params, cfg, scheme, engine_config)
+    served so far, ``finished`` counts completed requests).  ``mesh``: a ``(data=1, model)`` mesh the engine runs
+    on (``Engine(mesh=)``: pools split over KV heads), None: one device."""
+    eng = Engine(params, cfg, scheme, engine_config, mesh=mesh)
     for r in requests:                                   # refuse a trace with a request that can never run
         eng.check(r)
     compile_s = eng.warmup() if warmup else 0.0
@@ -64,6 +66,7 @@ def serve_bench(params, cfg, scheme, requests, engine_config, *, realtime: bool 
                step_shapes=len(eng.step_shapes), num_pages=engine_config.num_pages,
                page_size=engine_config.page_size, num_slots=engine_config.num_slots, chunk=engine_config.chunk,
                forward=engine_config.forward, paths=eng.paths,
+               mesh=None if mesh is None else ",".join(f"{k}={v}" for k, v in mesh.shape.items()),
                family=getattr(scheme, "family", "full") if scheme is not None else "full")
     return out
 
@@ -77,6 +80,7 @@ def _load_model(name: str, dtype: str):
 
 
 def cmd_serve_bench(args) -> None:
+    mesh = None if args.mesh is None else S.make_mesh(S.parse_mesh(args.mesh))
     params, cfg = _load_model(args.model, args.dtype)
     scheme = None if args.cache is None else make_scheme(args.cache, rope_theta=cfg.rope_theta,
                                                          rope_pairing=cfg.rope_pairing)
@@ -98,7 +102,8 @@ def cmd_serve_bench(args) -> None:
                       chunk=args.chunk, prefix_cache=not args.no_prefix_cache, seed=args.seed,
                       attention_impl=args.attention, forward=args.forward, prefill_slots=args.prefill_slots,
                       view_buckets=args.view_buckets)
-    out = serve_bench(params, cfg, scheme, reqs, ec, realtime=not args.no_realtime, max_seconds=args.max_seconds)
+    out = serve_bench(params, cfg, scheme, reqs, ec, realtime=not args.no_realtime, max_seconds=args.max_seconds,
+                      mesh=mesh)
     print(json.dumps({"model": args.model, "cache_spec": args.cache or "fp32", **out}))
 
 
@@ -129,4 +134,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--view-buckets", type=int, default=4, help="compiled view sizes per phase")
     p.add_argument("--max-seconds", type=float, default=None, help="stop the replay after this long (partial)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mesh", default=None,
+                   help="device mesh 'model=M' (data must be 1): tensor parallel, page pools split over KV heads "
+                        "(--hbm-gb is the whole pool's bytes; CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     p.set_defaults(func=cmd_serve_bench)
