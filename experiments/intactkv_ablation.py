@@ -90,6 +90,35 @@ def eta_table(stats, seqs, bos, tok, etas=(16, 32, 64, 128)) -> list:
     return out
 
 
+def ci_table(res: dict, rows: dict) -> list[str]:
+    """Markdown lines: per scheme the Δppl of ``none`` vs the full-precision model and of every prefix variant vs
+    ``none`` (what the variant buys), each with its paired bootstrap 95% CI over the scored segments
+    (``eval.stats.ppl_delta_ci``: the same tokens in every variant); "n.s." where the interval contains 0."""
+    from kvquant_jax.eval.stats import ppl_delta_ci
+
+    def cell(x, base):
+        ci = ppl_delta_ci(np.asarray(x, np.float64), np.asarray(base, np.float64))
+        return f"{ci.delta:+.3f} [{ci.lo:+.3f}, {ci.hi:+.3f}]" + (" n.s." if ci.lo <= 0 <= ci.hi else "")
+
+    ref = rows[("fp32", "none")]["segment_nll"]
+    n_seg = len(ref)
+    a = res["args"]
+    out = ["", f"Paired bootstrap 95% CIs over the {n_seg} segments ({n_seg} × {a['seq_len'] - 1} = "
+           f"{n_seg * (a['seq_len'] - 1):,} scored tokens per cell; BCa, `kvquant_jax.eval.stats`; n.s. = the "
+           "interval contains 0). First column: `none` vs the full-precision model; the others: the variant vs "
+           "`none` of the same scheme (negative = the prefix helps):", "",
+           "| KV cache | none vs fp32 | IntactKV[B] extracted vs none | IntactKV[B] calibrated vs none | "
+           "PrefixQuant vs none |", "| --- | --- | --- | --- | --- |"]
+    for sch in dict.fromkeys(r["scheme"] for r in res["rows"]):
+        base = rows[(sch, "none")]["segment_nll"]
+        cells = [cell(base, ref)]
+        for v in VARIANTS[1:]:
+            r = rows.get((sch, v))
+            cells.append("—" if r is None else cell(r["segment_nll"], base))
+        out.append(f"| {SCHEME_NAMES.get(sch, sch)} | " + " | ".join(cells) + " |")
+    return out
+
+
 def write_report(res: dict, out: Path) -> Path:
     """``out/README.md`` from a results dict (see :func:`main`)."""
     rows = {(r["scheme"], r["variant"]): r for r in res["rows"]}
@@ -123,6 +152,7 @@ def write_report(res: dict, out: Path) -> Path:
             r = rows.get((sch, v))
             cells.append("—" if r is None else f"{r['ppl']:.3f} ({r['delta_ppl']:+.3f})")
         lines.append(f"| {SCHEME_NAMES.get(sch, sch)} | " + " | ".join(cells) + " |")
+    lines += ci_table(res, rows)
     lines += ["", "Segments (of the same segments) on which a variant's NLL is below the `none` variant's / below "
               "IntactKV[B] extracted:", "", "| KV cache | IntactKV[B] extracted | IntactKV[B] calibrated | PrefixQuant |",
               "| --- | --- | --- | --- |"]

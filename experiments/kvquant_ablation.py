@@ -153,7 +153,8 @@ def main(argv=None):
         t1 = time.perf_counter()
         nll = serving_nll(params, cfg, segs, policy, args.prefill)
         row = {"label": label, "group": group, "nll": float(np.mean(nll)), "ppl": math.exp(float(np.mean(nll))),
-               "predictions": int(nll.size), "bits_per_element_T": bits_per_element(policy, cfg, args.seq_len),
+               "predictions": int(nll.size), "segment_nll": np.asarray(nll, np.float64).mean(axis=-1).tolist(),
+               "bits_per_element_T": bits_per_element(policy, cfg, args.seq_len),
                "bits_per_element_4096": bits_per_element(policy, cfg, 4096),
                "eval_seconds": round(time.perf_counter() - t1, 1), **extra}
         with rows_path.open("a") as f:
@@ -246,6 +247,16 @@ def recon(out: Path, params, cfg, seg, acts, corpus_rec, tok_hash, args) -> None
     (out / "recon.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def delta_cell(row: dict, base: dict) -> str:
+    """``row``'s Δppl vs ``base`` with its paired bootstrap 95% CI when both rows kept per-segment NLLs."""
+    if "segment_nll" not in row or "segment_nll" not in base or row is base:
+        return f"{row['ppl'] - base['ppl']:+.4f}"
+    from kvquant_jax.eval.stats import ppl_delta_ci
+
+    ci = ppl_delta_ci(np.asarray(row["segment_nll"]), np.asarray(base["segment_nll"]))
+    return f"{ci.delta:+.4f} [{ci.lo:+.4f}, {ci.hi:+.4f}]" + (" n.s." if ci.lo <= 0 <= ci.hi else "")
+
+
 def write_report(out: Path, meta: dict, rows: list) -> None:
     base = next(r for r in rows if r["label"] == "fp32")
     rec = {}
@@ -274,8 +285,10 @@ def write_report(out: Path, meta: dict, rows: list) -> None:
         "calibrated per-channel thresholds, and the share of them a row's sparse capacity cannot hold (they clip). "
         "SSE / uniform: Fisher-weighted (or unweighted) codebook error of the fitted signposts over the uniform "
         "grid's, on the calibration values.", "",
-        "| group | config | ppl | Delta ppl | bits/elem @T | bits/elem @4096 | K err | V err | K outliers (calib) | "
-        "K overflow | SSE K / uniform | SSE V / uniform |",
+        f"* Delta [95% CI]: paired bootstrap over the segments (`eval.stats.ppl_delta_ci`, every row scores the same "
+        f"{base['predictions']:,} tokens); rows from a run that kept no per-segment NLLs show no interval.", "",
+        "| group | config | ppl | Delta ppl [95% CI] | bits/elem @T | bits/elem @4096 | K err | V err | "
+        "K outliers (calib) | K overflow | SSE K / uniform | SSE V / uniform |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = {"baseline": 0, "main": 1, "kivi": 2, "nuq vs uniform": 3, "pre vs post RoPE": 4,
              "fisher vs unweighted": 5, "outliers": 6, "sink": 7}
@@ -283,7 +296,7 @@ def write_report(out: Path, meta: dict, rows: list) -> None:
         def f(key, fmt="{:.3f}"):
             v = r.get(key)
             return "" if v is None else fmt.format(v)
-        lines.append(f"| {r['group']} | {r['label']} | {r['ppl']:.4f} | {r['ppl'] - base['ppl']:+.4f} | "
+        lines.append(f"| {r['group']} | {r['label']} | {r['ppl']:.4f} | {delta_cell(r, base)} | "
                      f"{f('bits_per_element_T', '{:.2f}')} | {f('bits_per_element_4096', '{:.2f}')} | "
                      f"{f('k_rel_err', '{:.4f}')} | {f('v_rel_err', '{:.4f}')} | "
                      f"{f('k_outlier_rate_calib', '{:.2%}')} | {f('k_overflow_fraction_calib', '{:.2%}')} | "

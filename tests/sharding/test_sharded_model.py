@@ -1,7 +1,7 @@
 """Sharded == unsharded on the model: with the fixed-order numerics (``model.reduction: fixed_order``) greedy
 tokens (64 steps), serving-path NLL and every teacher-forced log-probability are BIT-IDENTICAL on a tiny random
-model with 8 KV heads (model in {1, 2, 4, 8}, DP x TP in {2x4, 8x1}: bf16, int4, KIVI-2, a mixed policy) and on
-SmolLM2 at TP 3 x DP 2; with the default numerics equal up to float rounding.  Also: the serving loop on a mesh,
+model with 8 KV heads (model in {1, 2, 4, 8}, DP x TP in {2x4, 8x1}: bf16, int4, KIVI-2, a mixed policy); with the
+default numerics equal up to float rounding (SmolLM2 at TP 3 x DP 2: test_sharded_smollm2.py).  Also: the serving loop on a mesh,
 KV heads replicated when Hkv < model, the compiled decode step free of cache collectives, bad meshes.  The
 unsharded run on one device is the oracle.  CPU, 8 host devices (tests/conftest.py)."""
 from __future__ import annotations
@@ -16,25 +16,23 @@ import pytest
 from kvquant_jax import sharding as S
 from kvquant_jax.cache.interface import init_cache
 from kvquant_jax.cache.registry import make_policy, make_scheme
-from kvquant_jax.eval.quantized_ppl import decode
 from kvquant_jax.models.fixed_order import apply_numerics
 from kvquant_jax.models.testing import random_params, tiny_config
 from kvquant_jax.serving.generate import decode_loop, generate
 from kvquant_jax.serving.inspect import hlo_shape
 from kvquant_jax.serving.sampling import SamplingParams
+from sharded_cases import KIVI2, N, run_decode
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
 
 CFG = tiny_config(vocab_size=128, num_heads=8, num_kv_heads=8, hidden_size=64, intermediate_size=128, num_layers=2,
                   head_dim=32)
-KIVI2 = "kivi2:group_size=8,v_group_size=8,residual=16"      # small groups: 64 steps close many K/V groups
 POLICIES = {
     "bf16": "bf16",
     "int4": "int4",
     "kivi2": KIVI2,
     "mixed": {"name": "int4", "full_precision_first": 1},      # layer 0 fp32, layer 1 int4
 }
-N = 64
 MESHES = ("data=1,model=8", "data=2,model=4", "data=8,model=1")
 # int4 also at model = 2 and 4: the TP sweep {1, 2, 4, 8} of issue 18 (the other policies at 8: 1 x 8)
 TP_SWEEP = {"int4": ("data=1,model=2", "data=1,model=4")}
@@ -42,16 +40,6 @@ TP_SWEEP = {"int4": ("data=1,model=2", "data=1,model=4")}
 
 def _policy(key, cfg=CFG):
     return make_policy(POLICIES[key], cfg.num_layers, rope_theta=cfg.rope_theta)
-
-
-def _run(cfg, params, policy, mesh, prompt, targets, *, logprobs=False):
-    """(greedy tokens [B, N], serving-path NLL [B, N], teacher-forced log-probabilities [B, N, V] or None) through
-    one compiled prefill + decode scan (greedy and teacher-forced runs share it)."""
-    with S.mesh_context(mesh):
-        p = params if mesh is None else S.place_params(params, cfg, mesh)
-        greedy = decode(p, cfg, policy, prompt, N, free_running=True, return_logprobs=logprobs)["argmax"]
-        tf = decode(p, cfg, policy, prompt, N, targets=targets, return_logprobs=logprobs)
-    return greedy, tf["nll"], (np.asarray(tf["logprobs"]) if logprobs else None)
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +59,10 @@ def test_fixed_order_greedy_nll_and_logprobs_bit_identical(tiny, key):
     params, prompt, targets = tiny
     cfg = apply_numerics(CFG, "fixed_order")
     policy = _policy(key)
-    ref_tok, ref_nll, ref_lp = _run(cfg, params, policy, None, prompt, targets, logprobs=True)
+    ref_tok, ref_nll, ref_lp = run_decode(cfg, params, policy, None, prompt, targets, logprobs=True)
     assert len(np.unique(ref_tok)) > 4                                    # a non-degenerate continuation
     for mesh in MESHES + TP_SWEEP.get(key, ()):
-        tok, nll, lp = _run(cfg, params, policy, S.make_mesh(mesh), prompt, targets, logprobs=True)
+        tok, nll, lp = run_decode(cfg, params, policy, S.make_mesh(mesh), prompt, targets, logprobs=True)
         np.testing.assert_array_equal(tok, ref_tok, err_msg=mesh)
         np.testing.assert_array_equal(nll, ref_nll, err_msg=mesh)
         np.testing.assert_array_equal(lp, ref_lp, err_msg=mesh)
@@ -105,8 +93,8 @@ def test_kv_heads_replicated_when_fewer_than_model_shards():
     targets = rng.integers(3, 128, (2, N + 1)).astype(np.int32)
     policy = make_policy("int4", 2, rope_theta=cfg.rope_theta)
     assert S.param_specs(params, cfg, S.MeshShape(2, 4))["layers"]["wk"] == jax.sharding.PartitionSpec()
-    ref_tok, ref_nll, _ = _run(cfg, params, policy, None, prompt, targets)
-    tok, nll, _ = _run(cfg, params, policy, S.make_mesh("data=2,model=4"), prompt, targets)
+    ref_tok, ref_nll, _ = run_decode(cfg, params, policy, None, prompt, targets)
+    tok, nll, _ = run_decode(cfg, params, policy, S.make_mesh("data=2,model=4"), prompt, targets)
     np.testing.assert_array_equal(tok, ref_tok)
     assert np.abs(nll - ref_nll).max() <= 1e-4 * np.abs(ref_nll).max()
 
@@ -162,63 +150,6 @@ def test_bad_mesh_refused_before_anything_runs(tiny):
     cfg = tiny_config(num_heads=6, num_kv_heads=3)
     with pytest.raises(ValueError, match="model=2 does not divide the 3 KV heads"):
         S.place_params(random_params(cfg), cfg, S.make_mesh("data=1,model=2"))
-
-
-# SmolLM2 on 2 x 3 vs one device.  Default numerics, fp32 cache: float32 rounding only (serving-path NLL measured
-# 2.4e-6 max per token / 3.1e-7 mean, relative; tolerances 1e-5 / 5e-6).  With a quantized cache the default path
-# is chaotic on this model (even 2 x 1 data parallel moves int8's greedy continuation from step 27 and int4's mean
-# NLL by 1.1%: docs/results/sharding/numerics.md), so bf16 / int4 / KIVI-2 / mixed caches are compared under the
-# fixed-order numerics, where they are bit-identical.
-SMOL_POLICIES = {"bf16": "bf16", "int4": "int4", "kivi2": KIVI2, "mixed": {"name": "int4", "full_precision_first": 1}}
-
-
-def _smol_inputs(smollm):
-    tok = smollm.tokenizer
-    prompt = np.asarray([tok.encode("The capital of France is")[:5], tok.encode("Once upon a time, there")[:5]],
-                        np.int32)
-    targets = np.asarray([tok.encode(" Paris, a city of lights and of history, and also of art museums " * 6)
-                          [: N + 1]] * 2, np.int32)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:6]).reshape(2, 3), S.AXES,
-                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    return prompt, targets, mesh
-
-
-@pytest.mark.slow
-def test_smollm2_tp3_dp2_matches_unsharded(smollm):
-    """SmolLM2-135M (9 query / 3 KV heads, 30 layers) on data 2 x model 3, default numerics, fp32 cache: 64 greedy
-    tokens equal and serving-path NLL within float32 rounding of the single-device run."""
-    cfg, params = smollm.cfg, smollm.params
-    prompt, targets, mesh = _smol_inputs(smollm)
-    policy = make_policy("fp32", cfg.num_layers, rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
-    ref_tok, ref_nll, _ = _run(cfg, params, policy, None, prompt, targets)
-    got_tok, got_nll, _ = _run(cfg, params, policy, mesh, prompt, targets)
-    np.testing.assert_array_equal(got_tok, ref_tok)
-    assert np.abs(got_nll - ref_nll).max() <= 1e-5 * np.abs(ref_nll).max()
-    assert abs(got_nll.mean() - ref_nll.mean()) <= 5e-6 * ref_nll.mean()
-
-
-def _free_running(cfg, params, policy, mesh, prompt, targets):
-    """(greedy tokens [B, N], NLL [B, N] of ``targets`` scored along the greedy run): one serving-path decode."""
-    with S.mesh_context(mesh):
-        p = params if mesh is None else S.place_params(params, cfg, mesh)
-        out = decode(p, cfg, policy, prompt, N, targets=targets, free_running=True)
-    return out["argmax"], out["nll"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("key", sorted(SMOL_POLICIES))
-def test_smollm2_tp3_dp2_fixed_order_bit_identical(smollm, key):
-    """SmolLM2 on data 2 x model 3 with the fixed-order numerics: 64 greedy tokens and the NLL the serving path
-    assigns to reference targets along them are bit-identical to the single-device run, for bf16, int4, KIVI-2 and
-    a mixed (layer 0 fp32, then int4) cache."""
-    cfg = apply_numerics(smollm.cfg, "fixed_order")
-    prompt, targets, mesh = _smol_inputs(smollm)
-    policy = make_policy(SMOL_POLICIES[key], cfg.num_layers, rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
-    ref_tok, ref_nll = _free_running(cfg, smollm.params, policy, None, prompt, targets)
-    assert len(np.unique(ref_tok)) > 4
-    got_tok, got_nll = _free_running(cfg, smollm.params, policy, mesh, prompt, targets)
-    np.testing.assert_array_equal(got_tok, ref_tok)
-    np.testing.assert_array_equal(got_nll, ref_nll)
 
 
 @pytest.mark.parametrize("spec", ["bf16", "int4"])
