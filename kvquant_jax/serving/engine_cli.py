@@ -2,7 +2,8 @@
 
 The trace is a JSONL file (``engine.read_trace``) or a seeded synthetic one (Poisson arrivals).  The pool is sized
 by ``--num-pages`` or by ``--hbm-gb`` (pages that fit the budget for this cache scheme: a quantized cache gets
-more pages, hence more concurrent requests).  Prints one JSON line: output tokens/s, TTFT and inter-token latency
+more pages, hence more concurrent requests; the budget is one device's, so with ``--mesh model=M`` splitting the KV
+heads the pool holds M times the pages).  Prints one JSON line: output tokens/s, TTFT and inter-token latency
 p50/p99, peak concurrent requests, preemptions, prefix-cache hit tokens and the engine geometry.
 """
 from __future__ import annotations
@@ -96,8 +97,13 @@ def cmd_serve_bench(args) -> None:
     max_pages = args.max_pages or -(-longest // args.page_size)
     if args.num_pages is None and args.hbm_gb is None:
         raise ValueError("serve-bench: give --num-pages or --hbm-gb")
+    # --hbm-gb is the KV budget of ONE device: on a mesh that splits the KV heads M ways every device holds 1/M of
+    # each page, so the pool holds M times the pages (one device's bytes = the budget); replicated heads: as one
+    split = 1 if mesh is None else int(mesh.shape[S.MODEL])
+    if not S.kv_heads_sharded(cfg.num_kv_heads, split):
+        split = 1
     num_pages = args.num_pages or pages_for_budget(scheme or make_scheme("fp32"), cfg, args.page_size,
-                                                   args.hbm_gb * 2**30)
+                                                   args.hbm_gb * 2**30 * split)
     ec = EngineConfig(num_slots=args.slots, page_size=args.page_size, num_pages=num_pages, max_pages=max_pages,
                       chunk=args.chunk, prefix_cache=not args.no_prefix_cache, seed=args.seed,
                       attention_impl=args.attention, forward=args.forward, prefill_slots=args.prefill_slots,
@@ -122,7 +128,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--hbm-gb", type=float, default=None, help="size the pool to this KV budget instead")
+    p.add_argument("--hbm-gb", type=float, default=None,
+                   help="size the pool to this KV budget (GiB per device) instead")
     p.add_argument("--max-pages", type=int, default=None, help="pages per sequence (default: the longest request)")
     p.add_argument("--chunk", type=int, default=64, help="prefill tokens per step and slot")
     p.add_argument("--no-prefix-cache", action="store_true")
@@ -136,5 +143,6 @@ def add_parsers(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mesh", default=None,
                    help="device mesh 'model=M' (data must be 1): tensor parallel, page pools split over KV heads "
-                        "(--hbm-gb is the whole pool's bytes; CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+                        "(--hbm-gb is then each device's KV budget: M times the pages when the KV heads split M ways; CPU: "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     p.set_defaults(func=cmd_serve_bench)

@@ -221,3 +221,24 @@ def test_kvq_serve_bench_on_a_mesh(capsys):
     assert out["mesh"] == "data=1,model=2" and out["output_tokens"] == 6
     assert main(args + ["--mesh", "data=2"]) == 2
     assert "the page pools are one address space" in capsys.readouterr().err
+
+
+def test_serve_bench_hbm_budget_is_per_device(capsys):
+    """``--hbm-gb`` is one device's KV budget: a mesh that splits the KV heads over model=2 holds each page half
+    on each device, so the same budget sizes a pool of twice the pages; without a mesh exactly the pages that fit."""
+    import json
+
+    from kvquant_jax.cli import main
+    from kvquant_jax.serving.engine_cli import page_bytes
+
+    cfg = tiny_config(max_position=4096)
+    assert cfg.num_kv_heads % 2 == 0
+    budget_gib = 6.25 * page_bytes(make_scheme("int4"), cfg, 8) / 2**30          # 6 whole pages on one device
+    args = ["serve-bench", "--model", "tiny", "--cache", "int4", "--synthetic", "1", "--rate", "50", "--prompt-len",
+            "8", "8", "--output-len", "2", "2", "--slots", "1", "--page-size", "8", "--hbm-gb", repr(budget_gib),
+            "--chunk", "8", "--view-buckets", "1", "--no-realtime"]
+    pages = []
+    for extra in ([], ["--mesh", "model=2"]):
+        assert main(args + extra) == 0
+        pages.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["num_pages"])
+    assert pages == [6, 12]
