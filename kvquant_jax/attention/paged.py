@@ -25,6 +25,7 @@ from kvquant_jax.abi.regions import Region
 from kvquant_jax.attention import dispatch
 from kvquant_jax.attention.sharded import shard_layer
 from kvquant_jax.cache import paged as paged_cache
+from kvquant_jax.cache.interface import LayerGroups
 from kvquant_jax.cache.paged import PAGED, PagedKVCache
 from pallas_kernels import paged_decode_attention as paged_kernel
 
@@ -130,7 +131,7 @@ def _record(scheme, what: str, t: int, path: str, reason: str = "") -> None:
 
 
 @struct.dataclass
-class PagedStep:
+class PagedStep(LayerGroups):
     """One forward's view of a paged cache (``cache/paged.py``) that ``llama.forward`` runs on directly: no
     contiguous view of the whole cache exists.  Per layer (:meth:`layer_step`):
 
@@ -166,10 +167,6 @@ class PagedStep:
     head_dim: int = struct.field(pytree_node=False)
     view_pages: int = struct.field(pytree_node=False)
     window_pages: int = struct.field(pytree_node=False)
-
-    @property
-    def num_layers(self) -> int:
-        return sum(n for _, _, n in self.schemes)
 
     @property
     def capacity(self) -> int:

@@ -306,25 +306,10 @@ class SchemeBase(CacheScheme):
                     model_id=self.model_id, tokenizer_hash=self.tokenizer_hash, kernel_family=self.kernel_family)
 
 
-@struct.dataclass
-class KVCache:
-    """The whole model's cache: one value, published whole.
-
-    Attributes:
-      groups: tuple of stacked layer states, one per run of consecutive layers sharing a scheme; arrays of group
-        ``g`` are ``[L_g, B, Hkv, C, ...]`` so the model can ``lax.scan`` over them.
-      lengths: int32 ``[B]``: committed rows per sequence (prefix rows included).
-      schemes: static tuple of ``(scheme, first_layer, num_layers)``, one per group.
-      capacity: static row capacity ``C``.
-      num_kv_heads, head_dim: static ``Hkv`` and ``D`` (set by :func:`init_cache`).
-    """
-
-    groups: tuple
-    lengths: jax.Array
-    schemes: tuple = struct.field(pytree_node=False)
-    capacity: int = struct.field(pytree_node=False)
-    num_kv_heads: int = struct.field(pytree_node=False, default=0)
-    head_dim: int = struct.field(pytree_node=False, default=0)
+class LayerGroups:
+    """What every whole-model cache value (:class:`KVCache`, ``cache.paged.PagedKVCache``,
+    ``attention.paged.PagedStep``) derives from its ``schemes`` (static ``(scheme, first_layer, num_layers)`` per
+    group) and ``lengths`` (int32 ``[B]``)."""
 
     @property
     def batch(self) -> int:
@@ -348,6 +333,27 @@ class KVCache:
             if first <= layer < first + n:
                 return scheme
         raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+
+
+@struct.dataclass
+class KVCache(LayerGroups):
+    """The whole model's cache: one value, published whole.
+
+    Attributes:
+      groups: tuple of stacked layer states, one per run of consecutive layers sharing a scheme; arrays of group
+        ``g`` are ``[L_g, B, Hkv, C, ...]`` so the model can ``lax.scan`` over them.
+      lengths: int32 ``[B]``: committed rows per sequence (prefix rows included).
+      schemes: static tuple of ``(scheme, first_layer, num_layers)``, one per group.
+      capacity: static row capacity ``C``.
+      num_kv_heads, head_dim: static ``Hkv`` and ``D`` (set by :func:`init_cache`).
+    """
+
+    groups: tuple
+    lengths: jax.Array
+    schemes: tuple = struct.field(pytree_node=False)
+    capacity: int = struct.field(pytree_node=False)
+    num_kv_heads: int = struct.field(pytree_node=False, default=0)
+    head_dim: int = struct.field(pytree_node=False, default=0)
 
 
 def _runs(per_layer: tuple[CacheScheme, ...]) -> list[tuple[CacheScheme, int, int]]:

@@ -46,7 +46,7 @@ from flax import struct
 
 from kvquant_jax.cache import ops
 from kvquant_jax.cache import page_pool as pp
-from kvquant_jax.cache.interface import CacheScheme, KVCache, _runs, init_cache
+from kvquant_jax.cache.interface import CacheScheme, KVCache, LayerGroups, _runs, init_cache
 from kvquant_jax.cache.schema import CacheSchema
 
 LAYOUT_VERSION = 2
@@ -119,7 +119,7 @@ def field_layouts(scheme: CacheScheme, page_size: int, num_kv_heads: int,
 
 
 @struct.dataclass
-class PagedKVCache:
+class PagedKVCache(LayerGroups):
     """The whole model's paged cache (one value, published whole like :class:`KVCache`).
 
     Attributes:
@@ -145,21 +145,9 @@ class PagedKVCache:
     head_dim: int = struct.field(pytree_node=False)
 
     @property
-    def batch(self) -> int:
-        return int(self.page_table.shape[0])
-
-    @property
     def capacity(self) -> int:
         """Positions one sequence can hold: hidden prefix rows + ``max_pages`` pages."""
         return self.row_offset + self.max_pages * self.page_size
-
-    @property
-    def num_layers(self) -> int:
-        return sum(n for _, _, n in self.schemes)
-
-    @property
-    def per_layer_schemes(self) -> tuple:
-        return tuple(s for s, _, n in self.schemes for _ in range(n))
 
     def pages_needed(self, lengths) -> np.ndarray:
         """int64 ``[B]``: pages that hold positions ``[row_offset, lengths)``."""
