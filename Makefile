@@ -11,8 +11,9 @@ install-dev:
 	$(PY) -m pip install -q -e ".[test,ref]"
 
 ## Install everything (incl. torch CPU + transformers for parity tests) and run the whole test suite.
+## (--max-worker-restart=0: a crashed worker fails the run at once, naming its test, instead of restarting workers)
 test: install-dev
-	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 $(PYTEST_ARGS)
 
 ## Skip the slow / real-model tests (a quick local loop).
 test-fast: install-dev
