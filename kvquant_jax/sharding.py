@@ -429,10 +429,10 @@ def paged_cache_specs(cache, mesh):
     ``schemes``, ``lengths [B]``, ``num_kv_heads``; same pytree type): pools and per-sequence fields with their KV
     heads over ``model`` (:func:`layer_specs` with the group's ``layout``), every other array (page table,
     lengths, a step's write mask and window starts) replicated.  Checks the mesh (:func:`check_paged_mesh`)."""
-    d, m = _sizes(mesh)
+    _, m = _sizes(mesh)
     check_paged_mesh(mesh, num_kv_heads=cache.num_kv_heads)
-    b = int(np.shape(cache.lengths)[0])
-    groups = tuple(layer_specs(s, g, model=m, batch=b, num_kv_heads=cache.num_kv_heads, stacked=True, layout=lay)
+    groups = tuple(layer_specs(s, g, model=m, batch=cache.batch, num_kv_heads=cache.num_kv_heads, stacked=True,
+                               layout=lay)
                    for (s, _, _), g, lay in zip(cache.schemes, cache.groups, cache.layouts))
     return jax.tree.map(lambda _: P(), cache.replace(groups=())).replace(groups=groups)
 

@@ -1,4 +1,5 @@
 """Test configuration: strict dtype promotion (catches silent int8 -> float), x64 for oracles, hypothesis profiles."""
+import gc
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -91,8 +92,6 @@ def _release_compiled_executables():
     yield
     peak = _mapping_count()
     jax.clear_caches()
-    import gc
-
     gc.collect()
     n = _mapping_count()
     if peak > _MODULE_PEAK_BUDGET:
