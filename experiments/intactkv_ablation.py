@@ -37,7 +37,6 @@ from kvquant_jax.cache.static_int import StaticIntScheme, load_static_scales, pe
 from kvquant_jax.calibration import intactkv as ikv
 from kvquant_jax.calibration import prefixquant as pq
 from kvquant_jax.data import load_corpus
-from kvquant_jax.eval.ppl import token_nll
 from kvquant_jax.models import load_model
 from kvquant_jax.models.llama import forward_jit
 
@@ -60,15 +59,25 @@ def chunked_nll(params, cfg, cache, tokens: np.ndarray, chunk: int) -> np.ndarra
     n = -(-t // chunk)
     padded = np.zeros((b, n * chunk), np.int32)
     padded[:, :t] = tokens
-    logits = []
-    for j in range(n):
+    # targets[:, p] = tokens[:, p + 1]; the last position predicts nothing (its NLL column is dropped below)
+    targets = np.zeros((b, n * chunk), np.int32)
+    targets[:, :t - 1] = tokens[:, 1:]
+    nll = []
+    for j in range(n):          # each chunk's NLL at once: never all [B, T, V] logits (12 GB at 64 x 1024)
         num = min(chunk, t - j * chunk)
         lg, cache, ok = forward_jit(params, cfg, jnp.asarray(padded[:, j * chunk:(j + 1) * chunk]), cache,
                                     jnp.full((b,), num, jnp.int32))
         if not bool(ok):
             raise RuntimeError("non-finite K/V during evaluation")
-        logits.append(lg[:, :num])
-    return np.asarray(token_nll(jnp.concatenate(logits, axis=1), jnp.asarray(tokens)))
+        nll.append(np.asarray(_chunk_nll(lg, jnp.asarray(targets[:, j * chunk:(j + 1) * chunk])))[:, :num])
+    return np.concatenate(nll, axis=1)[:, :t - 1]
+
+
+@jax.jit
+def _chunk_nll(logits, targets):
+    """NLL float32 ``[B, C]`` of ``targets [B, C]`` under ``logits [B, C, V]`` (position p predicts targets[p])."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
 
 
 VARIANTS = ("none", "intactkv-extracted", "intactkv-calibrated", "prefixquant")

@@ -102,8 +102,9 @@ def make_nll_fn(scheme, chunk: int = 128):
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def _prefill(params, cfg, tokens, cache):
-    logits, cache, ok = forward(params, cfg, tokens, cache)
-    return logits[:, -1], cache, ok
+    b, t = tokens.shape
+    logits, cache, ok = forward(params, cfg, tokens, cache, logits_at=jnp.full((b,), t - 1, jnp.int32))
+    return logits[:, 0], cache, ok
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_impl", "mode"), donate_argnames=("cache",))

@@ -323,7 +323,7 @@ def forward_nocache(params, cfg: LlamaConfig, tokens: jax.Array, positions: jax.
 
 
 def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new: jax.Array | None = None,
-            *, attention_impl: str = "auto", linear: Callable | None = None
+            *, attention_impl: str = "auto", linear: Callable | None = None, logits_at: jax.Array | None = None
             ) -> tuple[jax.Array, KVCache, jax.Array]:
     """Forward ``tokens`` (int32 [B, T]) at positions ``cache.lengths + t`` and append them to the cache.
 
@@ -342,8 +342,12 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
       linear: optional ``linear(x, w, name)`` projection hook (None = float); a hashable policy object (e.g.
         ``kvquant_jax.models.w8a8.W8A8Policy``) so it can be a static jit argument. The hook sees ``x [B, T, K]``,
         so it can specialise on the phase (prefill T > 1, decode T == 1).
+      logits_at: optional int32 [B]: the one position per sequence whose logits are wanted (e.g. its last valid
+        token): the hidden state is gathered there BEFORE the final norm and LM head, so a long prefill never
+        holds ``[B, T, V]`` logits (at B = 20, T = 8000 and a 49K vocabulary that is 31 GB); logits are then
+        ``[B, 1, V]``.
     Returns:
-      logits float32 [B, T, V]; the successor cache; ok: bool scalar. ``ok`` is False when any K/V row of any
+      logits float32 [B, T, V] (``[B, 1, V]`` with ``logits_at``); the successor cache; ok: bool scalar. ``ok`` is False when any K/V row of any
       layer is non-finite: then ``lengths`` are NOT advanced (nothing is published) and the caller must raise.
     """
     b, t = tokens.shape
@@ -428,6 +432,8 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
             lp_all = jax.tree.map(lambda a: a[first:first + n], params["layers"])
             (x, ok, g2), _ = jax.lax.scan(body, (x, ok, gstate), (lp_all, jnp.arange(n, dtype=jnp.int32)))
         new_groups.append(g2)
+    if logits_at is not None:
+        x = jnp.take_along_axis(x, jnp.clip(logits_at, 0, t - 1).astype(jnp.int32)[:, None, None], axis=1)
     logits = logits_from_hidden(params, cfg, x, linear)
     # Publish: lengths advance iff every valid row of every layer was finite and encodable; a rejected multi-row
     # append restores residual rings it may have wrapped (see kvquant_jax.cache.ops.publish).

@@ -197,8 +197,8 @@ def sample_rows(logits, keys, temperature, top_k, top_p):
     return jnp.where(temperature > 0, drawn, greedy)
 
 
-def _sample_last(logits, num_new, temperature, top_k, top_p, base_key, req_ids, n_gen):
-    last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+def _sample_last(last, temperature, top_k, top_p, base_key, req_ids, n_gen):
+    """``last``: float32 ``[R, V]``, each row's logits at its last valid token (``forward(..., logits_at=)``)."""
     keys = jax.vmap(lambda i, n: jax.random.fold_in(jax.random.fold_in(base_key, i), n))(req_ids, n_gen)
     return sample_rows(last, keys, temperature, top_k, top_p)
 
@@ -210,9 +210,10 @@ def _step_view(params, cfg: LlamaConfig, cache: paged.PagedKVCache, tokens, num_
     ``paged.scatter``): ``tokens`` int32 ``[S, T]`` (``num_new[s]`` valid), pages ``write`` bool ``[S, M]``.
     Returns (next token int32 ``[S]``, cache', ok)."""
     view = paged.gather(cache)
-    logits, view2, ok = forward(params, cfg, tokens, view, num_new, attention_impl=attention_impl)
+    logits, view2, ok = forward(params, cfg, tokens, view, num_new, attention_impl=attention_impl,
+                                logits_at=jnp.maximum(num_new - 1, 0))
     cache2 = constrain_cache(paged.scatter(cache, view2, write))
-    return _sample_last(logits, num_new, temperature, top_k, top_p, base_key, req_ids, n_gen), cache2, ok
+    return _sample_last(logits[:, 0], temperature, top_k, top_p, base_key, req_ids, n_gen), cache2, ok
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_impl", "view_pages", "window_pages"),
@@ -226,9 +227,10 @@ def _step_direct(params, cfg: LlamaConfig, cache: paged.PagedKVCache, index, tok
     int32 ``[R]``, cache', ok)."""
     sub = paged.select_slots(cache, index)
     step = paged_attention.paged_step(sub, write, first, view_pages=view_pages, window_pages=window_pages)
-    logits, step2, ok = forward(params, cfg, tokens, step, num_new, attention_impl=attention_impl)
+    logits, step2, ok = forward(params, cfg, tokens, step, num_new, attention_impl=attention_impl,
+                                logits_at=jnp.maximum(num_new - 1, 0))
     cache2 = constrain_cache(paged.merge_slots(cache, step2.paged(), index))   # under a mesh: its placed layout
-    return _sample_last(logits, num_new, temperature, top_k, top_p, base_key, req_ids, n_gen), cache2, ok
+    return _sample_last(logits[:, 0], temperature, top_k, top_p, base_key, req_ids, n_gen), cache2, ok
 
 
 class Engine:

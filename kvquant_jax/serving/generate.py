@@ -49,9 +49,9 @@ DEFAULT_PREFILL_CHUNK = 4096
 def prefill_step(params, cfg: LlamaConfig, tokens, cache, num_new, attention_impl="auto"):
     """tokens int32 [B, T] right-padded; returns (logits of each sequence's last valid token [B, V], cache, ok).
     A sequence with ``num_new == 0`` appends nothing (its logits row is meaningless)."""
-    logits, cache, ok = forward(params, cfg, tokens, cache, num_new, attention_impl=attention_impl)
-    last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
-    return last, cache, ok
+    logits, cache, ok = forward(params, cfg, tokens, cache, num_new, attention_impl=attention_impl,
+                                logits_at=jnp.maximum(num_new - 1, 0))
+    return logits[:, 0], cache, ok
 
 
 def prefill_chunked(params, cfg: LlamaConfig, tokens, cache: KVCache, num_new, *, chunk: int = DEFAULT_PREFILL_CHUNK,
