@@ -304,6 +304,105 @@ def _tile_transforms(dtype, minor: int):
     return (plgpu.TilingTransform((8, sw * 8 // bits)), plgpu.SwizzleTransform(sw))
 
 
+def _codes_to_regs(sp: _Spec, ref):
+    """SMEM code tile -> MMA-dtype registers in the wgmma register-A (WGMMA) layout."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bf16, wg = sp.mma_dtype, plgpu.Layout.WGMMA
+    if sp.upcast:
+        if sp.upcast == 4:   # int4: 8 codes per 32-bit register; relayout on the narrow type, then widen
+            x = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+            x = plgpu.layout_cast(x, plgpu.Layout.WGMMA_UPCAST_2X).astype(bf16)
+        else:
+            x = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(bf16)
+        return plgpu.layout_cast(x, wg)
+    return ref[...].astype(bf16)
+
+
+def _block_update(sp: _Spec, q_smem, p_smem, blocks, carry, lo, hi, lsc, col_max=None):
+    """One online-softmax update of ONE compute warpgroup over ``len(blocks)`` (1 or 2) KV blocks.
+
+    ``blocks``: ``(k_smem, v_smem, ks_smem, vs_smem, row0)`` per block (SMEM tiles of one pipeline slot; scale
+    tiles None when absent; ``row0`` the block's first row); ``p_smem``: ``[len(blocks) * BT/64, N, 64]`` (P^T of
+    each block, transposed); ``carry = (acc [D, N], m [N] log2 domain, l [BT, N] per-row partial sums)``.
+    ``col_max(s)`` is the column max of ``s [BT, N]`` (a cross-warp reduction through Mosaic GPU's reduction
+    scratch; the warp-specialized kernel passes a version that takes a turn with the other compute warpgroup,
+    which shares that scratch).  With two blocks ONE max / rescale covers both.  Returns the new carry.
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    d, n, bt = sp.d, sp.n, sp.bt
+    nch = bt // 64
+    bf16 = sp.mma_dtype               # "bf16" below = the 16-bit MMA operand type (bf16 or f16)
+    wg = plgpu.Layout.WGMMA
+    col_max = col_max or (lambda s: s.max(axis=0))
+    acc, m_i, l_i = carry
+    ss, valids = [], []
+    for k_smem, _, ks_smem, _, row0 in blocks:
+        def qk(acc_ref, k_smem=k_smem):
+            if sp.k_regs:
+                kr = _codes_to_regs(sp, k_smem)                         # [BT, D] WGMMA registers
+                for qi in range(sp.q_split):
+                    for j in range(d // 64):
+                        cs = slice(j * 64, (j + 1) * 64)
+                        plgpu.wgmma(acc_ref, kr[:, cs], q_smem.at[qi, :, cs].T)
+            else:
+                for qi in range(sp.q_split):
+                    plgpu.wgmma(acc_ref, k_smem, q_smem.at[qi].T)
+            return acc_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((bt, n), _F32))          # S^T [BT, N]
+        if ks_smem is not None:
+            ksv = plgpu.load(ks_smem, (), layout=wg.reduce(1), optimized=False)
+            s = s * lax.broadcast_in_dim(ksv * lsc, s.shape, [0])
+        else:
+            s = s * lsc
+        rows = plgpu.broadcasted_iota(jnp.int32, (bt, n), 0, layout=wg) + row0
+        valid = (rows >= lo) & (rows < hi)
+        ss.append(jnp.where(valid, s, _NEG))
+        valids.append(valid)
+    smax = ss[0] if len(ss) == 1 else jnp.maximum(ss[0], ss[1])   # elementwise first: ONE cross-warp max
+    m_new = jnp.maximum(m_i, col_max(smax))
+    alpha = jnp.exp2(m_i - m_new)
+    for bi, ((_, _, _, vs_smem, _), s, valid) in enumerate(zip(blocks, ss, valids)):
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+        p = jnp.where(valid, p, 0.0)
+        # l kept as per-row partial sums [BT, N] (elementwise): no cross-warp reduction per block
+        l_i = (l_i * lax.broadcast_in_dim(alpha, s.shape, [1]) if bi == 0 else l_i) + p
+        if vs_smem is not None:
+            vsv = plgpu.load(vs_smem, (), layout=wg.reduce(1), optimized=False)
+            p = jnp.where(valid, p * lax.broadcast_in_dim(vsv, s.shape, [0]), 0.0)
+        if sp.dup:
+            cols = plgpu.broadcasted_iota(jnp.int32, (bt, n), 1, layout=wg)
+            p_lo = p - p.astype(bf16).astype(_F32)
+            p = jnp.where(cols < sp.dup, p, p_lo)
+        p16 = p.astype(bf16)
+        for j in range(nch):
+            p_smem.at[bi * nch + j].T[...] = plgpu.layout_cast(p16[j * 64:(j + 1) * 64],
+                                                               plgpu.Layout.WGMMA_TRANSPOSED)
+    plgpu.commit_smem()
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+    vrs = []
+    for _, v_smem, _, _, row0 in blocks:
+        vr = _codes_to_regs(sp, v_smem) if sp.v_regs else None     # V^T [D, BT] registers
+        if sp.v_mask:
+            vcols = plgpu.broadcasted_iota(jnp.int32, (d, bt), 1, layout=wg) + row0
+            vr = jnp.where((vcols >= lo) & (vcols < hi), vr, jnp.zeros_like(vr))
+        vrs.append(vr)
+
+    def pv(acc_ref):
+        for bi, ((_, v_smem, _, _, _), vr) in enumerate(zip(blocks, vrs)):
+            for j in range(nch):
+                if sp.v_regs:
+                    a = vr[:, j * 64:(j + 1) * 64]
+                else:
+                    a = v_smem.at[pl.ds(j * 64, 64), :].T
+                plgpu.wgmma(acc_ref, a, p_smem.at[bi * nch + j].T)
+
+    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    return acc, m_new, l_i
+
+
 def _mgpu_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec):
     """Launch.  ``start, end, lscale``: [BH]; ``q``: [BH, QS, N, D] (MMA dtype); ``k``: [BH, T, D]; ``v``: [BH, D, T] or
     [BH, T, D]; ``ks, vs``: f32 [BH, T] or None.  Returns ``o [BH, S, D, N], m [BH, S, N], l [BH, S, N]`` f32
@@ -320,17 +419,6 @@ def _mgpu_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec):
     v_tf = _tile_transforms(sp.v_dtype, bt if sp.v_regs else d)
     p_tf = _tile_transforms(bf16, 64)
     has_ks, has_vs = ks is not None, vs is not None
-
-    def _codes_to_regs(ref):
-        """SMEM code tile -> MMA-dtype registers in the wgmma register-A (WGMMA) layout."""
-        if sp.upcast:
-            if sp.upcast == 4:   # int4: 8 codes per 32-bit register; relayout on the narrow type, then widen
-                x = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                x = plgpu.layout_cast(x, plgpu.Layout.WGMMA_UPCAST_2X).astype(bf16)
-            else:
-                x = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(bf16)
-            return plgpu.layout_cast(x, wg)
-        return ref[...].astype(bf16)
 
     def body(start_ref, end_ref, ls_ref, q_ref, k_ref, v_ref, *rest):
         rest = list(rest)
@@ -354,64 +442,8 @@ def _mgpu_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec):
                 ks_smem = more.pop(0) if has_ks else None
                 vs_smem = more.pop(0) if has_vs else None
                 (i,) = indices
-                acc, m_i, l_i = carry
-                row0 = (base + i) * bt
-
-                def qk(acc_ref):
-                    if sp.k_regs:
-                        kr = _codes_to_regs(k_smem)                         # [BT, D] WGMMA registers
-                        for qi in range(sp.q_split):
-                            for j in range(d // 64):
-                                cs = slice(j * 64, (j + 1) * 64)
-                                plgpu.wgmma(acc_ref, kr[:, cs], q_smem.at[qi, :, cs].T)
-                    else:
-                        for qi in range(sp.q_split):
-                            plgpu.wgmma(acc_ref, k_smem, q_smem.at[qi].T)
-                    return acc_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC((bt, n), _F32))          # S^T [BT, N]
-                if has_ks:
-                    ksv = plgpu.load(ks_smem, (), layout=wg.reduce(1), optimized=False)
-                    s = s * lax.broadcast_in_dim(ksv * lsc, s.shape, [0])
-                else:
-                    s = s * lsc
-                rows = plgpu.broadcasted_iota(jnp.int32, (bt, n), 0, layout=wg) + row0
-                valid = (rows >= lo) & (rows < hi)
-                s = jnp.where(valid, s, _NEG)
-                m_new = jnp.maximum(m_i, s.max(axis=0))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-                p = jnp.where(valid, p, 0.0)
-                # l kept as per-row partial sums [BT, N] (elementwise): no cross-warp reduction per block
-                l_i = l_i * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
-                if has_vs:
-                    vsv = plgpu.load(vs_smem, (), layout=wg.reduce(1), optimized=False)
-                    p = jnp.where(valid, p * lax.broadcast_in_dim(vsv, s.shape, [0]), 0.0)
-                if sp.dup:
-                    cols = plgpu.broadcasted_iota(jnp.int32, (bt, n), 1, layout=wg)
-                    p_lo = p - p.astype(bf16).astype(_F32)
-                    p = jnp.where(cols < sp.dup, p, p_lo)
-                p16 = p.astype(bf16)
-                for j in range(nch):
-                    p_smem.at[j].T[...] = plgpu.layout_cast(p16[j * 64:(j + 1) * 64],
-                                                            plgpu.Layout.WGMMA_TRANSPOSED)
-                plgpu.commit_smem()
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-                vr = _codes_to_regs(v_smem) if sp.v_regs else None     # V^T [D, BT] registers
-                if sp.v_mask:
-                    vcols = plgpu.broadcasted_iota(jnp.int32, (d, bt), 1, layout=wg) + row0
-                    vr = jnp.where((vcols >= lo) & (vcols < hi), vr, jnp.zeros_like(vr))
-
-                def pv(acc_ref):
-                    for j in range(nch):
-                        if sp.v_regs:
-                            a = vr[:, j * 64:(j + 1) * 64]
-                        else:
-                            a = v_smem.at[pl.ds(j * 64, 64), :].T
-                        plgpu.wgmma(acc_ref, a, p_smem.at[j].T)
-
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                return acc, m_new, l_i
+                return _block_update(sp, q_smem, p_smem, [(k_smem, v_smem, ks_smem, vs_smem, (base + i) * bt)],
+                                     carry, lo, hi, lsc)
 
             kspec = plgpu.BlockSpec((bt, d), lambda i: (base + i, 0), transforms=k_tf)
             if sp.v_regs:
