@@ -545,13 +545,20 @@ def decode_attention_mgpu_partials(q, ops: MgpuOperands, *, sm_scale: float | No
     Returns ``acc [B, Hkv, S, G, D], m [B, Hkv, S, G], l [B, Hkv, S, G]`` float32 (natural-log ``m``), the
     format of ``pallas_kernels.decode_attention._region_partial`` (feed a list of them to its ``_combine``).
     """
-    cfg = config
+    if interpret:
+        return _partials_jnp(q, ops, sm_scale)
+    sp = _spec_for(ops, q.shape[1] // ops.num_kv_heads, config, q.dtype)
+    return _kernel_partials(_mgpu_call, q, ops, sp, sm_scale)
+
+
+def _kernel_partials(call, q, ops: MgpuOperands, sp: _Spec, sm_scale):
+    """The wrapper around a kernel launch ``call(start, end, lscale, q_block, k, v, ks, vs, sp) -> (o [BH, S', D,
+    N], m [BH, S', N] log2, l [BH, S', N])``: per-row scalars and the query block in, the partials out as ``acc [B,
+    Hkv, S', G, D], m, l [B, Hkv, S', G]`` (S' = the number of partials the launch returns: ``sp.ns`` for the
+    single-warpgroup kernel, two per split for the warp-specialized one)."""
     b, hq, d = q.shape
     hkv = ops.num_kv_heads
     g = hq // hkv
-    if interpret:
-        return _partials_jnp(q, ops, sm_scale)
-    sp = _spec_for(ops, g, cfg, q.dtype)
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
     lsc = jnp.full((b, hkv), scale * _LOG2E, _F32)
     if ops.k_head_scale is not None:
@@ -561,10 +568,11 @@ def decode_attention_mgpu_partials(q, ops: MgpuOperands, *, sm_scale: float | No
     start = jnp.repeat(jnp.clip(ops.start, 0, rows), hkv)
     end = jnp.repeat(jnp.clip(ops.end, 0, rows), hkv)
     qb = _query_block(q, hkv, sp)
-    o, m, l = _mgpu_call(start, end, lsc, qb, ops.k, ops.v, ops.k_scale, ops.v_scale, sp)
-    o = jnp.swapaxes(o, 2, 3).reshape(b, hkv, sp.ns, sp.n, d)                # [B, Hkv, S, N, D]
-    m = m.reshape(b, hkv, sp.ns, sp.n) * _LN2
-    l = l.reshape(b, hkv, sp.ns, sp.n)
+    o, m, l = call(start, end, lsc, qb, ops.k, ops.v, ops.k_scale, ops.v_scale, sp)
+    ns = o.shape[1]
+    o = jnp.swapaxes(o, 2, 3).reshape(b, hkv, ns, sp.n, d)                   # [B, Hkv, S', N, D]
+    m = m.reshape(b, hkv, ns, sp.n) * _LN2
+    l = l.reshape(b, hkv, ns, sp.n)
     acc = o[:, :, :, :g] + (o[:, :, :, g:2 * g] if sp.dup else 0.0)
     if ops.v_head_scale is not None:
         acc = acc * ops.v_head_scale.astype(_F32)[None, :, None, None, None]
@@ -610,11 +618,15 @@ def decode_attention_mgpu_prepared(q, ops: MgpuOperands, *, k_new=None, v_new=No
     ``q``: ``[B, Hq, D]``; ``k_new, v_new``: optional ``[B, Hkv, D]``.  Returns ``[B, Hq, D]`` in ``out_dtype``
     (default ``q.dtype``).
     """
+    part = decode_attention_mgpu_partials(q, ops, sm_scale=sm_scale, config=config, interpret=interpret)
+    return _with_current_token(q, part, ops.num_kv_heads, k_new, v_new, sm_scale, out_dtype)
 
+
+def _with_current_token(q, part, hkv: int, k_new, v_new, sm_scale, out_dtype):
+    """Merge one region's partials with the exact current token's (when ``k_new`` is given): ONE softmax."""
     b, hq, d = q.shape
-    hkv = ops.num_kv_heads
     g = hq // hkv
-    parts = [decode_attention_mgpu_partials(q, ops, sm_scale=sm_scale, config=config, interpret=interpret)]
+    parts = [part]
     if k_new is not None:
         scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
         q4 = q.astype(_F32).reshape(b, hkv, g, d)
