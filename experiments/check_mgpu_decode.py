@@ -208,9 +208,10 @@ def ws_variants(kf, more: bool) -> dict:
     if kf.payload == "int4":            # default 128 x 6
         out.update({"ws u2": r(d, blocks_per_update=2, max_concurrent_steps=8), "ws s8": r(d, max_concurrent_steps=8),
                     "ws s4": r(d, max_concurrent_steps=4), "ws bt64 s8": r(d, block_t=64, max_concurrent_steps=8),
-                    "ws prec bf16": r(d, precision="bf16")})
+                    "ws prec bf16": r(d, precision="bf16"), "ws late-v": r(d, v_first=False)})
     elif kf.payload == "int8":          # default 128 x 4
         out.update({"ws u2": r(d, blocks_per_update=2), "ws s6": r(d, max_concurrent_steps=6),
+                    "ws late-v": r(d, v_first=False),
                     "ws bt64 s8": r(d, block_t=64, max_concurrent_steps=8)})
     elif kf.payload in ("e4m3", "e5m2"):  # default 64 x 8
         out.update({"ws u2": r(d, blocks_per_update=2), "ws bt128 s4": r(d, block_t=128, max_concurrent_steps=4)})

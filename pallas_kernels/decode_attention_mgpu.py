@@ -319,7 +319,7 @@ def _codes_to_regs(sp: _Spec, ref):
     return ref[...].astype(bf16)
 
 
-def _block_update(sp: _Spec, q_smem, p_smem, blocks, carry, lo, hi, lsc, col_max=None):
+def _block_update(sp: _Spec, q_smem, p_smem, blocks, carry, lo, hi, lsc, col_max=None, v_first: bool = False):
     """One online-softmax update of ONE compute warpgroup over ``len(blocks)`` (1 or 2) KV blocks.
 
     ``blocks``: ``(k_smem, v_smem, ks_smem, vs_smem, row0)`` per block (SMEM tiles of one pipeline slot; scale
@@ -327,7 +327,9 @@ def _block_update(sp: _Spec, q_smem, p_smem, blocks, carry, lo, hi, lsc, col_max
     each block, transposed); ``carry = (acc [D, N], m [N] log2 domain, l [BT, N] per-row partial sums)``.
     ``col_max(s)`` is the column max of ``s [BT, N]`` (a cross-warp reduction through Mosaic GPU's reduction
     scratch; the warp-specialized kernel passes a version that takes a turn with the other compute warpgroup,
-    which shares that scratch).  With two blocks ONE max / rescale covers both.  Returns the new carry.
+    which shares that scratch).  With two blocks ONE max / rescale covers both.  ``v_first``: convert the V
+    tiles to registers before the column max instead of after the P store (work to do while waiting for the
+    other warpgroup's turn; more registers live).  Returns the new carry.
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -361,6 +363,17 @@ def _block_update(sp: _Spec, q_smem, p_smem, blocks, carry, lo, hi, lsc, col_max
         valid = (rows >= lo) & (rows < hi)
         ss.append(jnp.where(valid, s, _NEG))
         valids.append(valid)
+    def v_tiles():
+        out = []
+        for _, v_smem, _, _, row0 in blocks:
+            vr = _codes_to_regs(sp, v_smem) if sp.v_regs else None     # V^T [D, BT] registers
+            if sp.v_mask:
+                vcols = plgpu.broadcasted_iota(jnp.int32, (d, bt), 1, layout=wg) + row0
+                vr = jnp.where((vcols >= lo) & (vcols < hi), vr, jnp.zeros_like(vr))
+            out.append(vr)
+        return out
+
+    vrs = v_tiles() if v_first else None
     smax = ss[0] if len(ss) == 1 else jnp.maximum(ss[0], ss[1])   # elementwise first: ONE cross-warp max
     m_new = jnp.maximum(m_i, col_max(smax))
     alpha = jnp.exp2(m_i - m_new)
@@ -382,13 +395,7 @@ def _block_update(sp: _Spec, q_smem, p_smem, blocks, carry, lo, hi, lsc, col_max
                                                                plgpu.Layout.WGMMA_TRANSPOSED)
     plgpu.commit_smem()
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-    vrs = []
-    for _, v_smem, _, _, row0 in blocks:
-        vr = _codes_to_regs(sp, v_smem) if sp.v_regs else None     # V^T [D, BT] registers
-        if sp.v_mask:
-            vcols = plgpu.broadcasted_iota(jnp.int32, (d, bt), 1, layout=wg) + row0
-            vr = jnp.where((vcols >= lo) & (vcols < hi), vr, jnp.zeros_like(vr))
-        vrs.append(vr)
+    vrs = vrs if v_first else v_tiles()
 
     def pv(acc_ref):
         for bi, ((_, v_smem, _, _, _), vr) in enumerate(zip(blocks, vrs)):

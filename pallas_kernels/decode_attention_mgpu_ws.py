@@ -71,6 +71,8 @@ class MgpuWsConfig:
     block_t: KV tokens per block (a multiple of 64).  max_concurrent_steps: SMEM ring slots (blocks in flight,
     both compute warpgroups together; a multiple of 2 * blocks_per_update).  blocks_per_update: 1 or 2 blocks per
     online-softmax update of a compute warpgroup.  num_splits: None -> ~2 CTAs per SM.  precision: as v1.
+    v_first: convert the V tile(s) to registers right after the QK wgmma, before waiting for the reduction turn
+    (None -> only with one block per update: two converted V tiles would hold 128 registers across the softmax).
     memory_registers / compute_registers: ``setmaxnreg`` of the TMA / compute warpgroups (40 + 2 x 232 <= 512).
     """
 
@@ -80,6 +82,7 @@ class MgpuWsConfig:
     precision: str = "bf16x2"
     upcast: bool = False
     blocks_per_update: int = 1
+    v_first: Optional[bool] = None       # V tiles converted before the turn wait (None: when blocks_per_update == 1)
     memory_registers: int = 40
     compute_registers: int = 232
 
@@ -157,6 +160,7 @@ def _ws_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec, cfg: MgpuWsConfig):
     nch = bt // 64
     bf16 = sp.mma_dtype
     groups_per_wg = nbs // (2 * u)
+    v_first = cfg.v_first if cfg.v_first is not None else u == 1
     q_tf = _tile_transforms(bf16, d)
     k_tf = _tile_transforms(sp.k_dtype, d)
     v_tf = _tile_transforms(sp.v_dtype, bt if sp.v_regs else d)
@@ -164,6 +168,9 @@ def _ws_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec, cfg: MgpuWsConfig):
     has_ks, has_vs = ks is not None, vs is not None
     n_copies = 2 + has_ks + has_vs
     v_block = (d, bt) if sp.v_regs else (bt, d)
+    # setmaxnreg: plgpu.set_max_registers in JAX 0.10.2 / 0.11.x; without it the warpgroups share the launch
+    # register budget evenly (slower, still correct)
+    setmaxnreg = getattr(plgpu, "set_max_registers", None) or (lambda *a, **k: None)
 
     def body(start_ref, end_ref, ls_ref, q_ref, k_ref, v_ref, *rest):
         rest = list(rest)
@@ -180,7 +187,7 @@ def _ws_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec, cfg: MgpuWsConfig):
 
             @pl.when(wg_idx == 2)
             def _memory_wg():
-                plgpu.set_max_registers(cfg.memory_registers, action="decrease")
+                setmaxnreg(cfg.memory_registers, action="decrease")
                 plgpu.copy_gmem_to_smem(q_ref.at[pid], q_smem, q_bar)
 
                 def issue(i, slot):
@@ -207,7 +214,7 @@ def _ws_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec, cfg: MgpuWsConfig):
 
             @pl.when(wg_idx < 2)
             def _compute_wg():
-                plgpu.set_max_registers(cfg.compute_registers, action="increase")
+                setmaxnreg(cfg.compute_registers, action="increase")
                 w = wg_idx
                 lo = start_ref[pid]
                 hi = end_ref[pid]
@@ -237,7 +244,7 @@ def _ws_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec, cfg: MgpuWsConfig):
                         blocks.append((k_smem.at[slot], v_smem.at[slot], ks_smem.at[slot] if has_ks else None,
                                        vs_smem.at[slot] if has_vs else None, (base + i) * bt))
                         slots.append(slot)
-                    carry = _block_update(sp, q_smem, p_w, blocks, carry, lo, hi, lsc, col_max)
+                    carry = _block_update(sp, q_smem, p_w, blocks, carry, lo, hi, lsc, col_max, v_first=v_first)
                     for slot in slots:
                         plgpu.barrier_arrive(consumed.at[slot])
                     return carry
