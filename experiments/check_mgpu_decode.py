@@ -159,6 +159,11 @@ def check(args, results):
                     flush(args, results)
 
 
+# errors that leave the CUDA context unusable (a fault in one kernel fails every later call in the process)
+_FAULT_MARKERS = ("illegal", "cuda_error", "unspecified launch failure", "misaligned", "launch timed out",
+                  "an illegal", "hardware exception", "ecc error")
+
+
 def ws_probe(args, results) -> bool:
     """The ws parity rows in a child process (before this process touches the GPU).  True when the child finished
     (its rows may still say FAILED / HIGH: compile errors and wrong numbers do not poison a process, hangs and
@@ -177,9 +182,15 @@ def ws_probe(args, results) -> bool:
     log(f"ws child {'finished' if ok else 'FAILED: ' + why} in {time.time() - t0:.0f} s")
     try:
         with open(os.path.join(out, "check_mgpu_decode.json")) as f:
-            results["check"] += json.load(f)["check"]
+            rows = json.load(f)["check"]
+        results["check"] += rows
+        faults = [r["error"] for r in rows if any(m in r.get("error", "").lower() for m in _FAULT_MARKERS)]
+        if faults and ok:
+            ok, why = False, f"a ws kernel faulted on the device: {faults[0][:300]}"
     except Exception as e:  # noqa: BLE001
         log(f"ws child left no results: {type(e).__name__}: {e}")
+    if not ok:
+        log(f"ws timing disabled: {why}")
     results["ws_child"] = dict(ok=ok, why=None if ok else why)
     flush(args, results)
     return ok
