@@ -97,12 +97,13 @@ def parity_variants(args, ci: int, kf, qdt, ws_only: bool):
             q, r, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32)))
     if args.ws and (args.ws_child or not args.ws_isolate):
         # "ws": a 2-slot ring over one split (refills, several turns per warpgroup); "u2": two blocks per update
-        # at 64 rows; "default": the timed defaults (auto splits)
+        # at 64 rows; "c4": four compute warpgroups at 64 rows; "default": the timed defaults (auto splits)
         wvars = {"ws": MgpuWsConfig(num_splits=1, max_concurrent_steps=2)}
         if not ci and qdt == jnp.bfloat16:
             wvars["ws bf16"] = MgpuWsConfig(num_splits=1, max_concurrent_steps=2, precision="bf16")
         if not ci or ws_only:
             wvars["ws u2"] = MgpuWsConfig(num_splits=1, block_t=64, max_concurrent_steps=4, blocks_per_update=2)
+            wvars["ws c4"] = MgpuWsConfig(num_splits=1, block_t=64, max_concurrent_steps=4, compute_wgs=4)
             wvars["ws default"] = MgpuWsConfig()
         for label, cfg in wvars.items():
             out.append((label, "mgpu_ws", lambda q, r, kn, vn, cfg=cfg: decode_attention_mgpu_ws(
@@ -212,10 +213,10 @@ def ws_variants(kf, more: bool) -> dict:
     """The warp-specialized configs timed: the default everywhere, a few alternatives at the largest T (SMEM per
     slot: 2 x BT x D x bytes + 8 BT for INT scales; Mosaic refuses > 227 KB in all)."""
     d = default_ws_config(kf)
-    out = {"ws": d}
+    r = dataclasses.replace
+    out = {"ws": d, "ws c4 bt64": r(d, compute_wgs=4, block_t=64, max_concurrent_steps=4 if kf.bits == 16 else 8)}
     if not more:
         return out
-    r = dataclasses.replace
     if kf.payload == "int4":            # default 128 x 6
         out.update({"ws u2": r(d, blocks_per_update=2, max_concurrent_steps=8), "ws s8": r(d, max_concurrent_steps=8),
                     "ws s4": r(d, max_concurrent_steps=4), "ws bt64 s8": r(d, block_t=64, max_concurrent_steps=8),

@@ -1,4 +1,4 @@
-"""Warp-specialized Mosaic GPU (Hopper) decode attention over one KV region: a TMA warpgroup + two compute warpgroups.
+"""Warp-specialized Mosaic GPU (Hopper) decode attention over one KV region: a TMA warpgroup + C compute warpgroups.
 
 Issue J, second kernel.  Same problem, operands and numerics as :mod:`pallas_kernels.decode_attention_mgpu` ("v1":
 read its docstring first): one query token per sequence attends over one region of K/V in the mgpu pack-time
@@ -11,38 +11,43 @@ masks.  Formats: v1's (bf16 / fp16, per-token symmetric INT8 / INT4, FP8 e4m3 / 
 
 Why: v1 runs ONE warpgroup per CTA, whose per-block chain (TMA wait -> convert -> QK wgmma -> cross-warp max ->
 exp -> P store + fence -> PV wgmma) is serial; the packed formats reached only 33-50 % of copy bandwidth on the
-H200.  Here two compute warpgroups work on different KV blocks of the same split at the same time, so one's
-tensor-core / conversion work overlaps the other's softmax and barrier latency, and a third warpgroup does nothing
-but keep the TMA ring full.
+H200 (and v1's registers allow 2 such CTAs per SM).  Here ``C`` (``compute_wgs``: 2, or 4 with half the registers
+each) compute warpgroups work on different KV blocks of the same split at the same time, so one's tensor-core /
+conversion work overlaps another's softmax and barrier latency, and one more warpgroup does nothing but keep the
+TMA ring full.
 
-Per CTA (program ``(b*Hkv + h, split)``, 3 x 128 threads, ``plgpu.kernel(num_threads=3, thread_name="wg")``)
-----------------------------------------------------------------------------------------------------------
+Per CTA (program ``(b*Hkv + h, split)``, (C + 1) x 128 threads, ``plgpu.kernel(num_threads=C + 1, thread_name="wg")``)
+------------------------------------------------------------------------------------------------------------------
 * Block ownership: the split's ``nbs`` blocks of ``BT`` tokens form groups of ``U`` consecutive blocks
-  (``U = blocks_per_update``, 1 or 2); compute warpgroup ``w`` (0 / 1) owns the groups ``g`` with ``g % 2 == w``
-  and does ONE online-softmax update per group (with U = 2 one cross-warp max and one rescale cover 256 tokens).
-* SMEM ring: ``S`` slots (``max_concurrent_steps``, a multiple of ``2 U``), one block per slot: K tile, V tile and,
+  (``U = blocks_per_update``, 1 or 2); compute warpgroup ``w`` (0 .. C-1) owns the groups ``g`` with
+  ``g % C == w`` and does ONE online-softmax update per group (U = 2: one cross-warp max and one rescale per
+  2 BT tokens).
+* SMEM ring: ``S`` slots (``max_concurrent_steps``, a multiple of ``C U``), one block per slot: K tile, V tile and,
   for INT, the two per-token scale tiles.  Block ``i`` lives in slot ``i % S``; because ``S`` is a multiple of
-  ``2 U`` a slot always belongs to the same compute warpgroup, so every mbarrier is waited on by one warpgroup
+  ``C U`` a slot always belongs to the same compute warpgroup, so every mbarrier is waited on by one warpgroup
   only and Mosaic's per-thread phase bits stay exact.
 * Barriers: ``full[S]`` (TMA completion, one arrival per copy into the slot), ``consumed[S]`` (the owning compute
   warpgroup arrives when it has finished with the slot: after the PV wgmma has completed, so bf16 K/V read by the
-  wgmma straight from SMEM are safe), ``q_bar`` (the query block), ``turn[2]`` (see below).
-* Memory warpgroup (``wg == 2``, ``memory_registers`` registers): copies the query block, fills the first ``S``
-  slots, then for block ``i = S .. nbs-1``: wait ``consumed[i % S]``, issue the 2-4 TMA copies of block ``i``.
-* Compute warpgroup ``w`` (``compute_registers`` registers each): wait ``q_bar``; for each owned group: wait
-  ``full`` of its U slots, ``_block_update`` (QK wgmma(s), scales, masks, column max, exp2, l, P^T store to its
-  OWN P buffer, PV wgmma(s)), arrive ``consumed``.  Each warpgroup keeps its own ``(acc, m, l)`` and writes them
-  as its own split-K partial: the launch returns ``2 * num_splits`` partials and the wrapper's combine merges
-  them like any others.
+  wgmma straight from SMEM are safe), ``q_bar`` (the query block), ``turn[C]`` (see below).
+* Memory warpgroup (``wg == C``, ``memory_registers`` registers, ``setmaxnreg`` down): copies the query block,
+  fills the first ``S`` slots, then for block ``i = S .. nbs-1``: wait ``consumed[i % S]``, issue the 2-4 TMA
+  copies of block ``i`` (K, V, and for INT the K / V scale tiles).
+* Compute warpgroup ``w`` (``compute_registers`` each, ``setmaxnreg`` up): wait ``q_bar``; per owned group: wait
+  ``full`` of its U slots, ``_block_update`` (QK wgmma(s) with the K codes converted in registers, K scale, masks,
+  [V tiles converted in registers: ``v_first``], column max in its turn, exp2, l, P^T store to its OWN P buffer +
+  fence, PV wgmma(s)), arrive ``consumed``.  Each warpgroup keeps its own ``(acc, m, l)`` and writes them as its
+  own split-K partial: the launch returns ``C * num_splits`` partials and the wrapper's combine merges them like
+  any others.
 * ``turn`` barriers: Mosaic GPU's cross-warp reductions (the column max of S^T, reduced along M = across the 4
-  warps, and the final sum of l) go through ONE reduction scratch at a fixed SMEM offset, shared by both compute
-  warpgroups (the scratch offset is static; a thread-local ``run_scoped`` is not allowed in a multi-warpgroup
-  kernel).  So the two warpgroups take turns: warpgroup ``w`` waits ``turn[w]`` before each reduction and arrives
-  on ``turn[1 - w]`` after it (warpgroup 1 pre-arrives ``turn[0]`` once), a strict alternation 0, 1, 0, 1, ...
-  in block order -- which is the order the blocks arrive in anyway.  Only the reduction itself is serialized.
+  warps, and the final sum of l) go through ONE reduction scratch at a fixed SMEM offset, the same for every
+  compute warpgroup (the offset is static; a warpgroup-local ``run_scoped`` is not allowed in a multi-warpgroup
+  kernel).  So the warpgroups take turns: ``w`` waits ``turn[w]`` before each reduction and arrives on
+  ``turn[(w + 1) % C]`` after it (warpgroup C-1 pre-arrives ``turn[0]`` once): a strict ring order in block order,
+  which is the order the blocks arrive in anyway.  Only the reduction itself is serialized; every warpgroup takes
+  the same number of turns (``nbs / (C U)`` + the final one), so the ring never stalls on a finished warpgroup.
 
 Not checked on a GPU by the author of this file (CPU only): the CPU test lowers it for "cuda" (shapes, layouts,
-the barrier / SMEM plan, per JAX version); ``experiments/check_mgpu_decode.py --ws`` checks parity against the
+the SMEM budget, setmaxnreg; JAX 0.10.2); ``experiments/check_mgpu_decode.py --ws`` checks parity against the
 float64 oracle and times it next to v1 on the H200.  ``interpret=True`` runs v1's plain-JAX partials (same
 arithmetic), as v1 does.
 """
@@ -73,7 +78,9 @@ class MgpuWsConfig:
     online-softmax update of a compute warpgroup.  num_splits: None -> ~2 CTAs per SM.  precision: as v1.
     v_first: convert the V tile(s) to registers right after the QK wgmma, before waiting for the reduction turn
     (None -> only with one block per update: two converted V tiles would hold 128 registers across the softmax).
-    memory_registers / compute_registers: ``setmaxnreg`` of the TMA / compute warpgroups (40 + 2 x 232 <= 512).
+    compute_wgs: compute warpgroups (2, or 4 for twice the warps in flight per SM with half the registers each:
+    pair it with 64-row blocks).  memory_registers / compute_registers: ``setmaxnreg`` of the TMA / compute
+    warpgroups (40 + C x compute <= 512 per thread slot of the 64K register file; 232 for C = 2, 112 for C = 4).
     """
 
     block_t: Optional[int] = None
@@ -83,8 +90,9 @@ class MgpuWsConfig:
     upcast: bool = False
     blocks_per_update: int = 1
     v_first: Optional[bool] = None       # V tiles converted before the turn wait (None: when blocks_per_update == 1)
+    compute_wgs: int = 2                 # compute warpgroups per CTA (2 or 4); the TMA warpgroup comes on top
     memory_registers: int = 40
-    compute_registers: int = 232
+    compute_registers: Optional[int] = None  # None -> (512 - memory_registers) / compute_wgs, at most 232
 
 
 def default_ws_config(kf: KVFormat) -> MgpuWsConfig:
@@ -101,30 +109,34 @@ def default_ws_config(kf: KVFormat) -> MgpuWsConfig:
 def _resolve(cfg: MgpuWsConfig | None, kf: KVFormat) -> MgpuWsConfig:
     cfg = cfg or MgpuWsConfig()
     d = default_ws_config(kf)
-    return dataclasses.replace(cfg, block_t=cfg.block_t or d.block_t,
+    if cfg.compute_wgs not in (2, 4):
+        raise ValueError(f"compute_wgs must be 2 or 4, got {cfg.compute_wgs}")
+    regs = cfg.compute_registers or min(232, (512 - cfg.memory_registers) // cfg.compute_wgs // 8 * 8)
+    return dataclasses.replace(cfg, block_t=cfg.block_t or d.block_t, compute_registers=regs,
                                max_concurrent_steps=cfg.max_concurrent_steps or d.max_concurrent_steps)
 
 
 def _ws_spec(ops: MgpuOperands, g: int, cfg: MgpuWsConfig | None, q_dtype) -> tuple[_Spec, MgpuWsConfig]:
     """v1's :class:`_Spec` for this kernel (+ the resolved ws config); raises ValueError when a knob does not fit."""
     cfg = _resolve(cfg, ops.kf)
-    u = cfg.blocks_per_update
+    u, c = cfg.blocks_per_update, cfg.compute_wgs
     if u not in (1, 2):
         raise ValueError(f"blocks_per_update must be 1 or 2, got {u}")
     bt, t, bh = cfg.block_t, ops.rows, ops.k.shape[0]
     if bt % 64 or t % bt:
         raise ValueError(f"{t} rows is not a multiple of block_t={bt} (a multiple of 64)")
     nb = t // bt
-    if nb % (2 * u):
-        raise ValueError(f"{nb} blocks of {bt} rows do not split into 2 compute warpgroups x {u} blocks per update")
-    ns = cfg.num_splits or _auto_splits(bh, nb // (2 * u))
-    if nb % ns or (nb // ns) % (2 * u):
-        raise ValueError(f"num_splits={ns}: each split needs a multiple of {2 * u} of the {nb} blocks")
+    if nb % (c * u):
+        raise ValueError(f"{nb} blocks of {bt} rows do not split into {c} compute warpgroups x {u} blocks per "
+                         "update")
+    ns = cfg.num_splits or _auto_splits(bh, nb // (c * u))
+    if nb % ns or (nb // ns) % (c * u):
+        raise ValueError(f"num_splits={ns}: each split needs a multiple of {c * u} of the {nb} blocks")
     nbs = nb // ns
     stages = min(cfg.max_concurrent_steps, nbs)
-    stages -= stages % (2 * u)
-    if stages < 2 * u:
-        raise ValueError(f"max_concurrent_steps={cfg.max_concurrent_steps}: need at least {2 * u} slots")
+    stages -= stages % (c * u)
+    if stages < c * u:
+        raise ValueError(f"max_concurrent_steps={cfg.max_concurrent_steps}: need at least {c * u} slots")
     mcfg = MgpuConfig(block_t=bt, num_splits=ns, max_concurrent_steps=stages, precision=cfg.precision,
                       upcast=cfg.upcast)
     return _spec_for(ops, g, mcfg, q_dtype), cfg       # too many slots for SMEM: Mosaic GPU says so when lowering
@@ -143,23 +155,23 @@ def mgpu_ws_unsupported(reg: Region, head_dim: int, config: MgpuWsConfig | None 
     if head_dim % 64:
         return f"head_dim {head_dim} is not a multiple of 64"
     cfg = _resolve(config, kf)
-    rows, u = reg.k.data.shape[2], cfg.blocks_per_update
-    if cfg.block_t % 64 or rows % (2 * u * cfg.block_t):
-        return f"{rows} rows is not a multiple of 2 x {u} x block_t={cfg.block_t}"
+    rows, u, c = reg.k.data.shape[2], cfg.blocks_per_update, cfg.compute_wgs
+    if cfg.block_t % 64 or rows % (c * u * cfg.block_t):
+        return f"{rows} rows is not a multiple of {c} x {u} x block_t={cfg.block_t}"
     return None
 
 
 def _ws_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec, cfg: MgpuWsConfig):
-    """Launch.  Arguments as v1's ``_mgpu_call``; returns ``o [BH, 2S, D, N], m [BH, 2S, N] (log2), l [BH, 2S, N]``
-    (partial ``2 s + w`` = compute warpgroup ``w`` of split ``s``)."""
+    """Launch.  Arguments as v1's ``_mgpu_call``; returns ``o [BH, C S, D, N], m [BH, C S, N] (log2), l [BH, C S,
+    N]`` (C = compute warpgroups; partial ``C s + w`` = compute warpgroup ``w`` of split ``s``)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     bh = q.shape[0]
     d, n, bt, ns, nbs, stages = sp.d, sp.n, sp.bt, sp.ns, sp.nbs, sp.stages
-    u = cfg.blocks_per_update
+    u, nc = cfg.blocks_per_update, cfg.compute_wgs
     nch = bt // 64
     bf16 = sp.mma_dtype
-    groups_per_wg = nbs // (2 * u)
+    groups_per_wg = nbs // (nc * u)
     v_first = cfg.v_first if cfg.v_first is not None else u == 1
     q_tf = _tile_transforms(bf16, d)
     k_tf = _tile_transforms(sp.k_dtype, d)
@@ -185,7 +197,7 @@ def _ws_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec, cfg: MgpuWsConfig):
         def scoped(q_smem, p_smem, o_smem, m_smem, l_smem, k_smem, v_smem, ks_smem, vs_smem,
                    q_bar, full, consumed, turn):
 
-            @pl.when(wg_idx == 2)
+            @pl.when(wg_idx == nc)
             def _memory_wg():
                 setmaxnreg(cfg.memory_registers, action="decrease")
                 plgpu.copy_gmem_to_smem(q_ref.at[pid], q_smem, q_bar)
@@ -212,7 +224,7 @@ def _ws_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec, cfg: MgpuWsConfig):
                 if nbs > stages:
                     lax.fori_loop(stages, nbs, refill, 0)
 
-            @pl.when(wg_idx < 2)
+            @pl.when(wg_idx < nc)
             def _compute_wg():
                 setmaxnreg(cfg.compute_registers, action="increase")
                 w = wg_idx
@@ -221,21 +233,21 @@ def _ws_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec, cfg: MgpuWsConfig):
                 lsc = ls_ref[pid]
                 p_w = p_smem.at[w]
 
-                @pl.when(w == 1)
+                @pl.when(w == nc - 1)
                 def _():
                     plgpu.barrier_arrive(turn.at[0])          # warpgroup 0 takes the first turn
 
-                def in_turn(f):
+                def in_turn(f):                               # turns in the ring order 0, 1, .., nc-1, 0, ..
                     plgpu.barrier_wait(turn.at[w])
                     r = f()
-                    plgpu.barrier_arrive(turn.at[1 - w])
+                    plgpu.barrier_arrive(turn.at[lax.rem(w + 1, nc)])
                     return r
 
                 col_max = lambda s: in_turn(lambda: s.max(axis=0))  # noqa: E731
                 plgpu.barrier_wait(q_bar)
 
                 def group(j, carry):
-                    first = (2 * j + w) * u                   # first block of this warpgroup's j-th group
+                    first = (nc * j + w) * u                  # first block of this warpgroup's j-th group
                     blocks, slots = [], []
                     for bi in range(u):
                         i = first + bi
@@ -259,7 +271,7 @@ def _ws_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec, cfg: MgpuWsConfig):
                 m_smem.at[w][...] = m_i
                 l_smem.at[w][...] = l_sum
                 plgpu.commit_smem()
-                part = sid * 2 + w
+                part = sid * nc + w
                 plgpu.copy_smem_to_gmem(o_smem.at[w], o_ref.at[pid, part])
                 plgpu.copy_smem_to_gmem(m_smem.at[w], m_ref.at[pid, part])
                 plgpu.copy_smem_to_gmem(l_smem.at[w], l_ref.at[pid, part])
@@ -268,10 +280,10 @@ def _ws_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec, cfg: MgpuWsConfig):
         pl.run_scoped(
             scoped,
             plgpu.SMEM((sp.q_split, n, d), bf16, transforms=q_tf),
-            plgpu.SMEM((2, u * nch, n, 64), bf16, transforms=p_tf),
-            plgpu.SMEM((2, d, n), _F32),
-            plgpu.SMEM((2, n), _F32),
-            plgpu.SMEM((2, n), _F32),
+            plgpu.SMEM((nc, u * nch, n, 64), bf16, transforms=p_tf),
+            plgpu.SMEM((nc, d, n), _F32),
+            plgpu.SMEM((nc, n), _F32),
+            plgpu.SMEM((nc, n), _F32),
             plgpu.SMEM((stages, bt, d), sp.k_dtype, transforms=k_tf),
             plgpu.SMEM((stages,) + v_block, sp.v_dtype, transforms=v_tf),
             plgpu.SMEM((stages, bt), _F32) if has_ks else None,
@@ -279,13 +291,13 @@ def _ws_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec, cfg: MgpuWsConfig):
             plgpu.Barrier(num_arrivals=1),
             plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
             plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=1, num_barriers=2),
+            plgpu.Barrier(num_arrivals=1, num_barriers=nc),
             collective_axes="wg",
         )
 
-    out_type = (jax.ShapeDtypeStruct((bh, 2 * ns, d, n), _F32), jax.ShapeDtypeStruct((bh, 2 * ns, n), _F32),
-                jax.ShapeDtypeStruct((bh, 2 * ns, n), _F32))
-    fn = plgpu.kernel(body, out_type=out_type, grid=(bh, ns), grid_names=("bh", "split"), num_threads=3,
+    out_type = (jax.ShapeDtypeStruct((bh, nc * ns, d, n), _F32), jax.ShapeDtypeStruct((bh, nc * ns, n), _F32),
+                jax.ShapeDtypeStruct((bh, nc * ns, n), _F32))
+    fn = plgpu.kernel(body, out_type=out_type, grid=(bh, ns), grid_names=("bh", "split"), num_threads=nc + 1,
                       thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))
     args = [start, end, lscale, q, k, v] + ([ks] if has_ks else []) + ([vs] if has_vs else [])
     return fn(*args)
@@ -293,7 +305,7 @@ def _ws_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec, cfg: MgpuWsConfig):
 
 def decode_attention_mgpu_ws_partials(q, ops: MgpuOperands, *, sm_scale: float | None = None,
                                       config: MgpuWsConfig | None = None, interpret: Any = False):
-    """Split-K partials of one prepared region (``2 * num_splits`` of them), v1's output format."""
+    """Split-K partials of one prepared region (``compute_wgs * num_splits`` of them), v1's output format."""
     if interpret:
         return _partials_jnp(q, ops, sm_scale)
     sp, cfg = _ws_spec(ops, q.shape[1] // ops.num_kv_heads, config, q.dtype)

@@ -64,7 +64,8 @@ def test_mgpu_kernel_lowers_for_cuda(rng, name):
 def test_mgpu_ws_kernel_lowers_for_cuda(rng, name):
     q, reg = _mgpu_case(rng, name)
     cfgs = [ws.MgpuWsConfig(), ws.MgpuWsConfig(precision="bf16", num_splits=1),
-            ws.MgpuWsConfig(blocks_per_update=2, max_concurrent_steps=4)]
+            ws.MgpuWsConfig(blocks_per_update=2, max_concurrent_steps=4),
+            ws.MgpuWsConfig(compute_wgs=4, block_t=64, max_concurrent_steps=4)]
     for cfg in cfgs:
         text = _lower_cuda(lambda q, r, cfg=cfg: ws.decode_attention_mgpu_ws(q, r, config=cfg), q, reg)
         assert "mosaic_gpu" in text

@@ -24,6 +24,11 @@ def test_ws_spec_splits_and_slots(rng):
     assert sp.stages % 2 == 0 and sp.stages <= sp.nbs
     sp2, _ = ws._ws_spec(ops, 4, ws.MgpuWsConfig(blocks_per_update=2, max_concurrent_steps=6), jnp.bfloat16)
     assert sp2.nbs % 4 == 0 and sp2.stages == 4                       # rounded down to a multiple of 2 x 2
+    sp4, cfg4 = ws._ws_spec(ops, 4, ws.MgpuWsConfig(compute_wgs=4, max_concurrent_steps=6), jnp.bfloat16)
+    assert sp4.nbs % 4 == 0 and sp4.stages == 4 and cfg4.compute_registers == 112
+    assert cfg.compute_registers == 232
+    with pytest.raises(ValueError, match="compute_wgs"):
+        ws._ws_spec(ops, 4, ws.MgpuWsConfig(compute_wgs=3), jnp.bfloat16)
     with pytest.raises(ValueError, match="num_splits"):
         ws._ws_spec(ops, 4, ws.MgpuWsConfig(num_splits=32), jnp.bfloat16)
     with pytest.raises(ValueError, match="blocks_per_update"):
@@ -53,12 +58,12 @@ gpu = pytest.mark.skipif(not _hopper(), reason="Mosaic GPU kernel needs a Hopper
 
 @gpu
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("u", [1, 2])
-def test_ws_kernel_parity(rng, name, u):
+@pytest.mark.parametrize("u,c", [(1, 2), (2, 2), (1, 4)])
+def test_ws_kernel_parity(rng, name, u, c):
     q, reg, kn, vn = _case(rng, name, n=1024)
     q = q.astype(jnp.bfloat16)
     ref = decode_attention_reference(q.astype(jnp.float32), [reg], k_new=kn, v_new=vn)
-    cfg = ws.MgpuWsConfig(blocks_per_update=u, max_concurrent_steps=4)
+    cfg = ws.MgpuWsConfig(blocks_per_update=u, compute_wgs=c, block_t=64, max_concurrent_steps=4)
     out = jax.jit(lambda q, r, kn, vn: ws.decode_attention_mgpu_ws(
         q, r, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32))(q, reg, kn, vn)
     assert np.isfinite(np.asarray(out)).all()
