@@ -68,3 +68,92 @@ def test_ws_kernel_parity(rng, name, u, c):
         q, r, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32))(q, reg, kn, vn)
     assert np.isfinite(np.asarray(out)).all()
     assert _rel(out, ref) < 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU: a model of _ws_call's mbarrier protocol under random interleavings (the kernel's runtime behaviour is not
+# checkable on CPU; this checks the plan it implements: ring slots, consumed / full barriers, the turn ring)
+# ---------------------------------------------------------------------------------------------------------------
+class _Bar:
+    def __init__(self):
+        self.phase = 0
+
+    def arrive(self):                      # every barrier of the plan completes on one warpgroup's arrival
+        self.phase += 1
+
+
+def _run_protocol(nbs, stages, c, u, seed):
+    """Memory warpgroup + ``c`` compute warpgroups as generators, one random step at a time.  Fails on a deadlock,
+    on a waiter two phases behind (Mosaic tracks ONE parity bit per thread and barrier), on a slot refilled before
+    its owner consumed it, or on turns out of block order."""
+    rnd = np.random.default_rng(seed)
+    full, consumed, turn = [_Bar() for _ in range(stages)], [_Bar() for _ in range(stages)], [_Bar() for _ in range(c)]
+    slot, waits, order = [None] * stages, {}, []
+
+    def wait(who, bar):
+        k = waits.get((who, id(bar)), 0)
+        while bar.phase - k < 1:
+            yield
+        assert bar.phase - k == 1, f"warpgroup {who} is {bar.phase - k} phases behind"
+        waits[(who, id(bar))] = k + 1
+
+    def memory():
+        def issue(i):
+            assert slot[i % stages] is None, f"slot {i % stages} refilled before block {slot[i % stages]} was used"
+            slot[i % stages] = i
+            full[i % stages].arrive()
+        for i in range(stages):
+            issue(i)
+            yield
+        for i in range(stages, nbs):
+            yield from wait("mem", consumed[i % stages])
+            issue(i)
+            yield
+
+    def compute(w):
+        if w == c - 1:
+            turn[0].arrive()
+
+        def in_turn(tag):
+            yield from wait(w, turn[w])
+            order.append(tag)
+            turn[(w + 1) % c].arrive()
+        for j in range(nbs // (c * u)):
+            first = (c * j + w) * u
+            for b in range(u):
+                yield from wait(w, full[(first + b) % stages])
+                assert slot[(first + b) % stages] == first + b
+            yield
+            yield from in_turn(first)
+            yield
+            for b in range(u):
+                slot[(first + b) % stages] = None
+                consumed[(first + b) % stages].arrive()
+        yield from in_turn(None)
+
+    live = {"mem": memory(), **{w: compute(w) for w in range(c)}}
+    for _ in range(100000):
+        if not live:
+            break
+        k = list(live)[rnd.integers(len(live))]
+        try:
+            next(live[k])
+        except StopIteration:
+            del live[k]
+    assert not live, "deadlock"
+    assert [t for t in order if t is not None] == list(range(0, nbs, u))
+
+
+@pytest.mark.parametrize("c,u", [(2, 1), (2, 2), (4, 1), (4, 2)])
+def test_ws_barrier_protocol_model(c, u):
+    for nbs in (c * u, 2 * c * u, 3 * c * u, 8 * c * u):
+        for stages in range(c * u, min(nbs, 8) + 1, c * u):
+            for seed in range(8):
+                _run_protocol(nbs, stages, c, u, seed)
+
+
+def test_ws_barrier_protocol_model_catches_a_bad_ring():
+    """A ring that is not a multiple of C x U hands one slot to two warpgroups: the model must notice."""
+    with pytest.raises(AssertionError):
+        for seed in range(20):
+            _run_protocol(8, 3, 2, 1, seed)
