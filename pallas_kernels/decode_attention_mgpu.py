@@ -75,8 +75,9 @@ D = 64/128/256 and GQA 3/4/8, 1.7e-7 for e4m3; ``precision="bf16"`` 1.0e-3 .. 1.
 are bound by the per-block dependency chain of the single warpgroup (TMA wait -> convert -> QK wgmma -> cross-warp
 max -> exp -> transposed P store + fence -> PV wgmma), not by bytes: INT4 moves 0.52x INT8's bytes in 0.66x its
 time, and neither more CTAs per SM (2x/4x splits), a deeper pipeline, 64-token blocks nor the UPCAST register
-layouts made INT4 faster.  Next: two compute warpgroups ping-ponging + a TMA warpgroup
-(``emit_pipeline_warp_specialized``), two blocks per softmax update, a dynamic pipeline grid for ragged windows.
+layouts made INT4 faster.  Next: two compute warpgroups ping-ponging + a TMA warpgroup, two blocks per softmax
+update (built, not yet measured: :mod:`pallas_kernels.decode_attention_mgpu_ws`, which shares this file's layout,
+wrapper and per-block update :func:`_block_update`), a dynamic pipeline grid for ragged windows.
 
 Interpret mode: JAX exposes ``plgpu.InterpretGPUParams`` (0.10.2 has it), but its interpreter does not model
 wgmma register fragments / layout casts, so ``interpret=True`` here runs :func:`decode_attention_mgpu_reference`
