@@ -99,11 +99,11 @@ def parity_variants(args, ci: int, kf, qdt, ws_only: bool):
         # "ws": a 2-slot ring over one split (refills, several turns per warpgroup); "u2": two blocks per update
         # at 64 rows; "c4": four compute warpgroups at 64 rows; "default": the timed defaults (auto splits)
         wvars = {"ws": MgpuWsConfig(num_splits=1, max_concurrent_steps=2)}
-        if not ci and qdt == jnp.bfloat16:
-            wvars["ws bf16"] = MgpuWsConfig(num_splits=1, max_concurrent_steps=2, precision="bf16")
-        if not ci or ws_only:
+        if (not ci and qdt == jnp.bfloat16) or ws_only:
             wvars["ws u2"] = MgpuWsConfig(num_splits=1, block_t=64, max_concurrent_steps=4, blocks_per_update=2)
             wvars["ws c4"] = MgpuWsConfig(num_splits=1, block_t=64, max_concurrent_steps=4, compute_wgs=4)
+        if not ci and qdt == jnp.bfloat16:
+            wvars["ws bf16"] = MgpuWsConfig(num_splits=1, max_concurrent_steps=2, precision="bf16")
             wvars["ws default"] = MgpuWsConfig()
         for label, cfg in wvars.items():
             out.append((label, "mgpu_ws", lambda q, r, kn, vn, cfg=cfg: decode_attention_mgpu_ws(
@@ -220,7 +220,8 @@ def ws_variants(kf, more: bool) -> dict:
     if kf.payload == "int4":            # default 128 x 6
         out.update({"ws u2": r(d, blocks_per_update=2, max_concurrent_steps=8), "ws s8": r(d, max_concurrent_steps=8),
                     "ws s4": r(d, max_concurrent_steps=4), "ws bt64 s8": r(d, block_t=64, max_concurrent_steps=8),
-                    "ws prec bf16": r(d, precision="bf16"), "ws late-v": r(d, v_first=False)})
+                    "ws prec bf16": r(d, precision="bf16"), "ws late-v": r(d, v_first=False),
+                    "ws splits x2": r(d, num_splits=8)})
     elif kf.payload == "int8":          # default 128 x 4
         out.update({"ws u2": r(d, blocks_per_update=2), "ws s6": r(d, max_concurrent_steps=6),
                     "ws late-v": r(d, v_first=False),
