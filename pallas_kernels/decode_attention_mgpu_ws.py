@@ -47,7 +47,8 @@ Per CTA (program ``(b*Hkv + h, split)``, (C + 1) x 128 threads, ``plgpu.kernel(n
   the same number of turns (``nbs / (C U)`` + the final one), so the ring never stalls on a finished warpgroup.
 
 Not checked on a GPU by the author of this file (CPU only): the CPU test lowers it for "cuda" (shapes, layouts,
-the SMEM budget, setmaxnreg; JAX 0.10.2); ``experiments/check_mgpu_decode.py --ws`` checks parity against the
+the SMEM budget, setmaxnreg; passes with JAX 0.10.2 and 0.11.2), a CPU model of the mbarrier plan runs random
+interleavings; ``experiments/check_mgpu_decode.py --ws`` checks parity against the
 float64 oracle and times it next to v1 on the H200.  ``interpret=True`` runs v1's plain-JAX partials (same
 arithmetic), as v1 does.
 """
