@@ -70,13 +70,15 @@ from pallas_kernels.decode_attention_mgpu import (MgpuConfig, MgpuOperands, _aut
 __all__ = ["MgpuWsConfig", "default_ws_config", "mgpu_ws_unsupported", "decode_attention_mgpu_ws",
            "decode_attention_mgpu_ws_prepared", "decode_attention_mgpu_ws_partials"]
 
+
 @dataclasses.dataclass(frozen=True)
 class MgpuWsConfig:
     """Static knobs of the warp-specialized kernel.
 
     block_t: KV tokens per block (a multiple of 64).  max_concurrent_steps: SMEM ring slots (blocks in flight,
-    both compute warpgroups together; a multiple of 2 * blocks_per_update).  blocks_per_update: 1 or 2 blocks per
-    online-softmax update of a compute warpgroup.  num_splits: None -> ~2 CTAs per SM.  precision: as v1.
+    all compute warpgroups together; rounded down to a multiple of compute_wgs * blocks_per_update).
+    blocks_per_update: 1 or 2 blocks per online-softmax update of a compute warpgroup.  num_splits: None -> v1's
+    rule (>= 2 x 132 CTAs; this kernel's registers allow one CTA per SM, so ~2 waves).  precision: as v1.
     v_first: convert the V tile(s) to registers right after the QK wgmma, before waiting for the reduction turn
     (None -> only with one block per update: two converted V tiles would hold 128 registers across the softmax).
     compute_wgs: compute warpgroups (2, or 4 for twice the warps in flight per SM with half the registers each:
@@ -143,8 +145,7 @@ def _ws_spec(ops: MgpuOperands, g: int, cfg: MgpuWsConfig | None, q_dtype) -> tu
     return _spec_for(ops, g, mcfg, q_dtype), cfg       # too many slots for SMEM: Mosaic GPU says so when lowering
 
 
-def mgpu_ws_unsupported(reg: Region, head_dim: int, config: MgpuWsConfig | None = None,
-                        num_query_heads: int | None = None) -> Optional[str]:
+def mgpu_ws_unsupported(reg: Region, head_dim: int, config: MgpuWsConfig | None = None) -> Optional[str]:
     """Why this kernel cannot take the region (None when it can)."""
     kf, vf = reg.k.fmt, reg.v.fmt
     for f in (kf, vf):
