@@ -3,6 +3,7 @@
     python experiments/check_mgpu_decode.py                       # (a) parity, (b) timing; JSON/markdown to $OUT
     python experiments/check_mgpu_decode.py --check-only
     python experiments/check_mgpu_decode.py --T 32768 --formats int4 --variants
+    python experiments/check_mgpu_decode.py --ws --impls mgpu      # + the warp-specialized kernel, side by side
 
 (a) Small ragged random cases (B=3, Hkv=2, G=4, T=512, D=128, poisoned dead rows where the format allows, the
     current token k_new/v_new in the same softmax) against the float64 NumPy oracle, for every implemented format,
@@ -15,6 +16,11 @@
     (jnp.int4 arrays counted at 4 bits: their itemsize is 1).  At most --max-sets (8) rotating sets per program
     (still >= 4x the 60 MB L2 at every size here); ``--variants`` adds split / stage / block / precision / upcast
     variants at the largest T; ``--repeat`` re-times the defaults (the lent GPU is noisy: keep every run's table).
+``--ws`` adds the warp-specialized kernel (``pallas_kernels.decode_attention_mgpu_ws``, impl ``mgpu_ws``): its parity
+    rows in (a) (plus a long T = 8192 case with a ring much shorter than the split) and, in (b), its default
+    config at every T and a few variants at the largest T.  Its parity runs FIRST in a child process (timeout
+    ``--ws-probe-timeout``): a ws kernel that hangs on a barrier or faults (a sticky CUDA error) cannot take the
+    v1 rows down; ws timing runs only when that child finished.  ``--no-ws-isolate`` runs it in-process.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import datetime
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -44,6 +51,8 @@ from pallas_kernels.decode_attention import decode_attention as triton_decode  #
 from pallas_kernels.decode_attention_mgpu import (MgpuConfig, _spec_for, decode_attention_mgpu,  # noqa: E402
                                                   decode_attention_mgpu_prepared, default_mgpu_config,
                                                   prepare_region)
+from pallas_kernels.decode_attention_mgpu_ws import (MgpuWsConfig, decode_attention_mgpu_ws,  # noqa: E402
+                                                     decode_attention_mgpu_ws_prepared, default_ws_config)
 
 
 def nbytes(tree) -> int:
@@ -76,18 +85,50 @@ def flush(args, results):
 # ---------------------------------------------------------------------------------------------------------------
 # (a) parity
 # ---------------------------------------------------------------------------------------------------------------
+def parity_variants(args, ci: int, kf, qdt, ws_only: bool):
+    """``(label, impl, fn)`` rows of one parity case: v1's precisions, then (``--ws``) the warp-specialized ones."""
+    out = []
+    v1 = not ws_only and not args.ws_child
+    for prec in ("bf16x2", "bf16", "bf16x2+upcast"):
+        if not v1 or (ci and prec != "bf16x2") or (prec.endswith("upcast") and not kf.is_int):
+            continue
+        cfg = MgpuConfig(precision=prec.split("+")[0], num_splits=2, upcast=prec.endswith("upcast"))
+        out.append((prec, "mgpu", lambda q, r, kn, vn, cfg=cfg: decode_attention_mgpu(
+            q, r, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32)))
+    if args.ws and (args.ws_child or not args.ws_isolate):
+        # "ws": a 2-slot ring over one split (refills, several turns per warpgroup); "u2": two blocks per update
+        # at 64 rows; "c4": four compute warpgroups at 64 rows; "default": the timed defaults (auto splits)
+        wvars = {"ws": MgpuWsConfig(num_splits=1, max_concurrent_steps=2)}
+        if (not ci and qdt == jnp.bfloat16) or ws_only:
+            wvars["ws u2"] = MgpuWsConfig(num_splits=1, block_t=64, max_concurrent_steps=4, blocks_per_update=2)
+            wvars["ws c4"] = MgpuWsConfig(num_splits=1, block_t=64, max_concurrent_steps=4, compute_wgs=4)
+        if not ci and qdt == jnp.bfloat16:
+            wvars["ws bf16"] = MgpuWsConfig(num_splits=1, max_concurrent_steps=2, precision="bf16")
+            wvars["ws default"] = MgpuWsConfig()
+        for label, cfg in wvars.items():
+            out.append((label, "mgpu_ws", lambda q, r, kn, vn, cfg=cfg: decode_attention_mgpu_ws(
+                q, r, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32)))
+    return out
+
+
 def check(args, results):
     rng = np.random.default_rng(int(time.time()) % 100000)     # fresh inputs every run
     cases = [dict(b=3, hkv=2, g=4, d=128, n=512)]
     if not args.quick:
         cases += [dict(b=2, hkv=1, g=8, d=128, n=512), dict(b=2, hkv=2, g=4, d=64, n=256),
                   dict(b=2, hkv=1, g=4, d=256, n=256), dict(b=2, hkv=3, g=3, d=64, n=256)]
+    if args.ws:
+        cases.append(dict(b=2, hkv=2, g=4, d=128, n=8192, ws_only=True))
     for ci, c in enumerate(cases):
         b, hkv, g, d, n = c["b"], c["hkv"], c["g"], c["d"], c["n"]
+        ws_only = c.get("ws_only", False)
+        if ws_only and not (args.ws_child or not args.ws_isolate):
+            continue
         start = np.array([0, 100, 0][:b], np.int32)
         end = np.array([n, n - 147, 33][:b], np.int32)
+        shape_formats = ("bf16", "int4", "int8") if ws_only else ("bf16", "int4")
         for name in args.formats:
-            if name not in MGPU_FORMATS or (ci and name not in ("bf16", "int4")):
+            if name not in MGPU_FORMATS or (ci and name not in shape_formats):
                 continue
             kf, vf = PRESETS[name]
             # bf16 V is read by wgmma straight from SMEM: dead rows must be finite (module docstring)
@@ -100,27 +141,60 @@ def check(args, results):
                     continue
                 q = jnp.asarray(rng.standard_normal((b, hkv * g, d)).astype(np.float32)).astype(qdt)
                 ref = decode_attention_reference(q.astype(jnp.float32), [reg], k_new=kn, v_new=vn)
-                for prec in ("bf16x2", "bf16", "bf16x2+upcast"):
-                    if (ci and prec != "bf16x2") or (prec.endswith("upcast") and not kf.is_int):
-                        continue
-                    cfg = MgpuConfig(precision=prec.split("+")[0], num_splits=2, upcast=prec.endswith("upcast"))
-                    rec = dict(case=c, format=name, q_dtype=jnp.dtype(qdt).name, precision=prec)
+                for prec, impl, f in parity_variants(args, ci, kf, qdt, ws_only):
+                    case = {k: v for k, v in c.items() if k != "ws_only"}
+                    rec = dict(case=case, format=name, q_dtype=jnp.dtype(qdt).name, precision=prec, impl=impl)
                     try:
-                        fn = jax.jit(lambda q, r, kn, vn, cfg=cfg: decode_attention_mgpu(
-                            q, r, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32))
-                        out = np.asarray(fn(q, reg, kn, vn))
+                        out = np.asarray(jax.jit(f)(q, reg, kn, vn))
                         err = rel_err(out, ref)
                         rec.update(rel_err=err, finite=bool(np.isfinite(out).all()),
                                    ok=bool(np.isfinite(err) and err < 1e-3))
-                        log(f"check {str(c):45s} {name:5s} q={rec['q_dtype']:8s} {prec:13s} rel err {err:.2e} "
+                        log(f"check {str(case):45s} {name:5s} q={rec['q_dtype']:8s} {prec:13s} rel err {err:.2e} "
                             f"{'OK' if rec['ok'] else 'HIGH'}")
                     except Exception as e:  # noqa: BLE001
                         rec["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
-                        log(f"check {str(c):45s} {name:5s} {prec} FAILED {rec['error'][:1500]}")
-                        if args.traceback:
+                        log(f"check {str(case):45s} {name:5s} {prec} FAILED {rec['error'][:1500]}")
+                        if args.traceback or impl == "mgpu_ws":
                             traceback.print_exc()
                     results["check"].append(rec)
                     flush(args, results)
+
+
+# errors that leave the CUDA context unusable (a fault in one kernel fails every later call in the process)
+_FAULT_MARKERS = ("illegal", "cuda_error", "unspecified launch failure", "misaligned", "launch timed out",
+                  "an illegal", "hardware exception", "ecc error")
+
+
+def ws_probe(args, results) -> bool:
+    """The ws parity rows in a child process (before this process touches the GPU).  True when the child finished
+    (its rows may still say FAILED / HIGH: compile errors and wrong numbers do not poison a process, hangs and
+    faults do); the child's rows join ``results["check"]``."""
+    out = os.path.join(args.out or os.environ.get("OUT") or "/tmp", "ws_child")
+    cmd = [sys.executable, os.path.abspath(__file__), "--ws", "--ws-child", "--check-only", "--traceback",
+           "--formats", ",".join(args.formats), "--out", out] + (["--quick"] if args.quick else [])
+    log(f"ws parity in a child process (timeout {args.ws_probe_timeout} s): {' '.join(cmd[1:])}")
+    t0 = time.time()
+    sys.stdout.flush()
+    try:                                   # the child's output streams into ours (nothing lost if we are killed)
+        p = subprocess.run(cmd, timeout=args.ws_probe_timeout)
+        ok, why = p.returncode == 0, f"exit code {p.returncode}"
+    except subprocess.TimeoutExpired:
+        ok, why = False, f"timed out after {args.ws_probe_timeout} s (a ws kernel hung?)"
+    log(f"ws child {'finished' if ok else 'FAILED: ' + why} in {time.time() - t0:.0f} s")
+    try:
+        with open(os.path.join(out, "check_mgpu_decode.json")) as f:
+            rows = json.load(f)["check"]
+        results["check"] += rows
+        faults = [r["error"] for r in rows if any(m in r.get("error", "").lower() for m in _FAULT_MARKERS)]
+        if faults and ok:
+            ok, why = False, f"a ws kernel faulted on the device: {faults[0][:300]}"
+    except Exception as e:  # noqa: BLE001
+        log(f"ws child left no results: {type(e).__name__}: {e}")
+    if not ok:
+        log(f"ws timing disabled: {why}")
+    results["ws_child"] = dict(ok=ok, why=None if ok else why)
+    flush(args, results)
+    return ok
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -133,6 +207,31 @@ def _row(results, args, **row):
     log(f"T={row['T']:6d} {row['impl']:8s} {row['format']:6s} {row.get('variant', ''):18s} "
         + (f"{us:9.1f} us {row['tbps']:5.2f} TB/s x{row.get('speedup_vs_cudnn', float('nan')):.2f} "
            f"err {row.get('rel_err')}" if us else f"FAILED {row.get('error', '')[:800]}"))
+
+
+def ws_variants(kf, more: bool) -> dict:
+    """The warp-specialized configs timed: the default everywhere, a few alternatives at the largest T (SMEM per
+    slot: 2 x BT x D x bytes + 8 BT for INT scales; Mosaic refuses > 227 KB in all)."""
+    d = default_ws_config(kf)
+    r = dataclasses.replace
+    out = {"ws": d, "ws c4 bt64": r(d, compute_wgs=4, block_t=64, max_concurrent_steps=4 if kf.bits == 16 else 8)}
+    if not more:
+        return out
+    if kf.payload == "int4":            # default 128 x 6
+        out.update({"ws u2": r(d, blocks_per_update=2, max_concurrent_steps=8), "ws s8": r(d, max_concurrent_steps=8),
+                    "ws s4": r(d, max_concurrent_steps=4), "ws bt64 s8": r(d, block_t=64, max_concurrent_steps=8),
+                    "ws prec bf16": r(d, precision="bf16"), "ws late-v": r(d, v_first=False),
+                    "ws splits x2": r(d, num_splits=8)})
+    elif kf.payload == "int8":          # default 128 x 4
+        out.update({"ws u2": r(d, blocks_per_update=2), "ws s6": r(d, max_concurrent_steps=6),
+                    "ws late-v": r(d, v_first=False),
+                    "ws bt64 s8": r(d, block_t=64, max_concurrent_steps=8)})
+    elif kf.payload in ("e4m3", "e5m2"):  # default 64 x 8
+        out.update({"ws u2": r(d, blocks_per_update=2), "ws bt128 s4": r(d, block_t=128, max_concurrent_steps=4)})
+    else:                               # bf16 / fp16, default 64 x 6
+        out.update({"ws u2": r(d, blocks_per_update=2, max_concurrent_steps=4), "ws s4": r(d, max_concurrent_steps=4),
+                    "ws bt128 s2": r(d, block_t=128, max_concurrent_steps=2)})
+    return out
 
 
 def timing(args, results, t, variants_here=True, tag=""):
@@ -213,6 +312,20 @@ def timing(args, results, t, variants_here=True, tag=""):
                 except Exception as e:  # noqa: BLE001
                     _row(results, args, T=t, impl="mgpu", format=name, variant=vname,
                          error=f"{type(e).__name__}: {e}"[:1500])
+            if args.ws and args.ws_ok:
+                for vname, cfg in ws_variants(kf, variants_here and not tag).items():
+                    try:
+                        fn = lambda q, o, cfg=cfg: decode_attention_mgpu_ws_prepared(  # noqa: E731
+                            q, o, config=cfg, out_dtype=jnp.float32)
+                        med, lo, hi, out = time_program(fn, q, sets, args.reps)
+                        _row(results, args, T=t, impl="mgpu_ws", format=name, variant=vname + tag, us=med * 1e6,
+                             us_min=lo * 1e6, us_max=hi * 1e6, bytes=mread, tbps=mread / med / 1e12,
+                             sets=len(sets), rel_err=rel_err(out, ref),
+                             speedup_vs_cudnn=base.get("cudnn", float("nan")) / med, config=dataclasses.asdict(cfg))
+                    except Exception as e:  # noqa: BLE001
+                        _row(results, args, T=t, impl="mgpu_ws", format=name, variant=vname + tag,
+                             error=f"{type(e).__name__}: {e}"[:1500])
+                        traceback.print_exc()
             del sets
         else:
             del regs
@@ -220,19 +333,19 @@ def timing(args, results, t, variants_here=True, tag=""):
 
 def markdown(results) -> str:
     copy = results.get("hbm_copy_tbps") or float("nan")
-    lines = [f"Device: {results['device']}; JAX {results['jax']}; {results['date']}; "
+    lines = [f"Device: {results.get('device')}; JAX {results.get('jax')}; {results['date']}; "
              f"B={results['shape']['B']} Hq={results['shape']['hq']} Hkv={results['shape']['hkv']} "
              f"D={results['shape']['d']}; HBM copy probe {copy:.2f} TB/s", ""]
     if results["check"]:
-        lines += ["| case | format | q | precision | rel err vs f64 | ok |", "|---|---|---|---|---|---|"]
+        lines += ["| case | impl | format | q | precision | rel err vs f64 | ok |", "|---|---|---|---|---|---|---|"]
         for r in results["check"]:
             c = r["case"]
             cs = f"B{c['b']} Hkv{c['hkv']} G{c['g']} D{c['d']} T{c['n']}"
+            lead = f"| {cs} | {r.get('impl', 'mgpu')} | {r['format']} | {r['q_dtype']} | {r['precision']} |"
             if "error" in r:
-                lines.append(f"| {cs} | {r['format']} | {r['q_dtype']} | {r['precision']} | failed | |")
+                lines.append(f"{lead} failed | |")
             else:
-                lines.append(f"| {cs} | {r['format']} | {r['q_dtype']} | {r['precision']} | {r['rel_err']:.1e} | "
-                             f"{'yes' if r['ok'] else 'NO'} |")
+                lines.append(f"{lead} {r['rel_err']:.1e} | {'yes' if r['ok'] else 'NO'} |")
         lines.append("")
     lines += ["| T | impl | format | variant | median µs [min, max] | bytes read (MB) | TB/s | % of copy | "
               "× vs cuDNN | rel err vs f32 |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -254,15 +367,26 @@ def main(argv=None):
     ap.add_argument("--max-sets", type=int, default=8, help="rotating input sets per program (>= 4x L2 anyway)")
     ap.add_argument("--repeat", type=int, default=1, help="re-time the defaults at the largest T this many times")
     ap.add_argument("--out", default="")
+    ap.add_argument("--ws", action="store_true", help="add the warp-specialized kernel (parity + timing)")
+    ap.add_argument("--ws-child", action="store_true", help=argparse.SUPPRESS)   # the isolated ws parity run
+    ap.add_argument("--no-ws-isolate", dest="ws_isolate", action="store_false",
+                    help="run the ws parity in this process (a hung / faulting ws kernel then stops everything)")
+    ap.add_argument("--ws-probe-timeout", type=int, default=240)
     args = ap.parse_args(argv)
     args.T = [int(x) for x in args.T.split(",") if x]
     args.formats = [x for x in args.formats.split(",") if x]
     args.impls = [x for x in args.impls.split(",") if x]
-    dev = jax.devices()[0]
-    results = dict(device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__,
-                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    results = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    shape=dict(B=args.B, hq=args.hq, hkv=args.hkv, d=args.d), argv=sys.argv[1:], rows=[], check=[])
+    args.ws_ok = True
+    if args.ws and args.ws_isolate and not args.ws_child:
+        # before this process initializes the GPU backend (the child then has the whole device)
+        args.ws_ok = ws_probe(args, results)
+    dev = jax.devices()[0]
+    results.update(device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__)
     log(f"device {results['device']} jax {jax.__version__}")
+    if not args.ws_ok:
+        log("ws timing rows skipped: the ws parity child did not finish (see above)")
     if not args.no_check:
         check(args, results)
     if not args.check_only:

@@ -75,8 +75,9 @@ D = 64/128/256 and GQA 3/4/8, 1.7e-7 for e4m3; ``precision="bf16"`` 1.0e-3 .. 1.
 are bound by the per-block dependency chain of the single warpgroup (TMA wait -> convert -> QK wgmma -> cross-warp
 max -> exp -> transposed P store + fence -> PV wgmma), not by bytes: INT4 moves 0.52x INT8's bytes in 0.66x its
 time, and neither more CTAs per SM (2x/4x splits), a deeper pipeline, 64-token blocks nor the UPCAST register
-layouts made INT4 faster.  Next: two compute warpgroups ping-ponging + a TMA warpgroup
-(``emit_pipeline_warp_specialized``), two blocks per softmax update, a dynamic pipeline grid for ragged windows.
+layouts made INT4 faster.  Next: two compute warpgroups ping-ponging + a TMA warpgroup, two blocks per softmax
+update (built, not yet measured: :mod:`pallas_kernels.decode_attention_mgpu_ws`, which shares this file's layout,
+wrapper and per-block update :func:`_block_update`), a dynamic pipeline grid for ragged windows.
 
 Interpret mode: JAX exposes ``plgpu.InterpretGPUParams`` (0.10.2 has it), but its interpreter does not model
 wgmma register fragments / layout casts, so ``interpret=True`` here runs :func:`decode_attention_mgpu_reference`
@@ -304,6 +305,112 @@ def _tile_transforms(dtype, minor: int):
     return (plgpu.TilingTransform((8, sw * 8 // bits)), plgpu.SwizzleTransform(sw))
 
 
+def _codes_to_regs(sp: _Spec, ref):
+    """SMEM code tile -> MMA-dtype registers in the wgmma register-A (WGMMA) layout."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bf16, wg = sp.mma_dtype, plgpu.Layout.WGMMA
+    if sp.upcast:
+        if sp.upcast == 4:   # int4: 8 codes per 32-bit register; relayout on the narrow type, then widen
+            x = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+            x = plgpu.layout_cast(x, plgpu.Layout.WGMMA_UPCAST_2X).astype(bf16)
+        else:
+            x = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(bf16)
+        return plgpu.layout_cast(x, wg)
+    return ref[...].astype(bf16)
+
+
+def _block_update(sp: _Spec, q_smem, p_smem, blocks, carry, lo, hi, lsc, col_max=None, v_first: bool = False):
+    """One online-softmax update of ONE compute warpgroup over ``len(blocks)`` (1 or 2) KV blocks.
+
+    ``blocks``: ``(k_smem, v_smem, ks_smem, vs_smem, row0)`` per block (SMEM tiles of one pipeline slot; scale
+    tiles None when absent; ``row0`` the block's first row); ``p_smem``: ``[len(blocks) * BT/64, N, 64]`` (P^T of
+    each block, transposed); ``carry = (acc [D, N], m [N] log2 domain, l [BT, N] per-row partial sums)``.
+    ``col_max(s)`` is the column max of ``s [BT, N]`` (a cross-warp reduction through Mosaic GPU's reduction
+    scratch; the warp-specialized kernel passes a version that takes a turn with the other compute warpgroup,
+    which shares that scratch).  With two blocks ONE max / rescale covers both.  ``v_first``: convert the V
+    tiles to registers before the column max instead of after the P store (work to do while waiting for the
+    other warpgroup's turn; more registers live).  Returns the new carry.
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    d, n, bt = sp.d, sp.n, sp.bt
+    nch = bt // 64
+    bf16 = sp.mma_dtype               # "bf16" below = the 16-bit MMA operand type (bf16 or f16)
+    wg = plgpu.Layout.WGMMA
+    col_max = col_max or (lambda s: s.max(axis=0))
+    acc, m_i, l_i = carry
+    ss, valids = [], []
+    for k_smem, _, ks_smem, _, row0 in blocks:
+        def qk(acc_ref, k_smem=k_smem):
+            if sp.k_regs:
+                kr = _codes_to_regs(sp, k_smem)                         # [BT, D] WGMMA registers
+                for qi in range(sp.q_split):
+                    for j in range(d // 64):
+                        cs = slice(j * 64, (j + 1) * 64)
+                        plgpu.wgmma(acc_ref, kr[:, cs], q_smem.at[qi, :, cs].T)
+            else:
+                for qi in range(sp.q_split):
+                    plgpu.wgmma(acc_ref, k_smem, q_smem.at[qi].T)
+            return acc_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((bt, n), _F32))          # S^T [BT, N]
+        if ks_smem is not None:
+            ksv = plgpu.load(ks_smem, (), layout=wg.reduce(1), optimized=False)
+            s = s * lax.broadcast_in_dim(ksv * lsc, s.shape, [0])
+        else:
+            s = s * lsc
+        rows = plgpu.broadcasted_iota(jnp.int32, (bt, n), 0, layout=wg) + row0
+        valid = (rows >= lo) & (rows < hi)
+        ss.append(jnp.where(valid, s, _NEG))
+        valids.append(valid)
+    def v_tiles():
+        out = []
+        for _, v_smem, _, _, row0 in blocks:
+            vr = _codes_to_regs(sp, v_smem) if sp.v_regs else None     # V^T [D, BT] registers
+            if sp.v_mask:
+                vcols = plgpu.broadcasted_iota(jnp.int32, (d, bt), 1, layout=wg) + row0
+                vr = jnp.where((vcols >= lo) & (vcols < hi), vr, jnp.zeros_like(vr))
+            out.append(vr)
+        return out
+
+    vrs = v_tiles() if v_first else None
+    smax = ss[0] if len(ss) == 1 else jnp.maximum(ss[0], ss[1])   # elementwise first: ONE cross-warp max
+    m_new = jnp.maximum(m_i, col_max(smax))
+    alpha = jnp.exp2(m_i - m_new)
+    for bi, ((_, _, _, vs_smem, _), s, valid) in enumerate(zip(blocks, ss, valids)):
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+        p = jnp.where(valid, p, 0.0)
+        # l kept as per-row partial sums [BT, N] (elementwise): no cross-warp reduction per block
+        l_i = (l_i * lax.broadcast_in_dim(alpha, s.shape, [1]) if bi == 0 else l_i) + p
+        if vs_smem is not None:
+            vsv = plgpu.load(vs_smem, (), layout=wg.reduce(1), optimized=False)
+            p = jnp.where(valid, p * lax.broadcast_in_dim(vsv, s.shape, [0]), 0.0)
+        if sp.dup:
+            cols = plgpu.broadcasted_iota(jnp.int32, (bt, n), 1, layout=wg)
+            p_lo = p - p.astype(bf16).astype(_F32)
+            p = jnp.where(cols < sp.dup, p, p_lo)
+        p16 = p.astype(bf16)
+        for j in range(nch):
+            p_smem.at[bi * nch + j].T[...] = plgpu.layout_cast(p16[j * 64:(j + 1) * 64],
+                                                               plgpu.Layout.WGMMA_TRANSPOSED)
+    plgpu.commit_smem()
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+    vrs = vrs if v_first else v_tiles()
+
+    def pv(acc_ref):
+        for bi, ((_, v_smem, _, _, _), vr) in enumerate(zip(blocks, vrs)):
+            for j in range(nch):
+                if sp.v_regs:
+                    a = vr[:, j * 64:(j + 1) * 64]
+                else:
+                    a = v_smem.at[pl.ds(j * 64, 64), :].T
+                plgpu.wgmma(acc_ref, a, p_smem.at[bi * nch + j].T)
+
+    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    return acc, m_new, l_i
+
+
 def _mgpu_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec):
     """Launch.  ``start, end, lscale``: [BH]; ``q``: [BH, QS, N, D] (MMA dtype); ``k``: [BH, T, D]; ``v``: [BH, D, T] or
     [BH, T, D]; ``ks, vs``: f32 [BH, T] or None.  Returns ``o [BH, S, D, N], m [BH, S, N], l [BH, S, N]`` f32
@@ -320,17 +427,6 @@ def _mgpu_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec):
     v_tf = _tile_transforms(sp.v_dtype, bt if sp.v_regs else d)
     p_tf = _tile_transforms(bf16, 64)
     has_ks, has_vs = ks is not None, vs is not None
-
-    def _codes_to_regs(ref):
-        """SMEM code tile -> MMA-dtype registers in the wgmma register-A (WGMMA) layout."""
-        if sp.upcast:
-            if sp.upcast == 4:   # int4: 8 codes per 32-bit register; relayout on the narrow type, then widen
-                x = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                x = plgpu.layout_cast(x, plgpu.Layout.WGMMA_UPCAST_2X).astype(bf16)
-            else:
-                x = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(bf16)
-            return plgpu.layout_cast(x, wg)
-        return ref[...].astype(bf16)
 
     def body(start_ref, end_ref, ls_ref, q_ref, k_ref, v_ref, *rest):
         rest = list(rest)
@@ -354,64 +450,8 @@ def _mgpu_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec):
                 ks_smem = more.pop(0) if has_ks else None
                 vs_smem = more.pop(0) if has_vs else None
                 (i,) = indices
-                acc, m_i, l_i = carry
-                row0 = (base + i) * bt
-
-                def qk(acc_ref):
-                    if sp.k_regs:
-                        kr = _codes_to_regs(k_smem)                         # [BT, D] WGMMA registers
-                        for qi in range(sp.q_split):
-                            for j in range(d // 64):
-                                cs = slice(j * 64, (j + 1) * 64)
-                                plgpu.wgmma(acc_ref, kr[:, cs], q_smem.at[qi, :, cs].T)
-                    else:
-                        for qi in range(sp.q_split):
-                            plgpu.wgmma(acc_ref, k_smem, q_smem.at[qi].T)
-                    return acc_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC((bt, n), _F32))          # S^T [BT, N]
-                if has_ks:
-                    ksv = plgpu.load(ks_smem, (), layout=wg.reduce(1), optimized=False)
-                    s = s * lax.broadcast_in_dim(ksv * lsc, s.shape, [0])
-                else:
-                    s = s * lsc
-                rows = plgpu.broadcasted_iota(jnp.int32, (bt, n), 0, layout=wg) + row0
-                valid = (rows >= lo) & (rows < hi)
-                s = jnp.where(valid, s, _NEG)
-                m_new = jnp.maximum(m_i, s.max(axis=0))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-                p = jnp.where(valid, p, 0.0)
-                # l kept as per-row partial sums [BT, N] (elementwise): no cross-warp reduction per block
-                l_i = l_i * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
-                if has_vs:
-                    vsv = plgpu.load(vs_smem, (), layout=wg.reduce(1), optimized=False)
-                    p = jnp.where(valid, p * lax.broadcast_in_dim(vsv, s.shape, [0]), 0.0)
-                if sp.dup:
-                    cols = plgpu.broadcasted_iota(jnp.int32, (bt, n), 1, layout=wg)
-                    p_lo = p - p.astype(bf16).astype(_F32)
-                    p = jnp.where(cols < sp.dup, p, p_lo)
-                p16 = p.astype(bf16)
-                for j in range(nch):
-                    p_smem.at[j].T[...] = plgpu.layout_cast(p16[j * 64:(j + 1) * 64],
-                                                            plgpu.Layout.WGMMA_TRANSPOSED)
-                plgpu.commit_smem()
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-                vr = _codes_to_regs(v_smem) if sp.v_regs else None     # V^T [D, BT] registers
-                if sp.v_mask:
-                    vcols = plgpu.broadcasted_iota(jnp.int32, (d, bt), 1, layout=wg) + row0
-                    vr = jnp.where((vcols >= lo) & (vcols < hi), vr, jnp.zeros_like(vr))
-
-                def pv(acc_ref):
-                    for j in range(nch):
-                        if sp.v_regs:
-                            a = vr[:, j * 64:(j + 1) * 64]
-                        else:
-                            a = v_smem.at[pl.ds(j * 64, 64), :].T
-                        plgpu.wgmma(acc_ref, a, p_smem.at[j].T)
-
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                return acc, m_new, l_i
+                return _block_update(sp, q_smem, p_smem, [(k_smem, v_smem, ks_smem, vs_smem, (base + i) * bt)],
+                                     carry, lo, hi, lsc)
 
             kspec = plgpu.BlockSpec((bt, d), lambda i: (base + i, 0), transforms=k_tf)
             if sp.v_regs:
@@ -513,13 +553,20 @@ def decode_attention_mgpu_partials(q, ops: MgpuOperands, *, sm_scale: float | No
     Returns ``acc [B, Hkv, S, G, D], m [B, Hkv, S, G], l [B, Hkv, S, G]`` float32 (natural-log ``m``), the
     format of ``pallas_kernels.decode_attention._region_partial`` (feed a list of them to its ``_combine``).
     """
-    cfg = config
+    if interpret:
+        return _partials_jnp(q, ops, sm_scale)
+    sp = _spec_for(ops, q.shape[1] // ops.num_kv_heads, config, q.dtype)
+    return _kernel_partials(_mgpu_call, q, ops, sp, sm_scale)
+
+
+def _kernel_partials(call, q, ops: MgpuOperands, sp: _Spec, sm_scale):
+    """The wrapper around a kernel launch ``call(start, end, lscale, q_block, k, v, ks, vs, sp) -> (o [BH, S', D,
+    N], m [BH, S', N] log2, l [BH, S', N])``: per-row scalars and the query block in, the partials out as ``acc [B,
+    Hkv, S', G, D], m, l [B, Hkv, S', G]`` (S' = the number of partials the launch returns: ``sp.ns`` for the
+    single-warpgroup kernel, two per split for the warp-specialized one)."""
     b, hq, d = q.shape
     hkv = ops.num_kv_heads
     g = hq // hkv
-    if interpret:
-        return _partials_jnp(q, ops, sm_scale)
-    sp = _spec_for(ops, g, cfg, q.dtype)
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
     lsc = jnp.full((b, hkv), scale * _LOG2E, _F32)
     if ops.k_head_scale is not None:
@@ -529,10 +576,11 @@ def decode_attention_mgpu_partials(q, ops: MgpuOperands, *, sm_scale: float | No
     start = jnp.repeat(jnp.clip(ops.start, 0, rows), hkv)
     end = jnp.repeat(jnp.clip(ops.end, 0, rows), hkv)
     qb = _query_block(q, hkv, sp)
-    o, m, l = _mgpu_call(start, end, lsc, qb, ops.k, ops.v, ops.k_scale, ops.v_scale, sp)
-    o = jnp.swapaxes(o, 2, 3).reshape(b, hkv, sp.ns, sp.n, d)                # [B, Hkv, S, N, D]
-    m = m.reshape(b, hkv, sp.ns, sp.n) * _LN2
-    l = l.reshape(b, hkv, sp.ns, sp.n)
+    o, m, l = call(start, end, lsc, qb, ops.k, ops.v, ops.k_scale, ops.v_scale, sp)
+    ns = o.shape[1]
+    o = jnp.swapaxes(o, 2, 3).reshape(b, hkv, ns, sp.n, d)                   # [B, Hkv, S', N, D]
+    m = m.reshape(b, hkv, ns, sp.n) * _LN2
+    l = l.reshape(b, hkv, ns, sp.n)
     acc = o[:, :, :, :g] + (o[:, :, :, g:2 * g] if sp.dup else 0.0)
     if ops.v_head_scale is not None:
         acc = acc * ops.v_head_scale.astype(_F32)[None, :, None, None, None]
@@ -578,11 +626,15 @@ def decode_attention_mgpu_prepared(q, ops: MgpuOperands, *, k_new=None, v_new=No
     ``q``: ``[B, Hq, D]``; ``k_new, v_new``: optional ``[B, Hkv, D]``.  Returns ``[B, Hq, D]`` in ``out_dtype``
     (default ``q.dtype``).
     """
+    part = decode_attention_mgpu_partials(q, ops, sm_scale=sm_scale, config=config, interpret=interpret)
+    return _with_current_token(q, part, ops.num_kv_heads, k_new, v_new, sm_scale, out_dtype)
 
+
+def _with_current_token(q, part, hkv: int, k_new, v_new, sm_scale, out_dtype):
+    """Merge one region's partials with the exact current token's (when ``k_new`` is given): ONE softmax."""
     b, hq, d = q.shape
-    hkv = ops.num_kv_heads
     g = hq // hkv
-    parts = [decode_attention_mgpu_partials(q, ops, sm_scale=sm_scale, config=config, interpret=interpret)]
+    parts = [part]
     if k_new is not None:
         scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
         q4 = q.astype(_F32).reshape(b, hkv, g, d)

@@ -9,6 +9,8 @@ import pytest
 
 from kvquant_jax.attention.synthetic import PRESETS, kivi_formats, random_region
 from pallas_kernels import decode_attention as da
+from pallas_kernels import decode_attention_mgpu as mg
+from pallas_kernels import decode_attention_mgpu_ws as ws
 
 FORMATS = dict(bf16=PRESETS["bf16"], e4m3=PRESETS["e4m3"], int8=PRESETS["int8"], int2=PRESETS["int2"],
                qserve=PRESETS["qserve"], static_int4=PRESETS["static_int4"], kivi2=kivi_formats(2, 32, 32))
@@ -27,3 +29,56 @@ def test_kernel_lowers_for_target(rng, monkeypatch, platform, name):
     fn = lambda q, r: da.decode_attention(q, [r], backend=backend, interpret=False, config=cfg)  # noqa: E731
     text = jax.jit(fn).trace(q, reg).lower(lowering_platforms=(platform,)).as_text()
     assert "decode_attention" in text
+
+
+# Mosaic GPU (Hopper) kernels: pallas_kernels/decode_attention_mgpu.py (one warpgroup) and
+# decode_attention_mgpu_ws.py (TMA warpgroup + two compute warpgroups).  Lowering runs the Pallas Mosaic GPU rules
+# and the Mosaic module's verifier (FragmentedArray layouts, wgmma shapes, setmaxnreg, the SMEM budget) on CPU; ptxas,
+# mbarrier protocols and numerics need the H200 (experiments/check_mgpu_decode.py).
+MGPU_FORMATS = ("bf16", "fp16", "e4m3", "e5m2", "int8", "int4")
+
+
+def _mgpu_case(rng, name, t=1024, d=128, g=4):
+    kf, vf = PRESETS[name]
+    reg = random_region(rng, kf, vf, 2, 2, t, d, [0, 0], [300, t], poison=False)
+    q = jnp.asarray(rng.standard_normal((2, 2 * g, d)).astype(np.float32)).astype(jnp.bfloat16)
+    return q, reg
+
+
+def _lower_cuda(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("name", MGPU_FORMATS)
+def test_mgpu_kernel_lowers_for_cuda(rng, name):
+    q, reg = _mgpu_case(rng, name)
+    cfgs = [mg.MgpuConfig(num_splits=2), mg.MgpuConfig(precision="bf16")]
+    if PRESETS[name][0].is_int:
+        cfgs.append(mg.MgpuConfig(upcast=True))
+    for cfg in cfgs:
+        text = _lower_cuda(lambda q, r, cfg=cfg: mg.decode_attention_mgpu(q, r, config=cfg), q, reg)
+        assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("name", MGPU_FORMATS)
+def test_mgpu_ws_kernel_lowers_for_cuda(rng, name):
+    q, reg = _mgpu_case(rng, name)
+    cfgs = [ws.MgpuWsConfig(), ws.MgpuWsConfig(precision="bf16", num_splits=1),
+            ws.MgpuWsConfig(blocks_per_update=2, max_concurrent_steps=4),
+            ws.MgpuWsConfig(compute_wgs=4, block_t=64, max_concurrent_steps=4)]
+    for cfg in cfgs:
+        text = _lower_cuda(lambda q, r, cfg=cfg: ws.decode_attention_mgpu_ws(q, r, config=cfg), q, reg)
+        assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("g,d", [(8, 128), (4, 64), (4, 256), (3, 64)])
+def test_mgpu_ws_kernel_lowers_for_cuda_shapes(rng, g, d):
+    q, reg = _mgpu_case(rng, "int4", t=512, d=d, g=g)
+    assert "mosaic_gpu" in _lower_cuda(lambda q, r: ws.decode_attention_mgpu_ws(q, r), q, reg)
+
+
+def test_mgpu_ws_smem_overflow_is_a_lowering_error(rng):
+    q, reg = _mgpu_case(rng, "int8", t=4096)
+    cfg = ws.MgpuWsConfig(max_concurrent_steps=12, num_splits=1)      # 12 x 33 KB
+    with pytest.raises(Exception, match="shared memory"):
+        _lower_cuda(lambda q, r: ws.decode_attention_mgpu_ws(q, r, config=cfg), q, reg)

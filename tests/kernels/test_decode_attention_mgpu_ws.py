@@ -1,0 +1,159 @@
+"""Warp-specialized Mosaic GPU decode attention (pallas_kernels/decode_attention_mgpu_ws.py).
+
+CPU: the launch plan (splits, ring slots, block ownership) and the wrapper on the plain-JAX twin against the float64
+oracle; the kernel's lowering for "cuda" is in test_decode_attention_lowering.py.  GPU (Hopper only): the kernel
+against the oracle, ragged poisoned cases with the current token in the same softmax, and against v1.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvquant_jax.abi.reference import decode_attention_reference
+from pallas_kernels import decode_attention_mgpu as mg
+from pallas_kernels import decode_attention_mgpu_ws as ws
+
+from test_decode_attention_mgpu import FORMATS, _case, _hopper, _rel
+
+
+def test_ws_spec_splits_and_slots(rng):
+    _, reg, _, _ = _case(rng, "int4", n=32768 // 8)                 # 32 blocks of 128, BH = 6
+    ops = mg.prepare_region(reg)
+    sp, cfg = ws._ws_spec(ops, 4, None, jnp.bfloat16)
+    assert sp.bt == 128 and sp.nbs % 2 == 0 and sp.ns * sp.nbs == 32
+    assert sp.stages % 2 == 0 and sp.stages <= sp.nbs
+    sp2, _ = ws._ws_spec(ops, 4, ws.MgpuWsConfig(blocks_per_update=2, max_concurrent_steps=6), jnp.bfloat16)
+    assert sp2.nbs % 4 == 0 and sp2.stages == 4                       # rounded down to a multiple of 2 x 2
+    sp4, cfg4 = ws._ws_spec(ops, 4, ws.MgpuWsConfig(compute_wgs=4, max_concurrent_steps=6), jnp.bfloat16)
+    assert sp4.nbs % 4 == 0 and sp4.stages == 4 and cfg4.compute_registers == 112
+    assert cfg.compute_registers == 232
+    with pytest.raises(ValueError, match="compute_wgs"):
+        ws._ws_spec(ops, 4, ws.MgpuWsConfig(compute_wgs=3), jnp.bfloat16)
+    with pytest.raises(ValueError, match="num_splits"):
+        ws._ws_spec(ops, 4, ws.MgpuWsConfig(num_splits=32), jnp.bfloat16)
+    with pytest.raises(ValueError, match="blocks_per_update"):
+        ws._ws_spec(ops, 4, ws.MgpuWsConfig(blocks_per_update=3), jnp.bfloat16)
+
+
+def test_ws_unsupported_says_why(rng):
+    _, reg, _, _ = _case(rng, "int2", n=256)
+    assert ws.mgpu_ws_unsupported(reg, 128)
+    _, reg, _, _ = _case(rng, "int4", n=128)                          # one block: nothing for warpgroup 1
+    assert "block_t" in ws.mgpu_ws_unsupported(reg, 128)
+    _, reg, _, _ = _case(rng, "int4", n=256)
+    assert ws.mgpu_ws_unsupported(reg, 128) is None
+    assert ws.mgpu_ws_unsupported(reg, 128, ws.MgpuWsConfig(blocks_per_update=2))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_ws_interpret_matches_oracle(rng, name):
+    q, reg, kn, vn = _case(rng, name)
+    ref = decode_attention_reference(q, [reg], k_new=kn, v_new=vn)
+    out = ws.decode_attention_mgpu_ws(q, reg, k_new=kn, v_new=vn, interpret=True, out_dtype=jnp.float32)
+    assert _rel(out, ref) < 1e-5
+
+
+gpu = pytest.mark.skipif(not _hopper(), reason="Mosaic GPU kernel needs a Hopper (sm_90) GPU")
+
+
+@gpu
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("u,c", [(1, 2), (2, 2), (1, 4)])
+def test_ws_kernel_parity(rng, name, u, c):
+    q, reg, kn, vn = _case(rng, name, n=1024)
+    q = q.astype(jnp.bfloat16)
+    ref = decode_attention_reference(q.astype(jnp.float32), [reg], k_new=kn, v_new=vn)
+    cfg = ws.MgpuWsConfig(blocks_per_update=u, compute_wgs=c, block_t=64, max_concurrent_steps=4)
+    out = jax.jit(lambda q, r, kn, vn: ws.decode_attention_mgpu_ws(
+        q, r, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32))(q, reg, kn, vn)
+    assert np.isfinite(np.asarray(out)).all()
+    assert _rel(out, ref) < 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU: a model of _ws_call's mbarrier protocol under random interleavings (the kernel's runtime behaviour is not
+# checkable on CPU; this checks the plan it implements: ring slots, consumed / full barriers, the turn ring)
+# ---------------------------------------------------------------------------------------------------------------
+class _Bar:
+    def __init__(self):
+        self.phase = 0
+
+    def arrive(self):                      # every barrier of the plan completes on one warpgroup's arrival
+        self.phase += 1
+
+
+def _run_protocol(nbs, stages, c, u, seed):
+    """Memory warpgroup + ``c`` compute warpgroups as generators, one random step at a time.  Fails on a deadlock,
+    on a waiter two phases behind (Mosaic tracks ONE parity bit per thread and barrier), on a slot refilled before
+    its owner consumed it, or on turns out of block order."""
+    rnd = np.random.default_rng(seed)
+    full, consumed, turn = [_Bar() for _ in range(stages)], [_Bar() for _ in range(stages)], [_Bar() for _ in range(c)]
+    slot, waits, order = [None] * stages, {}, []
+
+    def wait(who, bar):
+        k = waits.get((who, id(bar)), 0)
+        while bar.phase - k < 1:
+            yield
+        assert bar.phase - k == 1, f"warpgroup {who} is {bar.phase - k} phases behind"
+        waits[(who, id(bar))] = k + 1
+
+    def memory():
+        def issue(i):
+            assert slot[i % stages] is None, f"slot {i % stages} refilled before block {slot[i % stages]} was used"
+            slot[i % stages] = i
+            full[i % stages].arrive()
+        for i in range(stages):
+            issue(i)
+            yield
+        for i in range(stages, nbs):
+            yield from wait("mem", consumed[i % stages])
+            issue(i)
+            yield
+
+    def compute(w):
+        if w == c - 1:
+            turn[0].arrive()
+
+        def in_turn(tag):
+            yield from wait(w, turn[w])
+            order.append(tag)
+            turn[(w + 1) % c].arrive()
+        for j in range(nbs // (c * u)):
+            first = (c * j + w) * u
+            for b in range(u):
+                yield from wait(w, full[(first + b) % stages])
+                assert slot[(first + b) % stages] == first + b
+            yield
+            yield from in_turn(first)
+            yield
+            for b in range(u):
+                slot[(first + b) % stages] = None
+                consumed[(first + b) % stages].arrive()
+        yield from in_turn(None)
+
+    live = {"mem": memory(), **{w: compute(w) for w in range(c)}}
+    for _ in range(100000):
+        if not live:
+            break
+        k = list(live)[rnd.integers(len(live))]
+        try:
+            next(live[k])
+        except StopIteration:
+            del live[k]
+    assert not live, "deadlock"
+    assert [t for t in order if t is not None] == list(range(0, nbs, u))
+
+
+@pytest.mark.parametrize("c,u", [(2, 1), (2, 2), (4, 1), (4, 2)])
+def test_ws_barrier_protocol_model(c, u):
+    for nbs in (c * u, 2 * c * u, 3 * c * u, 8 * c * u):
+        for stages in range(c * u, min(nbs, 8) + 1, c * u):
+            for seed in range(8):
+                _run_protocol(nbs, stages, c, u, seed)
+
+
+def test_ws_barrier_protocol_model_catches_a_bad_ring():
+    """A ring that is not a multiple of C x U hands one slot to two warpgroups: the model must notice."""
+    with pytest.raises(AssertionError):
+        for seed in range(20):
+            _run_protocol(8, 3, 2, 1, seed)
