@@ -6,7 +6,8 @@ format the paged kernel reads in place, runs ``paged_decode_attention`` compiled
 reports max|Δ| / max|ref| against the float64 oracle of the contiguous cache of the same history, for the compiled
 default precision ("bf16x2": q rounded to bf16, p split hi + lo) and for ``precision="f32"``.
 
-    python experiments/check_paged_gpu.py --out /tmp/check_paged.json      # exits 1 if any format fails
+    python experiments/check_paged_gpu.py --out /tmp/check_paged.json      # D 128, pages 16 and 64; exit 1 on a failure
+    python experiments/check_paged_gpu.py --head-dim 16 --page 8 16        # the CI test's shapes (2026-12-01 run)
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import numpy as np  # noqa: E402
 import test_paged_decode_attention as T  # noqa: E402  (the CI test's builders: one definition of the case)
 from kvquant_jax.attention import paged as paged_attn  # noqa: E402
 from kvquant_jax.cache.interface import layer_state  # noqa: E402
+from pallas_kernels import paged_decode_attention as paged_kernel  # noqa: E402
 
 #: bound for a bf16 query / bf16x2 p against the float64 oracle (the contiguous kernel's compiled bound)
 BOUND = {"bf16x2": 5e-3, "f32": 1e-3}
@@ -37,11 +39,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run (the Triton interpreter)")
-    ap.add_argument("--page", type=int, nargs="+", default=[T.PAGE], help="rows per page (the CI test uses 8)")
+    ap.add_argument("--page", type=int, nargs="+", default=[16, 64], help="rows per page (the CI test uses 8)")
+    ap.add_argument("--head-dim", type=int, default=128, help="head_dim (the CI test uses 16)")
     args = ap.parse_args(argv)
     rows, failed = [], []
+    T.D = args.head_dim                                 # the builders read the module's sizes
     for page in args.page:
-        T.PAGE = page                                   # the builders read the module's page size
+        T.PAGE = page
         r, f = check_all(args)
         rows += [dict(x, page=page) for x in r]
         failed += [f"page {page}: {x}" for x in f]
@@ -63,7 +67,9 @@ def check_all(args):
         kn, vn = (jnp.asarray(rng.normal(0, 1, (T.B, T.H, T.D)).astype(np.float32)) for _ in range(2))
         scheme, state = layer_state(ref, 0)
         want = T._oracle(np.asarray(q, np.float32), scheme, state, ref.lengths, kn, vn)
-        row = {"format": name}
+        reg, _, _, _ = paged_attn.paged_regions(cache, 0)
+        # a region the compiled kernel refuses is served by the contiguous fallback (what the engine would do)
+        row = {"format": name, "refused": paged_kernel.paged_unsupported(reg, T.D, compiled_gpu=not args.interpret)}
         for precision in ("bf16x2", "f32"):
             t0 = time.perf_counter()
             try:

@@ -38,10 +38,29 @@ from pallas_kernels.decode_attention import (_F32, PRECISIONS, _combine, _dense_
 __all__ = ["paged_decode_attention", "paged_unsupported"]
 
 
-def paged_unsupported(reg: Region, head_dim: int) -> str | None:
-    """Why the paged kernel cannot take this pool region (None when it can)."""
+#: smallest matrix-unit (tensor core) dimension of the compiled Triton kernel's dots: bf16 operands go to MMA,
+#: which needs every dot dimension >= 16.  Measured on the H200 (experiments/check_paged_gpu.py, 2026-12-01, the CI
+#: test's D = 16 shapes): with bf16 operands every format was wrong (rel err 0.6 .. 10) at 8-row pages, and at
+#: 16-row pages exactly the formats with a smaller dimension were (INT2 / grouped INT4 / QServe planes of 4 or 8
+#: columns, KIVI key groups of 4 rows), while bf16 / INT8 / FP8 (all dimensions >= 16) and every float32-operand
+#: run were right (rel err <= 2e-6).
+MMA_MIN = 16
+
+
+def paged_unsupported(reg: Region, head_dim: int, *, compiled_gpu: bool = False) -> str | None:
+    """Why the paged kernel cannot take this pool region (None when it can).  ``compiled_gpu``: the kernel would be
+    compiled by Triton for a GPU (not interpreted), where every dot dimension must be >= :data:`MMA_MIN`."""
     kf, vf = reg.k.fmt, reg.v.fmt
     rows = reg.k.data.shape[2]
+    if compiled_gpu:
+        if rows < MMA_MIN:
+            return f"page of {rows} rows: the compiled GPU kernel needs pages of >= {MMA_MIN} rows"
+        if kf.scale == "channel" and kf.group < MMA_MIN:
+            return f"channel group {kf.group}: the compiled GPU kernel needs key groups of >= {MMA_MIN} rows"
+        for f in (kf, vf):
+            if f.is_int and head_dim // f.codes_per_byte // f.token_groups(head_dim) < MMA_MIN:
+                return (f"{f}: plane width {head_dim // f.codes_per_byte // f.token_groups(head_dim)} < "
+                        f"{MMA_MIN} (the compiled GPU kernel's dots)")
     if not dk._pow2(head_dim):
         return f"head_dim {head_dim} is not a power of two"
     if vf.scale == "channel":
@@ -122,7 +141,7 @@ def _paged_partial(q4, qs, q_dtype, reg: Region, table, backend, interpret, prec
     page_rows = reg.k.data.shape[2]
     n_pool = reg.k.data.shape[0]
     m_pages = table.shape[1]
-    why = paged_unsupported(reg, d)
+    why = paged_unsupported(reg, d, compiled_gpu=backend == "gpu" and not interpret)
     if why:
         raise ValueError(f"paged decode-attention kernel: {why}")
     if precision not in PRECISIONS:

@@ -28,6 +28,7 @@ from kvquant_jax.cache import paged as paged_cache
 from kvquant_jax.cache.interface import LayerGroups
 from kvquant_jax.cache.paged import PAGED, PagedKVCache
 from pallas_kernels import paged_decode_attention as paged_kernel
+from pallas_kernels.backend import resolve as resolve_backend
 
 __all__ = ["layer_view", "paged_regions", "layer_pool_regions", "decode_attention", "PagedStep", "PATHS",
            "paged_step"]
@@ -102,7 +103,9 @@ def decode_attention(q: jax.Array, cache: PagedKVCache, layer: int, k_new: jax.A
         return dispatch.decode_attention(q, scheme, state, cache.lengths, k_new, v_new, impl="reference",
                                          sm_scale=sm_scale, out_dtype=out_dtype)
     pool_region, small, _, _ = paged_regions(cache, layer)
-    if pool_region is None or paged_kernel.paged_unsupported(pool_region, q.shape[-1]):
+    kb, ki = resolve_backend(backend, interpret)
+    compiled_gpu = kb == "gpu" and not ki
+    if pool_region is None or paged_kernel.paged_unsupported(pool_region, q.shape[-1], compiled_gpu=compiled_gpu):
         return dispatch.decode_attention(q, scheme, state, cache.lengths, k_new, v_new, impl="kernel",
                                          backend=backend, interpret=interpret, sm_scale=sm_scale,
                                          out_dtype=out_dtype)
@@ -242,7 +245,8 @@ class PagedStep(LayerGroups):
         if t == 1 and decode_impl != "reference":
             pool_region, small, _, _ = layer_pool_regions(scheme, lay, read, view(), lengths, self.num_pages)
             why = ("scheme not read in place" if pool_region is None
-                   else paged_kernel.paged_unsupported(pool_region, q.shape[-1]))
+                   else paged_kernel.paged_unsupported(pool_region, q.shape[-1],
+                                                       compiled_gpu=dispatch.platform() == "gpu"))
             if why is None:
                 out = paged_kernel.paged_decode_attention(q[:, 0], pool_region, page_table, small,
                                                           k_new=k[:, 0], v_new=v[:, 0])[:, None].astype(q.dtype)
