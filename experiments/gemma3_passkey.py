@@ -53,7 +53,13 @@ def main():
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--report-only", action="store_true", help="rewrite passkey.md from OUT/passkey.json")
     a = ap.parse_args()
+    if a.report_only:
+        out = json.loads((Path(a.out) / "passkey.json").read_text())
+        out.setdefault("new_tokens", 8)
+        (Path(a.out) / "passkey.md").write_text("\n".join(report(out)) + "\n")
+        return
     m = load_model(a.model, dtype=a.dtype)
     cfg, tok = m.cfg, m.tokenizer
     rng = np.random.default_rng(a.seed)
@@ -118,14 +124,14 @@ def previous_rows(path: Path, out: dict) -> tuple[dict, dict]:
     return dict(old["policies"]), dict(old.get("partial_policies", {}))
 
 
-def write(a, out) -> None:
-    """passkey.json (every answer) and passkey.md: accuracy per length over its depths x trials with the Wilson
-    95% interval, and the difference to bf16."""
+def report(out: dict) -> list[str]:
+    """passkey.md's lines: accuracy per length over its depths x trials with the Wilson 95% interval, and the mean
+    difference to bf16 over the lengths BOTH rows measured (a row an interrupted run left short says how many)."""
     n_cell = len(out["depths"]) * out["trials"]
     base = out["policies"].get("bf16")
     lines = [f"{out['trials']} trials x {len(out['depths'])} depths = {n_cell} prompts per length; "
-             f"[Wilson 95% interval]", "",
-             "| policy | bytes at %d tokens | " % (max(out["lengths"]) + a.new_tokens)
+             f"[Wilson 95% interval]; — = not measured yet (the run resumes there)", "",
+             "| policy | bytes at %d tokens | " % (max(out["lengths"]) + out["new_tokens"])
              + " | ".join(f"acc {n}" for n in out["lengths"]) + " | mean Δ vs bf16 |",
              "|---|---|" + "---|" * len(out["lengths"]) + "---|"]
     for name, row in out["policies"].items():
@@ -134,13 +140,25 @@ def write(a, out) -> None:
             k = int(round(float(np.mean(r)) * n_cell))
             lo, hi = wilson_interval(k, n_cell)
             cells.append(f"{k / n_cell:.2f} [{lo:.2f}, {hi:.2f}]")
-        means = [float(np.mean(r)) for r in row["accuracy"]]
-        delta = "" if base is None else f"{np.mean(means) - np.mean([np.mean(r) for r in base['accuracy']]):+.3f}"
+        cells += ["—"] * (len(out["lengths"]) - len(cells))
+        delta = ""
+        if base is not None:
+            both = min(len(row["accuracy"]), len(base["accuracy"]))
+            if both:
+                d = np.mean([np.mean(row["accuracy"][i]) - np.mean(base["accuracy"][i]) for i in range(both)])
+                delta = f"{d:+.3f}" + ("" if both == len(out["lengths"]) else f" ({both} of {len(out['lengths'])} lengths)")
         lines.append(f"| {name} | {row['bytes_at_longest']:,} | " + " | ".join(cells) + f" | {delta} |")
+    return lines
+
+
+def write(a, out) -> None:
+    """passkey.json (every answer) and passkey.md (:func:`report`)."""
+    lines = report(out)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "passkey.json").write_text(json.dumps(out, indent=1) + "\n")
     (Path(a.out) / "passkey.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
+
 
 if __name__ == "__main__":
     main()
