@@ -3,8 +3,10 @@
     # H200 (issue M): LLaMA-3-8B shape (random bf16 weights), every cache + the static baseline on ONE trace and
     # ONE set of weights; --max-seconds bounds each config (partial results are reported as such)
     python experiments/bench_engine.py --model llama3-8b-shaped --cache bf16 int8 int4 kivi2 \
-        --requests 64 --rate 2 --prompt-len 512 8192 --output-len 64 1024 --hbm-gb 16 --slots 128 \
+        --requests 96 --rate 8 --prompt-len 512 8192 --output-len 64 1024 --hbm-gb 16 --slots 128 \
         --page-size 64 --chunk 256 --max-seconds 90 --compile-cache /tmp/kvq-jax-cache --out docs/results/engine
+    # (at --rate 2 this trace is arrival-bound -- fewer requests in flight than a bf16 pool holds -- so no cache
+    # can show its capacity; docs/results/engine/README.md)
     # CPU smoke run (tiny model, short requests; a minute)
     python experiments/bench_engine.py --small
 

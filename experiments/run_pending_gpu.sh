@@ -35,7 +35,7 @@ for job in $JOBS; do
   case $job in
     engine)
       start_job engine 0.30 $PY experiments/bench_engine.py --model llama3-8b-shaped \
-        --cache bf16 int8 int4 kivi2 --requests 64 --rate 2 --prompt-len 512 8192 --output-len 64 1024 \
+        --cache bf16 int8 int4 kivi2 --requests 96 --rate 8 --prompt-len 512 8192 --output-len 64 1024 \
         --hbm-gb 16 --slots 128 --page-size 64 --chunk 256 --max-seconds 90 --view-buckets 2 \
         --compile-cache /tmp/kvq-jax-cache --out docs/results/engine ;;
     gemma_passkey)
