@@ -12,15 +12,19 @@
 #                  int8 is re-run whole: only its first two lengths were measured)
 #   sweeps         P: the GPU-preset sweeps not yet committed (passkey, KIVI axes, KVQuant main with its three
 #                  calibrations on WikiText-2 validation)
+#   intactkv       P: the IntactKV / PrefixQuant ablation at 64 WikiText-2 test segments x 1024 tokens
+#   paged_check    M: the compiled paged kernel vs the float64 oracle at D 128, 16- and 64-row pages
 #   fixed_order    N: what the fixed-order (mesh- and batch-invariant) numerics cost against the fast path
 #   decode         J: the packed decode kernels against cuDNN at 32K / 128K (the baseline table of issue J)
 # Needs SmolLM2 and Gemma-3 in $KVQ_CACHE_DIR (kvq fetch-model), WikiText-2 in $KVQ_DATA_DIR, gguf importable.
 # The jobs share the GPU, so their absolute speeds are only comparable within a job (each job measures its own
-# baseline in the same run), never across jobs.
+# baseline in the same run), never across jobs.  Timing jobs (engine, fixed_order, decode) belong in a block of
+# their own: on 2026-12-01 the engine ran beside three quality jobs and its table says so
+# (docs/results/engine/README.md).  Quality jobs: paged_check gemma_passkey sweeps intactkv.
 set -u
 LOG=${LOG:-/tmp/pending_gpu}
 mkdir -p "$LOG"
-JOBS=${*:-engine gemma_passkey sweeps fixed_order decode}
+JOBS=${*:-paged_check engine gemma_passkey sweeps intactkv fixed_order decode}
 PY=${PY:-python3}
 
 start_job() {   # name, memory fraction, command...
@@ -43,14 +47,20 @@ for job in $JOBS; do
         --policies bf16 int8 int4 kivi2 "local bf16 + global kivi2" "local kivi2 + global bf16" \
         --out docs/results/gemma3/gpu ;;
     sweeps)
-      start_job sweeps 0.25 bash experiments/run_gpu_sweeps.sh docs/results/gpu passkey kivi_axes kvquant_main ;;
+      # passkey last: one process runs the sweeps in order, and its 8K prefill is the one that ran out of memory
+      start_job sweeps 0.25 bash experiments/run_gpu_sweeps.sh docs/results/gpu kivi_axes kvquant_main passkey ;;
+    intactkv)
+      start_job intactkv 0.12 $PY experiments/intactkv_ablation.py --segments 64 --seq-len 1024 \
+        --out docs/results/intactkv/gpu ;;
+    paged_check)
+      start_job paged_check 0.05 $PY experiments/check_paged_gpu.py --out docs/results/engine/check_paged_gpu_d128.json ;;
     fixed_order)
       start_job fixed_order 0.10 $PY experiments/bench_serving.py --model llama3-8b-shaped --cache bf16 int4 \
         --batch 8 --T 32768 --reduction fast fixed_order --reps 5 --out docs/results/sharding/gpu ;;
     decode)
       start_job decode 0.10 $PY experiments/bench_decode_attention.py --check --T 32768,131072 \
         --out docs/results/decode_attention/pending ;;
-    *) echo "unknown job $job (engine gemma_passkey sweeps fixed_order decode)" >&2; exit 2 ;;
+    *) echo "unknown job $job (paged_check engine gemma_passkey sweeps intactkv fixed_order decode)" >&2; exit 2 ;;
   esac
 done
 echo "[pending] started: $JOBS; poll $LOG/jobs.txt"
