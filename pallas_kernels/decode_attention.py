@@ -71,7 +71,7 @@ from kvquant_jax.abi.regions import KVFormat, Region, check_query
 from pallas_kernels.backend import platform, resolve
 
 __all__ = ["decode_attention", "decode_attention_reference", "KernelConfig", "default_config", "PRECISIONS",
-           "kernel_unsupported"]
+           "kernel_unsupported", "mma_too_small", "MMA_MIN", "MMA_MIN_N"]
 
 PRECISIONS = ("f32", "bf16x2", "bf16")
 _NEG = -1e30          # finite "minus infinity": keeps exp(m_old - m_new) NaN-free for empty splits
@@ -598,10 +598,45 @@ def _query_planes(q4, kf: KVFormat, mp: int):
     return jnp.stack([jnp.where(col_group == gi, planes, 0.0) for gi in range(ng)], axis=2)
 
 
-def kernel_unsupported(reg: Region, head_dim: int, backend: str = "gpu") -> str | None:
-    """Why the kernel cannot take this region (None when it can); the dispatcher then uses the reference."""
+#: smallest CONTRACTION dimension of a compiled Triton dot with bf16 operands (the tensor-core MMA is m16n8k16:
+#: K >= 16, N >= 8).  On the H200 (2026-12-01, ``experiments/check_paged_gpu.py``, the paged form of this kernel)
+#: every bf16-operand run that contracted over fewer than 16 (8-row blocks in P @ V, K code planes of 4 or 8
+#: columns in Q @ K^T, 4-row KIVI key groups) was wrong (rel err 0.6-10), while the same shapes with float32
+#: operands, and every shape contracting over >= 16, were right; V planes of 8 output columns were right (KIVI-2,
+#: docs/benchmarks_decode.md, rel err 7e-6).
+MMA_MIN = 16
+#: smallest output (N) dimension of such a dot: V code planes are the N of P @ V.
+MMA_MIN_N = 8
+
+
+def mma_too_small(reg: Region, head_dim: int, block_rows: int | None = None) -> str | None:
+    """Why a compiled GPU (Triton) run cannot take ``reg`` because a dot dimension is too small: the block (page)
+    rows and a KIVI key group (contracted in P @ V), the K code-plane width (contracted in Q @ K^T) below
+    :data:`MMA_MIN`, a V code-plane width (the N of P @ V) below :data:`MMA_MIN_N`.  None when every dimension is
+    large enough.  (Interpreted runs take any size.)"""
+    kf, vf = reg.k.fmt, reg.v.fmt
+    if block_rows is not None and block_rows < MMA_MIN:
+        return f"blocks of {block_rows} rows: the compiled GPU kernel needs >= {MMA_MIN}"
+    if kf.scale == "channel" and kf.group < MMA_MIN:
+        return f"channel group {kf.group}: the compiled GPU kernel needs key groups of >= {MMA_MIN} rows"
+    for f, least, what in ((kf, MMA_MIN, "K"), (vf, MMA_MIN_N, "V")):
+        if f.is_int:
+            width = head_dim // f.codes_per_byte // f.token_groups(head_dim)
+            if width < least:
+                return f"{what} {f}: code-plane width {width} < {least} (the compiled GPU kernel's dots)"
+    return None
+
+
+def kernel_unsupported(reg: Region, head_dim: int, backend: str = "gpu", *, compiled_gpu: bool = False
+                       ) -> str | None:
+    """Why the kernel cannot take this region (None when it can); the dispatcher then uses the reference.
+    ``compiled_gpu``: the kernel would be compiled by Triton for a GPU (not interpreted): :func:`mma_too_small`."""
     kf, vf = reg.k.fmt, reg.v.fmt
     rows = reg.k.data.shape[2]
+    if compiled_gpu and backend == "gpu":
+        why = mma_too_small(reg, head_dim)
+        if why:
+            return why
     if not _pow2(head_dim):
         return f"head_dim {head_dim} is not a power of two"
     if vf.scale == "channel":
@@ -630,7 +665,7 @@ def _region_partial(q4, qs, q_dtype, reg: Region, cfg: KernelConfig, backend: st
         raise ValueError(f"precision must be one of {PRECISIONS}, got {cfg.precision!r}")
     if cfg.unpack not in ("magic", "convert", "asm"):
         raise ValueError(f"unpack must be 'magic', 'convert' or 'asm', got {cfg.unpack!r}")
-    why = kernel_unsupported(reg, d, backend)
+    why = kernel_unsupported(reg, d, backend, compiled_gpu=not interpret)
     if why:
         raise ValueError(f"decode-attention kernel: {why}")
     op_k, dup, mp = _query_rows(g, kf, vf, cfg.precision, backend)
@@ -776,7 +811,7 @@ def decode_attention(q, regions: Sequence[Region] = (), *, k_new=None, v_new=Non
     parts = []
     for reg, cfg in zip(regions, configs):
         rows = reg.k.data.shape[2]
-        if rows <= small_rows or kernel_unsupported(reg, d, backend):
+        if rows <= small_rows or kernel_unsupported(reg, d, backend, compiled_gpu=not interpret):
             parts.append(_small_region_partial(q4, qs, reg))
             continue
         if cfg is None:

@@ -38,29 +38,16 @@ from pallas_kernels.decode_attention import (_F32, PRECISIONS, _combine, _dense_
 __all__ = ["paged_decode_attention", "paged_unsupported"]
 
 
-#: smallest matrix-unit (tensor core) dimension of the compiled Triton kernel's dots: bf16 operands go to MMA,
-#: which needs every dot dimension >= 16.  Measured on the H200 (experiments/check_paged_gpu.py, 2026-12-01, the CI
-#: test's D = 16 shapes): with bf16 operands every format was wrong (rel err 0.6 .. 10) at 8-row pages, and at
-#: 16-row pages exactly the formats with a smaller dimension were (INT2 / grouped INT4 / QServe planes of 4 or 8
-#: columns, KIVI key groups of 4 rows), while bf16 / INT8 / FP8 (all dimensions >= 16) and every float32-operand
-#: run were right (rel err <= 2e-6).
-MMA_MIN = 16
-
-
 def paged_unsupported(reg: Region, head_dim: int, *, compiled_gpu: bool = False) -> str | None:
     """Why the paged kernel cannot take this pool region (None when it can).  ``compiled_gpu``: the kernel would be
-    compiled by Triton for a GPU (not interpreted), where every dot dimension must be >= :data:`MMA_MIN`."""
+    compiled by Triton for a GPU (not interpreted), where every dot dimension must be >= ``MMA_MIN``
+    (:func:`pallas_kernels.decode_attention.mma_too_small`: the H200 gave wrong results below it)."""
     kf, vf = reg.k.fmt, reg.v.fmt
     rows = reg.k.data.shape[2]
     if compiled_gpu:
-        if rows < MMA_MIN:
-            return f"page of {rows} rows: the compiled GPU kernel needs pages of >= {MMA_MIN} rows"
-        if kf.scale == "channel" and kf.group < MMA_MIN:
-            return f"channel group {kf.group}: the compiled GPU kernel needs key groups of >= {MMA_MIN} rows"
-        for f in (kf, vf):
-            if f.is_int and head_dim // f.codes_per_byte // f.token_groups(head_dim) < MMA_MIN:
-                return (f"{f}: plane width {head_dim // f.codes_per_byte // f.token_groups(head_dim)} < "
-                        f"{MMA_MIN} (the compiled GPU kernel's dots)")
+        why = dk.mma_too_small(reg, head_dim, block_rows=rows)
+        if why:
+            return f"page: {why}"
     if not dk._pow2(head_dim):
         return f"head_dim {head_dim} is not a power of two"
     if vf.scale == "channel":

@@ -10,7 +10,7 @@ import pytest
 
 from kvquant_jax.abi.regions import KVFormat, dense_operand, region
 from kvquant_jax.abi.reference import decode_attention_reference
-from kvquant_jax.attention.synthetic import random_region
+from kvquant_jax.attention.synthetic import PRESETS, kivi_formats, random_region
 from pallas_kernels import decode_attention as da
 from test_decode_attention_common import B, D, FORMATS, GQA, HKV, N, make_case, rel_err
 
@@ -77,6 +77,21 @@ def test_unsupported_region_falls_back_to_jax(rng):
     q = jnp.asarray(rng.standard_normal((2, 2, 24)).astype(np.float32))
     out = da.decode_attention(q, [reg], backend="gpu", interpret=True)
     assert rel_err(out, decode_attention_reference(np.asarray(q), [reg])) < 1e-5
+
+
+@pytest.mark.parametrize("fmt,d,want", [("int2", 32, "code-plane width 8"), ("int4", 16, "code-plane width 8"),
+                                        ("int2", 64, None), ("int8", 16, None), ("bf16", 16, None)])
+def test_compiled_gpu_refuses_mma_dimensions_below_16(rng, fmt, d, want):
+    """A compiled Triton run needs every bf16 dot dimension >= 16 (the H200 gave wrong results below: see
+    ``da.MMA_MIN``), so such regions are refused by name there -- and still taken when interpreted or on TPU."""
+    kf = PRESETS[fmt][0]
+    reg = random_region(rng, kf, kf, 1, 1, 64, d, [0], [40])
+    assert da.kernel_unsupported(reg, d, "gpu") is None
+    assert da.kernel_unsupported(reg, d, "tpu", compiled_gpu=True) is None
+    got = da.kernel_unsupported(reg, d, "gpu", compiled_gpu=True)
+    assert (got is None) if want is None else (want in got), got
+    kivi = random_region(rng, *kivi_formats(2, 8, 32), 1, 1, 64, 64, [0], [40])
+    assert "channel group 8" in da.kernel_unsupported(kivi, 64, "gpu", compiled_gpu=True)
 
 
 def test_reference_twin_has_the_same_signature(rng):

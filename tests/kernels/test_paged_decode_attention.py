@@ -122,7 +122,7 @@ def test_kernel_ignoring_the_page_table_would_fail():
     assert _rel(got, want) > 1e-2
 
 
-@pytest.mark.parametrize("name,why", [("bf16", "page of 8 rows"), ("int2", "page of 8 rows")])
+@pytest.mark.parametrize("name,why", [("bf16", "blocks of 8 rows"), ("int2", "blocks of 8 rows")])
 def test_compiled_gpu_refuses_mma_dims_below_16(name, why, monkeypatch):
     """The compiled Triton kernel's bf16 dots need every dimension >= 16 (H200: 8-row pages, 4/8-column planes and
     4-row KIVI key groups gave wrong results, rel err 0.6-10): such regions are refused by name for a compiled GPU
@@ -132,7 +132,7 @@ def test_compiled_gpu_refuses_mma_dims_below_16(name, why, monkeypatch):
     reg, _, _, _ = paged_attn.paged_regions(cache, 0)
     assert pk.paged_unsupported(reg, D) is None
     assert why in pk.paged_unsupported(reg, D, compiled_gpu=True)
-    for page, spec, want in [(16, "int2", "plane width 4"), (16, KIVI, "channel group 4"), (16, "int8", None)]:
+    for page, spec, want in [(16, "int2", "code-plane width 4"), (16, KIVI, "channel group 4"), (16, "int8", None)]:
         monkeypatch.setattr(sys.modules[__name__], "PAGE", page)
         SPECS["_probe"] = spec
         try:
