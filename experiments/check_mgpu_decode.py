@@ -18,9 +18,12 @@
     variants at the largest T; ``--repeat`` re-times the defaults (the lent GPU is noisy: keep every run's table).
 ``--ws`` adds the warp-specialized kernel (``pallas_kernels.decode_attention_mgpu_ws``, impl ``mgpu_ws``): its parity
     rows in (a) (plus a long T = 8192 case with a ring much shorter than the split) and, in (b), its default
-    config at every T and a few variants at the largest T.  Its parity runs FIRST in a child process (timeout
-    ``--ws-probe-timeout``): a ws kernel that hangs on a barrier or faults (a sticky CUDA error) cannot take the
-    v1 rows down; ws timing runs only when that child finished.  ``--no-ws-isolate`` runs it in-process.
+    config at every T and a few variants at the largest T.  Its parity runs FIRST, ONE CHILD PROCESS PER VARIANT
+    GROUP (``WS_GROUPS``: "ws", "ws u2", "ws c4", ...; timeout ``--ws-probe-timeout`` each): a ws kernel that
+    hangs on a barrier or faults (a sticky CUDA error) cannot take the v1 rows or the other groups down, and the
+    child prints ``starting case ...`` before each case, so a hang names its case.  A ws timing variant runs only
+    when every parity group it depends on (:func:`ws_groups_needed`) finished with all rows OK; the others get
+    a "skipped" row.  ``--no-ws-isolate`` runs the ws parity in-process; ``--ws-groups`` picks groups.
 """
 from __future__ import annotations
 
@@ -85,6 +88,41 @@ def flush(args, results):
 # ---------------------------------------------------------------------------------------------------------------
 # (a) parity
 # ---------------------------------------------------------------------------------------------------------------
+# ws parity groups, each in its own child process (a group = one kernel variant, every case it runs in)
+WS_GROUPS = ("ws", "ws u2", "ws c4", "ws c4 r40", "ws bf16", "ws default")
+
+
+def ws_parity_configs(ci: int, qdt, ws_only: bool) -> dict:
+    """The ws configs of one parity case, by group label.  "ws": a 2-slot ring over one split (refills, several
+    turns per warpgroup); "u2": two blocks per update at 64 rows; "c4": four compute warpgroups at 64 rows
+    (default setmaxnreg 32 + 4 x 112); "c4 r40": the same with 40 + 4 x 104; "bf16": one-pass bf16 p; "default":
+    the timed defaults (auto splits: several programs per row)."""
+    wvars = {"ws": MgpuWsConfig(num_splits=1, max_concurrent_steps=2)}
+    if (not ci and qdt == jnp.bfloat16) or ws_only:
+        wvars["ws u2"] = MgpuWsConfig(num_splits=1, block_t=64, max_concurrent_steps=4, blocks_per_update=2)
+        wvars["ws c4"] = MgpuWsConfig(num_splits=1, block_t=64, max_concurrent_steps=4, compute_wgs=4)
+    if not ci and qdt == jnp.bfloat16:
+        wvars["ws c4 r40"] = MgpuWsConfig(num_splits=1, block_t=64, max_concurrent_steps=4, compute_wgs=4,
+                                          memory_registers=40)
+        wvars["ws bf16"] = MgpuWsConfig(num_splits=1, max_concurrent_steps=2, precision="bf16")
+        wvars["ws default"] = MgpuWsConfig()
+    return wvars
+
+
+def ws_groups_needed(cfg: MgpuWsConfig) -> set:
+    """The parity groups a timed ws config depends on (all must pass for it to be timed)."""
+    need = {"ws"}
+    if cfg.num_splits != 1:
+        need.add("ws default")
+    if cfg.blocks_per_update == 2:
+        need.add("ws u2")
+    if cfg.compute_wgs == 4:
+        need.add("ws c4 r40" if cfg.memory_registers == 40 else "ws c4")
+    if cfg.precision == "bf16":
+        need.add("ws bf16")
+    return need
+
+
 def parity_variants(args, ci: int, kf, qdt, ws_only: bool):
     """``(label, impl, fn)`` rows of one parity case: v1's precisions, then (``--ws``) the warp-specialized ones."""
     out = []
@@ -96,16 +134,9 @@ def parity_variants(args, ci: int, kf, qdt, ws_only: bool):
         out.append((prec, "mgpu", lambda q, r, kn, vn, cfg=cfg: decode_attention_mgpu(
             q, r, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32)))
     if args.ws and (args.ws_child or not args.ws_isolate):
-        # "ws": a 2-slot ring over one split (refills, several turns per warpgroup); "u2": two blocks per update
-        # at 64 rows; "c4": four compute warpgroups at 64 rows; "default": the timed defaults (auto splits)
-        wvars = {"ws": MgpuWsConfig(num_splits=1, max_concurrent_steps=2)}
-        if (not ci and qdt == jnp.bfloat16) or ws_only:
-            wvars["ws u2"] = MgpuWsConfig(num_splits=1, block_t=64, max_concurrent_steps=4, blocks_per_update=2)
-            wvars["ws c4"] = MgpuWsConfig(num_splits=1, block_t=64, max_concurrent_steps=4, compute_wgs=4)
-        if not ci and qdt == jnp.bfloat16:
-            wvars["ws bf16"] = MgpuWsConfig(num_splits=1, max_concurrent_steps=2, precision="bf16")
-            wvars["ws default"] = MgpuWsConfig()
-        for label, cfg in wvars.items():
+        for label, cfg in ws_parity_configs(ci, qdt, ws_only).items():
+            if label not in args.ws_groups:
+                continue
             out.append((label, "mgpu_ws", lambda q, r, kn, vn, cfg=cfg: decode_attention_mgpu_ws(
                 q, r, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32)))
     return out
@@ -144,6 +175,10 @@ def check(args, results):
                 for prec, impl, f in parity_variants(args, ci, kf, qdt, ws_only):
                     case = {k: v for k, v in c.items() if k != "ws_only"}
                     rec = dict(case=case, format=name, q_dtype=jnp.dtype(qdt).name, precision=prec, impl=impl)
+                    if impl == "mgpu_ws":          # flushed BEFORE the kernel runs: a hang names its case
+                        what = f"{case} {name} q={rec['q_dtype']} {prec}"
+                        log(f"starting case {what}")
+                        _mark_started(args, what)
                     try:
                         out = np.asarray(jax.jit(f)(q, reg, kn, vn))
                         err = rel_err(out, ref)
@@ -160,41 +195,84 @@ def check(args, results):
                     flush(args, results)
 
 
+def _mark_started(args, what: str) -> None:
+    """The case a ws child is about to run, in ``<out>/started.txt`` (the parent quotes it after a timeout)."""
+    out = args.out or os.environ.get("OUT")
+    if out and args.ws_child:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "started.txt"), "w") as f:
+            f.write(what + "\n")
+
+
 # errors that leave the CUDA context unusable (a fault in one kernel fails every later call in the process)
 _FAULT_MARKERS = ("illegal", "cuda_error", "unspecified launch failure", "misaligned", "launch timed out",
                   "an illegal", "hardware exception", "ecc error")
 
 
-def ws_probe(args, results) -> bool:
-    """The ws parity rows in a child process (before this process touches the GPU).  True when the child finished
-    (its rows may still say FAILED / HIGH: compile errors and wrong numbers do not poison a process, hangs and
-    faults do); the child's rows join ``results["check"]``."""
-    out = os.path.join(args.out or os.environ.get("OUT") or "/tmp", "ws_child")
+def _ws_child(args, group: str, out: str) -> tuple[bool, str, list]:
+    """One ws parity group in a child process: (passed, why not, its rows)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--ws", "--ws-child", "--check-only", "--traceback",
-           "--formats", ",".join(args.formats), "--out", out] + (["--quick"] if args.quick else [])
-    log(f"ws parity in a child process (timeout {args.ws_probe_timeout} s): {' '.join(cmd[1:])}")
+           "--formats", ",".join(args.formats), "--ws-groups", group, "--out", out] + (["--quick"] if args.quick else [])
+    log(f"ws parity group {group!r} in a child process (timeout {args.ws_probe_timeout} s): {' '.join(cmd[1:])}")
+    for stale in ("started.txt", "check_mgpu_decode.json"):      # an earlier run's, in the same --out
+        if os.path.exists(os.path.join(out, stale)):
+            os.remove(os.path.join(out, stale))
     t0 = time.time()
     sys.stdout.flush()
     try:                                   # the child's output streams into ours (nothing lost if we are killed)
         p = subprocess.run(cmd, timeout=args.ws_probe_timeout)
         ok, why = p.returncode == 0, f"exit code {p.returncode}"
     except subprocess.TimeoutExpired:
-        ok, why = False, f"timed out after {args.ws_probe_timeout} s (a ws kernel hung?)"
-    log(f"ws child {'finished' if ok else 'FAILED: ' + why} in {time.time() - t0:.0f} s")
+        started = ""
+        try:
+            with open(os.path.join(out, "started.txt")) as f:
+                started = f.read().strip()
+        except OSError:
+            pass
+        ok, why = False, f"timed out after {args.ws_probe_timeout} s in case [{started or '?'}] (a ws kernel hung?)"
+    rows = []
     try:
         with open(os.path.join(out, "check_mgpu_decode.json")) as f:
             rows = json.load(f)["check"]
-        results["check"] += rows
-        faults = [r["error"] for r in rows if any(m in r.get("error", "").lower() for m in _FAULT_MARKERS)]
-        if faults and ok:
-            ok, why = False, f"a ws kernel faulted on the device: {faults[0][:300]}"
     except Exception as e:  # noqa: BLE001
-        log(f"ws child left no results: {type(e).__name__}: {e}")
-    if not ok:
-        log(f"ws timing disabled: {why}")
-    results["ws_child"] = dict(ok=ok, why=None if ok else why)
-    flush(args, results)
-    return ok
+        log(f"ws child {group!r} left no results: {type(e).__name__}: {e}")
+    faults = [r["error"] for r in rows if any(m in r.get("error", "").lower() for m in _FAULT_MARKERS)]
+    bad = [r for r in rows if not r.get("ok")]
+    if ok and faults:
+        ok, why = False, f"a ws kernel faulted on the device: {faults[0][:300]}"
+    elif ok and not rows:
+        ok, why = False, "no parity rows"
+    elif ok and bad:
+        ok, why = False, f"{len(bad)} of {len(rows)} rows failed or HIGH"
+    log(f"ws parity group {group!r}: {'PASSED' if ok else 'FAILED: ' + why} ({len(rows)} rows, "
+        f"{time.time() - t0:.0f} s)")
+    return ok, why, rows
+
+
+def ws_probe(args, results) -> set:
+    """The ws parity rows, one child process per group of ``args.ws_groups`` (before this process touches the
+    GPU).  Returns the groups that passed (child finished, every row OK, no fault: hangs and faults poison a
+    process, compile errors and wrong numbers do not but still fail the group); rows join ``results["check"]``."""
+    base = os.path.join(args.out or os.environ.get("OUT") or "/tmp", "ws_child")
+    passed, results["ws_child"] = set(), {}
+    for group in args.ws_groups:
+        ok, why, rows = _ws_child(args, group, os.path.join(base, group.replace(" ", "_")))
+        results["check"] += rows
+        results["ws_child"][group] = dict(ok=ok, why=None if ok else why, rows=len(rows))
+        if ok:
+            passed.add(group)
+        flush(args, results)
+    failed = [g for g in args.ws_groups if g not in passed]
+    if failed:
+        log(f"ws parity groups that did not pass (their timing variants are skipped): {failed}")
+    return passed
+
+
+def ws_passed_in_process(args, results) -> set:
+    """``--no-ws-isolate``: the groups whose in-process parity rows are all OK."""
+    rows = [r for r in results["check"] if r.get("impl") == "mgpu_ws"]
+    return {g for g in args.ws_groups
+            if any(r["precision"] == g for r in rows) and all(r.get("ok") for r in rows if r["precision"] == g)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -206,7 +284,8 @@ def _row(results, args, **row):
     us = row.get("us")
     log(f"T={row['T']:6d} {row['impl']:8s} {row['format']:6s} {row.get('variant', ''):18s} "
         + (f"{us:9.1f} us {row['tbps']:5.2f} TB/s x{row.get('speedup_vs_cudnn', float('nan')):.2f} "
-           f"err {row.get('rel_err')}" if us else f"FAILED {row.get('error', '')[:800]}"))
+           f"err {row.get('rel_err')}" if us else
+           f"{'SKIPPED' if row.get('skipped') else 'FAILED'} {row.get('error', '')[:800]}"))
 
 
 def ws_variants(kf, more: bool) -> dict:
@@ -214,9 +293,11 @@ def ws_variants(kf, more: bool) -> dict:
     slot: 2 x BT x D x bytes + 8 BT for INT scales; Mosaic refuses > 227 KB in all)."""
     d = default_ws_config(kf)
     r = dataclasses.replace
-    out = {"ws": d, "ws c4 bt64": r(d, compute_wgs=4, block_t=64, max_concurrent_steps=4 if kf.bits == 16 else 8)}
+    c4 = r(d, compute_wgs=4, block_t=64, max_concurrent_steps=4 if kf.bits == 16 else 8)
+    out = {"ws": d, "ws c4 bt64": c4}
     if not more:
         return out
+    out["ws c4 r40 bt64"] = r(c4, memory_registers=40)
     if kf.payload == "int4":            # default 128 x 6
         out.update({"ws u2": r(d, blocks_per_update=2, max_concurrent_steps=8), "ws s8": r(d, max_concurrent_steps=8),
                     "ws s4": r(d, max_concurrent_steps=4), "ws bt64 s8": r(d, block_t=64, max_concurrent_steps=8),
@@ -312,8 +393,13 @@ def timing(args, results, t, variants_here=True, tag=""):
                 except Exception as e:  # noqa: BLE001
                     _row(results, args, T=t, impl="mgpu", format=name, variant=vname,
                          error=f"{type(e).__name__}: {e}"[:1500])
-            if args.ws and args.ws_ok:
+            if args.ws:
                 for vname, cfg in ws_variants(kf, variants_here and not tag).items():
+                    missing = sorted(ws_groups_needed(cfg) - args.ws_passed)
+                    if missing:
+                        _row(results, args, T=t, impl="mgpu_ws", format=name, variant=vname + tag, skipped=True,
+                             error=f"skipped: ws parity group(s) {missing} did not pass")
+                        continue
                     try:
                         fn = lambda q, o, cfg=cfg: decode_attention_mgpu_ws_prepared(  # noqa: E731
                             q, o, config=cfg, out_dtype=jnp.float32)
@@ -349,7 +435,9 @@ def markdown(results) -> str:
         lines.append("")
     lines += ["| T | impl | format | variant | median µs [min, max] | bytes read (MB) | TB/s | % of copy | "
               "× vs cuDNN | rel err vs f32 |", "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [bench.timing_row(r, copy, err_key="rel_err", variant=True) for r in results["rows"]]
+    lines += [f"| {r['T']} | {r['impl']} | {r['format']} | {r.get('variant', '')} | skipped (parity) | | | | | |"
+              if r.get("skipped") else bench.timing_row(r, copy, err_key="rel_err", variant=True)
+              for r in results["rows"]]
     return "\n".join(lines) + "\n"
 
 
@@ -371,24 +459,31 @@ def main(argv=None):
     ap.add_argument("--ws-child", action="store_true", help=argparse.SUPPRESS)   # the isolated ws parity run
     ap.add_argument("--no-ws-isolate", dest="ws_isolate", action="store_false",
                     help="run the ws parity in this process (a hung / faulting ws kernel then stops everything)")
-    ap.add_argument("--ws-probe-timeout", type=int, default=240)
+    ap.add_argument("--ws-probe-timeout", type=int, default=240, help="seconds per ws parity group child")
+    ap.add_argument("--ws-groups", default=",".join(WS_GROUPS), help="ws parity groups (comma separated)")
     args = ap.parse_args(argv)
     args.T = [int(x) for x in args.T.split(",") if x]
     args.formats = [x for x in args.formats.split(",") if x]
     args.impls = [x for x in args.impls.split(",") if x]
+    args.ws_groups = [x.strip() for x in args.ws_groups.split(",") if x.strip()]
+    unknown = sorted(set(args.ws_groups) - set(WS_GROUPS))
+    if unknown:
+        ap.error(f"unknown --ws-groups {unknown}; known: {list(WS_GROUPS)}")
     results = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    shape=dict(B=args.B, hq=args.hq, hkv=args.hkv, d=args.d), argv=sys.argv[1:], rows=[], check=[])
-    args.ws_ok = True
+    args.ws_passed = set()
     if args.ws and args.ws_isolate and not args.ws_child:
-        # before this process initializes the GPU backend (the child then has the whole device)
-        args.ws_ok = ws_probe(args, results)
+        # before this process initializes the GPU backend (each child then has the whole device)
+        args.ws_passed = ws_probe(args, results)
     dev = jax.devices()[0]
     results.update(device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__)
     log(f"device {results['device']} jax {jax.__version__}")
-    if not args.ws_ok:
-        log("ws timing rows skipped: the ws parity child did not finish (see above)")
     if not args.no_check:
         check(args, results)
+    if args.ws and not args.ws_isolate and not args.ws_child:      # --no-check: time them all, unchecked
+        args.ws_passed = set(WS_GROUPS) if args.no_check else ws_passed_in_process(args, results)
+    if args.ws and not args.ws_child:
+        log(f"ws parity groups passed: {sorted(args.ws_passed)}")
     if not args.check_only:
         results["hbm_copy_tbps"] = hbm_copy_tbps()
         log(f"HBM copy probe (read+write) {results['hbm_copy_tbps']:.2f} TB/s")

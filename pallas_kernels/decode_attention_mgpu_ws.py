@@ -46,10 +46,13 @@ Per CTA (program ``(b*Hkv + h, split)``, (C + 1) x 128 threads, ``plgpu.kernel(n
   which is the order the blocks arrive in anyway.  Only the reduction itself is serialized; every warpgroup takes
   the same number of turns (``nbs / (C U)`` + the final one), so the ring never stalls on a finished warpgroup.
 
-Not checked on a GPU by the author of this file (CPU only): the CPU test lowers it for "cuda" (shapes, layouts,
-the SMEM budget, setmaxnreg; passes with JAX 0.10.2 and 0.11.2), a CPU model of the mbarrier plan runs random
-interleavings; ``experiments/check_mgpu_decode.py --ws`` checks parity against the
-float64 oracle and times it next to v1 on the H200.  ``interpret=True`` runs v1's plain-JAX partials (same
+Device status: first H200 run (JAX 0.11.2): C = 2 (one and two blocks per update) matched the float64 oracle
+(bf16, rel err 1.7e-6); C = 4 hung, because its ``setmaxnreg`` numbers (40 + 4 x 112) exceeded the CTA's register
+pool (5 x 96, :func:`register_pool`): fixed to 32 + 4 x 112 = 480, and :func:`_resolve` now refuses any pair
+that does not fit.  The CPU test lowers it for "cuda" (shapes, layouts, the SMEM budget; passes with JAX 0.10.2
+and 0.11.2; ptxas is not run), a CPU model of the mbarrier plan AND the register pool runs random interleavings;
+``experiments/check_mgpu_decode.py --ws`` checks parity against the float64 oracle (one child process per
+variant group) and times it next to v1 on the H200.  ``interpret=True`` runs v1's plain-JAX partials (same
 arithmetic), as v1 does.
 """
 from __future__ import annotations
@@ -67,7 +70,7 @@ from pallas_kernels.decode_attention_mgpu import (MgpuConfig, MgpuOperands, _aut
                                                   _fmt_supported, _kernel_partials, _partials_jnp, _spec_for, _Spec,
                                                   _tile_transforms, _with_current_token, prepare_region)
 
-__all__ = ["MgpuWsConfig", "default_ws_config", "mgpu_ws_unsupported", "decode_attention_mgpu_ws",
+__all__ = ["MgpuWsConfig", "default_ws_config", "register_pool", "mgpu_ws_unsupported", "decode_attention_mgpu_ws",
            "decode_attention_mgpu_ws_prepared", "decode_attention_mgpu_ws_partials"]
 
 
@@ -83,7 +86,9 @@ class MgpuWsConfig:
     (None -> only with one block per update: two converted V tiles would hold 128 registers across the softmax).
     compute_wgs: compute warpgroups (2, or 4 for twice the warps in flight per SM with half the registers each:
     pair it with 64-row blocks).  memory_registers / compute_registers: ``setmaxnreg`` of the TMA / compute
-    warpgroups (40 + C x compute <= 512 per thread slot of the 64K register file; 232 for C = 2, 112 for C = 4).
+    warpgroups; None -> 40 / 232 for C = 2, 32 / 112 for C = 4.  They must fit the CTA's register POOL, which
+    is what the launch gave it, not the whole register file: :func:`register_pool` (504 per 128-thread slot for
+    C = 2, only 480 for C = 4); ``setmaxnreg.inc`` past the pool blocks forever (the first H200 run's hang).
     """
 
     block_t: Optional[int] = None
@@ -94,8 +99,8 @@ class MgpuWsConfig:
     blocks_per_update: int = 1
     v_first: Optional[bool] = None       # V tiles converted before the turn wait (None: when blocks_per_update == 1)
     compute_wgs: int = 2                 # compute warpgroups per CTA (2 or 4); the TMA warpgroup comes on top
-    memory_registers: int = 40
-    compute_registers: Optional[int] = None  # None -> (512 - memory_registers) / compute_wgs, at most 232
+    memory_registers: Optional[int] = None   # None -> 40 (C = 2) / 32 (C = 4)
+    compute_registers: Optional[int] = None  # None -> (register_pool(C) - memory_registers) / C, rounded down to 8
 
 
 def default_ws_config(kf: KVFormat) -> MgpuWsConfig:
@@ -109,13 +114,36 @@ def default_ws_config(kf: KVFormat) -> MgpuWsConfig:
     return MgpuWsConfig(block_t=128, max_concurrent_steps=4)          # int8: 4 x 33 KB
 
 
+def register_pool(compute_wgs: int) -> int:
+    """Registers per thread slot (x 128 threads = per warpgroup) that a CTA of ``compute_wgs + 1`` warpgroups owns.
+
+    Mosaic GPU launches with a known block size (``gpu.launch`` -> ``.maxntid``), so ptxas gives every thread
+    of the ``128 (C + 1)`` the largest count that fits one CTA in the 64K register file, rounded DOWN to the
+    allocation granularity of 8 per thread (256 per warp), and ``setmaxnreg`` only moves registers between the
+    warpgroups of that CTA: PTX, "setmaxnreg.inc blocks the execution until enough registers are available in
+    the CTA's register pool".  C = 2: 3 x 168 = 504 = 40 + 2 x 232 (the FA3 / JAX attention numbers).  C = 4:
+    5 x 96 = 480 < 40 + 4 x 112 = 488 (``(512 - 40) / 4``, also JAX's ``pipeline._compute_registers``), so the
+    last compute warpgroup's ``setmaxnreg.inc`` never returned and the CTA deadlocked on its turn barrier."""
+    return (compute_wgs + 1) * (512 // (compute_wgs + 1) // 8 * 8)
+
+
 def _resolve(cfg: MgpuWsConfig | None, kf: KVFormat) -> MgpuWsConfig:
     cfg = cfg or MgpuWsConfig()
     d = default_ws_config(kf)
-    if cfg.compute_wgs not in (2, 4):
-        raise ValueError(f"compute_wgs must be 2 or 4, got {cfg.compute_wgs}")
-    regs = cfg.compute_registers or min(232, (512 - cfg.memory_registers) // cfg.compute_wgs // 8 * 8)
-    return dataclasses.replace(cfg, block_t=cfg.block_t or d.block_t, compute_registers=regs,
+    c = cfg.compute_wgs
+    if c not in (2, 4):
+        raise ValueError(f"compute_wgs must be 2 or 4, got {c}")
+    pool = register_pool(c)
+    mem = cfg.memory_registers or (40 if c == 2 else 32)
+    regs = cfg.compute_registers or min(256, (pool - mem) // c // 8 * 8)
+    for what, r in (("memory_registers", mem), ("compute_registers", regs)):
+        if r % 8 or not 24 <= r <= 256:
+            raise ValueError(f"{what}={r}: setmaxnreg takes a multiple of 8 in [24, 256]")
+    if mem + c * regs > pool:
+        raise ValueError(f"memory_registers={mem} + {c} x compute_registers={regs} = {mem + c * regs} > the "
+                         f"{pool} registers per thread slot a CTA of {c + 1} warpgroups owns: setmaxnreg.inc "
+                         "would block forever")
+    return dataclasses.replace(cfg, block_t=cfg.block_t or d.block_t, compute_registers=regs, memory_registers=mem,
                                max_concurrent_steps=cfg.max_concurrent_steps or d.max_concurrent_steps)
 
 
@@ -156,7 +184,10 @@ def mgpu_ws_unsupported(reg: Region, head_dim: int, config: MgpuWsConfig | None 
         return "mixed float/quantized K and V are not implemented"
     if head_dim % 64:
         return f"head_dim {head_dim} is not a multiple of 64"
-    cfg = _resolve(config, kf)
+    try:
+        cfg = _resolve(config, kf)
+    except ValueError as e:
+        return str(e)
     rows, u, c = reg.k.data.shape[2], cfg.blocks_per_update, cfg.compute_wgs
     if cfg.block_t % 64 or rows % (c * u * cfg.block_t):
         return f"{rows} rows is not a multiple of {c} x {u} x block_t={cfg.block_t}"

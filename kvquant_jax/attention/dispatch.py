@@ -116,7 +116,8 @@ def decode_attention(q: jax.Array, scheme, layer_state, lengths: jax.Array, k_ne
     if impl == "auto":
         plat = platform()
         why = (f"no region kernel on {plat}" if plat not in ("gpu", "tpu")
-               else kernel.kernel_unsupported(regions[0], d, "tpu" if plat == "tpu" else "gpu"))
+               else kernel.kernel_unsupported(regions[0], d, "tpu" if plat == "tpu" else "gpu",
+                                              compiled_gpu=plat == "gpu" and not interpret))
         impl = "reference" if why else "kernel"
         if why:
             _served("reference", what, q, why)

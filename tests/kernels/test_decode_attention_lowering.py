@@ -82,3 +82,35 @@ def test_mgpu_ws_smem_overflow_is_a_lowering_error(rng):
     cfg = ws.MgpuWsConfig(max_concurrent_steps=12, num_splits=1)      # 12 x 33 KB
     with pytest.raises(Exception, match="shared memory"):
         _lower_cuda(lambda q, r: ws.decode_attention_mgpu_ws(q, r, config=cfg), q, reg)
+
+
+@pytest.mark.parametrize("cfg", [ws.MgpuWsConfig(), ws.MgpuWsConfig(compute_wgs=4, block_t=64, max_concurrent_steps=4),
+                                 ws.MgpuWsConfig(compute_wgs=4, block_t=64, max_concurrent_steps=4,
+                                                 memory_registers=40)],
+                         ids=["c2", "c4", "c4-r40"])
+def test_mgpu_ws_setmaxnreg_fits_the_launch(rng, monkeypatch, cfg):
+    """What the kernel passes to setmaxnreg, per warpgroup, must fit the registers its launch owns: ptxas gives
+    each of the 128 x num_threads threads floor(64K / threads) rounded down to 8, and setmaxnreg.inc blocks until
+    the CTA's pool can pay (the first H200 run hung on compute_wgs=4 with 40 + 4 x 112 > 5 x 96)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    calls, launches = [], []
+    set_max, kernel = plgpu.set_max_registers, plgpu.kernel
+
+    def spy_set_max(n, *, action):
+        calls.append((n, action))
+        return set_max(n, action=action)
+
+    def spy_kernel(*a, **k):
+        launches.append(k.get("num_threads"))
+        return kernel(*a, **k)
+
+    monkeypatch.setattr(plgpu, "set_max_registers", spy_set_max)
+    monkeypatch.setattr(plgpu, "kernel", spy_kernel)
+    q, reg = _mgpu_case(rng, "bf16")
+    assert "mosaic_gpu" in _lower_cuda(lambda q, r: ws.decode_attention_mgpu_ws(q, r, config=cfg), q, reg)
+    [wgs] = set(launches)
+    [dec] = [n for n, a in calls if a == "decrease"]            # the TMA warpgroup
+    [inc] = {n for n, a in calls if a == "increase"}            # every compute warpgroup
+    per_thread = 65536 // (128 * wgs) // 8 * 8
+    assert dec + (wgs - 1) * inc <= wgs * per_thread, (dec, inc, wgs, per_thread)
+    assert all(n % 8 == 0 and 24 <= n <= 256 for n, _ in calls)

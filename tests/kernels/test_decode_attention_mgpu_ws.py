@@ -82,13 +82,28 @@ class _Bar:
         self.phase += 1
 
 
-def _run_protocol(nbs, stages, c, u, seed):
+def _run_protocol(nbs, stages, c, u, seed, regs=None):
     """Memory warpgroup + ``c`` compute warpgroups as generators, one random step at a time.  Fails on a deadlock,
     on a waiter two phases behind (Mosaic tracks ONE parity bit per thread and barrier), on a slot refilled before
-    its owner consumed it, or on turns out of block order."""
+    its owner consumed it, or on turns out of block order.
+
+    ``regs = (memory, compute)``: the ``setmaxnreg`` each warpgroup starts with (None: the kernel's own
+    :func:`ws._resolve` numbers).  The CTA owns ``register_pool(c)`` registers per thread slot (what the launch
+    gave its ``c + 1`` warpgroups); ``setmaxnreg.inc`` waits until the pool can pay for it (PTX), so numbers that
+    do not fit leave one compute warpgroup blocked there forever and the turn ring deadlocks."""
     rnd = np.random.default_rng(seed)
+    if regs is None:
+        r = ws._resolve(ws.MgpuWsConfig(compute_wgs=c, blocks_per_update=u), mg.KVFormat("bf16"))
+        regs = (r.memory_registers, r.compute_registers)
+    launch = ws.register_pool(c) // (c + 1)                 # per thread, every warpgroup, at launch
+    pool = [0]                                              # registers per thread slot not held by a warpgroup
     full, consumed, turn = [_Bar() for _ in range(stages)], [_Bar() for _ in range(stages)], [_Bar() for _ in range(c)]
     slot, waits, order = [None] * stages, {}, []
+
+    def setmaxnreg(n):
+        while pool[0] < n - launch:                         # .inc blocks; .dec (n < launch) always goes through
+            yield
+        pool[0] -= n - launch
 
     def wait(who, bar):
         k = waits.get((who, id(bar)), 0)
@@ -98,6 +113,8 @@ def _run_protocol(nbs, stages, c, u, seed):
         waits[(who, id(bar))] = k + 1
 
     def memory():
+        yield from setmaxnreg(regs[0])
+
         def issue(i):
             assert slot[i % stages] is None, f"slot {i % stages} refilled before block {slot[i % stages]} was used"
             slot[i % stages] = i
@@ -111,6 +128,7 @@ def _run_protocol(nbs, stages, c, u, seed):
             yield
 
     def compute(w):
+        yield from setmaxnreg(regs[1])
         if w == c - 1:
             turn[0].arrive()
 
@@ -150,6 +168,34 @@ def test_ws_barrier_protocol_model(c, u):
         for stages in range(c * u, min(nbs, 8) + 1, c * u):
             for seed in range(8):
                 _run_protocol(nbs, stages, c, u, seed)
+
+
+def test_ws_register_plan_fits_the_pool():
+    """The first H200 run hung on compute_wgs=4 with 40 + 4 x 112 registers (> the 5 x 96 a 640-thread CTA owns):
+    the resolved numbers must fit, the C = 2 ones stay what passed on the device, and a bad pair is refused."""
+    assert ws.register_pool(2) == 3 * 168 and ws.register_pool(4) == 5 * 96
+    kf = mg.KVFormat("bf16")
+    for c in (2, 4):
+        r = ws._resolve(ws.MgpuWsConfig(compute_wgs=c), kf)
+        assert r.memory_registers + c * r.compute_registers <= ws.register_pool(c)
+        assert r.memory_registers >= 24 and r.compute_registers % 8 == 0 and r.memory_registers % 8 == 0
+    r2 = ws._resolve(ws.MgpuWsConfig(), kf)
+    assert (r2.memory_registers, r2.compute_registers) == (40, 232)
+    r4 = ws._resolve(ws.MgpuWsConfig(compute_wgs=4, memory_registers=40), kf)
+    assert r4.compute_registers == 104
+    with pytest.raises(ValueError, match="block forever"):
+        ws._resolve(ws.MgpuWsConfig(compute_wgs=4, memory_registers=40, compute_registers=112), kf)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ws._resolve(ws.MgpuWsConfig(compute_registers=230), kf)
+
+
+def test_ws_barrier_protocol_model_catches_register_oversubscription():
+    """The plan of the first device run (C = 4, 40 + 4 x 112 registers): the model must deadlock on it."""
+    for seed in range(4):
+        with pytest.raises(AssertionError, match="deadlock"):
+            _run_protocol(8, 4, 4, 1, seed, regs=(40, 112))
+    _run_protocol(8, 4, 4, 1, 0, regs=(40, 104))
+    _run_protocol(8, 4, 4, 1, 0, regs=(32, 112))
 
 
 def test_ws_barrier_protocol_model_catches_a_bad_ring():
