@@ -15,10 +15,11 @@
 #   intactkv       P: the IntactKV / PrefixQuant ablation at 64 WikiText-2 test segments x 1024 tokens
 #   paged_check    M: the compiled paged kernel vs the float64 oracle at D 128, 16- and 64-row pages
 #   fixed_order    N: what the fixed-order (mesh- and batch-invariant) numerics cost against the fast path
+#   ws             J: the warp-specialized Mosaic kernel (C = 4 register fix) vs v1 and cuDNN, parity first
 #   decode         J: the packed decode kernels against cuDNN at 32K / 128K (the baseline table of issue J)
 # Needs SmolLM2 and Gemma-3 in $KVQ_CACHE_DIR (kvq fetch-model), WikiText-2 in $KVQ_DATA_DIR, gguf importable.
 # The jobs share the GPU, so their absolute speeds are only comparable within a job (each job measures its own
-# baseline in the same run), never across jobs.  Timing jobs (engine, fixed_order, decode) belong in a block of
+# baseline in the same run), never across jobs.  Timing jobs (engine, fixed_order, decode, ws) belong in a block of
 # their own: on 2026-12-01 the engine ran beside three quality jobs and its table says so
 # (docs/results/engine/README.md).  Quality jobs: paged_check gemma_passkey sweeps intactkv.
 set -u
@@ -60,7 +61,10 @@ for job in $JOBS; do
     decode)
       start_job decode 0.10 $PY experiments/bench_decode_attention.py --check --T 32768,131072 \
         --out docs/results/decode_attention/pending ;;
-    *) echo "unknown job $job (paged_check engine gemma_passkey sweeps intactkv fixed_order decode)" >&2; exit 2 ;;
+    ws)
+      start_job ws 0.10 $PY experiments/check_mgpu_decode.py --ws --quick --T 4096,32768 --formats bf16,int8,int4 \
+        --impls mgpu --reps 8 --ws-probe-timeout 90 --out docs/results/decode_mgpu/pending-ws ;;
+    *) echo "unknown job $job (paged_check engine gemma_passkey sweeps intactkv fixed_order decode ws)" >&2; exit 2 ;;
   esac
 done
 echo "[pending] started: $JOBS; poll $LOG/jobs.txt"
