@@ -603,7 +603,8 @@ def _query_planes(q4, kf: KVFormat, mp: int):
 #: every bf16-operand run that contracted over fewer than 16 (8-row blocks in P @ V, K code planes of 4 or 8
 #: columns in Q @ K^T, 4-row KIVI key groups) was wrong (rel err 0.6-10), while the same shapes with float32
 #: operands, and every shape contracting over >= 16, were right; V planes of 8 output columns were right (KIVI-2,
-#: docs/benchmarks_decode.md, rel err 7e-6).
+#: docs/benchmarks_decode.md, rel err 7e-6).  Applied to every compiled GPU run (the precision is chosen after the
+#: region is accepted, so float32-operand runs, which would be right, take the plain-JAX path too).
 MMA_MIN = 16
 #: smallest output (N) dimension of such a dot: V code planes are the N of P @ V.
 MMA_MIN_N = 8

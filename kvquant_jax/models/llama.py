@@ -347,8 +347,9 @@ def forward(params, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache, num_new
         holds ``[B, T, V]`` logits (at B = 20, T = 8000 and a 49K vocabulary that is 31 GB); logits are then
         ``[B, 1, V]``.
     Returns:
-      logits float32 [B, T, V] (``[B, 1, V]`` with ``logits_at``); the successor cache; ok: bool scalar. ``ok`` is False when any K/V row of any
-      layer is non-finite: then ``lengths`` are NOT advanced (nothing is published) and the caller must raise.
+      logits float32 [B, T, V] (``[B, 1, V]`` with ``logits_at``); the successor cache; ok: bool scalar. ``ok``
+      is False when any K/V row of any layer is non-finite: then ``lengths`` are NOT advanced (nothing is
+      published) and the caller must raise.
     """
     b, t = tokens.shape
     linear = linear or cfg.activation or dense
