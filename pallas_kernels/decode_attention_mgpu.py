@@ -196,10 +196,9 @@ def _fmt_supported(f: KVFormat, d: int) -> Optional[str]:
     return f"{f.payload}: no Mosaic GPU register type (INT2/INT1) or not implemented"
 
 
-def mgpu_unsupported(reg: Region, head_dim: int, config: MgpuConfig | None = None) -> Optional[str]:
-    """Why this kernel cannot take the region (None when it can); the caller keeps the Triton kernel then."""
-    kf, vf = reg.k.fmt, reg.v.fmt
-    cfg = _resolve_config(config, kf)
+def _formats_unsupported(kf: KVFormat, vf: KVFormat, head_dim: int) -> Optional[str]:
+    """The format / head_dim conditions every Mosaic GPU decode kernel here shares (v1 and the warp-specialized
+    one): why the K/V pair cannot be read, or None."""
     for f in (kf, vf):
         why = _fmt_supported(f, head_dim)
         if why:
@@ -208,6 +207,16 @@ def mgpu_unsupported(reg: Region, head_dim: int, config: MgpuConfig | None = Non
         return "mixed float/quantized K and V are not implemented"
     if head_dim % 64:
         return f"head_dim {head_dim} is not a multiple of 64"
+    return None
+
+
+def mgpu_unsupported(reg: Region, head_dim: int, config: MgpuConfig | None = None) -> Optional[str]:
+    """Why this kernel cannot take the region (None when it can); the caller keeps the Triton kernel then."""
+    kf, vf = reg.k.fmt, reg.v.fmt
+    cfg = _resolve_config(config, kf)
+    why = _formats_unsupported(kf, vf, head_dim)
+    if why:
+        return why
     rows = reg.k.data.shape[2]
     if cfg.block_t % 64 or rows % cfg.block_t:
         return f"{rows} rows is not a multiple of block_t={cfg.block_t} (a multiple of 64)"

@@ -67,7 +67,7 @@ from jax.experimental import pallas as pl
 
 from kvquant_jax.abi.regions import KVFormat, Region, check_query
 from pallas_kernels.decode_attention_mgpu import (MgpuConfig, MgpuOperands, _auto_splits, _block_update, _F32,
-                                                  _fmt_supported, _kernel_partials, _partials_jnp, _spec_for, _Spec,
+                                                  _formats_unsupported, _kernel_partials, _partials_jnp, _spec_for, _Spec,
                                                   _tile_transforms, _with_current_token, prepare_region)
 
 __all__ = ["MgpuWsConfig", "default_ws_config", "register_pool", "mgpu_ws_unsupported", "decode_attention_mgpu_ws",
@@ -176,14 +176,9 @@ def _ws_spec(ops: MgpuOperands, g: int, cfg: MgpuWsConfig | None, q_dtype) -> tu
 def mgpu_ws_unsupported(reg: Region, head_dim: int, config: MgpuWsConfig | None = None) -> Optional[str]:
     """Why this kernel cannot take the region (None when it can)."""
     kf, vf = reg.k.fmt, reg.v.fmt
-    for f in (kf, vf):
-        why = _fmt_supported(f, head_dim)
-        if why:
-            return why
-    if (kf.payload in ("bf16", "fp16")) != (vf.payload in ("bf16", "fp16")):
-        return "mixed float/quantized K and V are not implemented"
-    if head_dim % 64:
-        return f"head_dim {head_dim} is not a multiple of 64"
+    why = _formats_unsupported(kf, vf, head_dim)
+    if why:
+        return why
     try:
         cfg = _resolve(config, kf)
     except ValueError as e:
