@@ -85,6 +85,12 @@ def layer_pool_regions(scheme, layout: tuple, pool_state, view_state, lengths: j
             tail)
 
 
+def _compiled_gpu(backend: str | None = None, interpret: Any = None) -> bool:
+    """Whether a paged-kernel call with these arguments is compiled by Triton for a GPU (not interpreted)."""
+    kb, ki = resolve_backend(backend, interpret)
+    return kb == "gpu" and not ki
+
+
 def decode_attention(q: jax.Array, cache: PagedKVCache, layer: int, k_new: jax.Array | None = None,
                      v_new: jax.Array | None = None, *, impl: str = "reference", backend: str | None = None,
                      interpret: Any = None, sm_scale: float | None = None, precision: str | None = None,
@@ -103,9 +109,8 @@ def decode_attention(q: jax.Array, cache: PagedKVCache, layer: int, k_new: jax.A
         return dispatch.decode_attention(q, scheme, state, cache.lengths, k_new, v_new, impl="reference",
                                          sm_scale=sm_scale, out_dtype=out_dtype)
     pool_region, small, _, _ = paged_regions(cache, layer)
-    kb, ki = resolve_backend(backend, interpret)
-    compiled_gpu = kb == "gpu" and not ki
-    if pool_region is None or paged_kernel.paged_unsupported(pool_region, q.shape[-1], compiled_gpu=compiled_gpu):
+    if pool_region is None or paged_kernel.paged_unsupported(pool_region, q.shape[-1],
+                                                             compiled_gpu=_compiled_gpu(backend, interpret)):
         return dispatch.decode_attention(q, scheme, state, cache.lengths, k_new, v_new, impl="kernel",
                                          backend=backend, interpret=interpret, sm_scale=sm_scale,
                                          out_dtype=out_dtype)
@@ -245,8 +250,7 @@ class PagedStep(LayerGroups):
         if t == 1 and decode_impl != "reference":
             pool_region, small, _, _ = layer_pool_regions(scheme, lay, read, view(), lengths, self.num_pages)
             why = ("scheme not read in place" if pool_region is None
-                   else paged_kernel.paged_unsupported(pool_region, q.shape[-1],
-                                                       compiled_gpu=dispatch.platform() == "gpu"))
+                   else paged_kernel.paged_unsupported(pool_region, q.shape[-1], compiled_gpu=_compiled_gpu()))
             if why is None:
                 out = paged_kernel.paged_decode_attention(q[:, 0], pool_region, page_table, small,
                                                           k_new=k[:, 0], v_new=v[:, 0])[:, None].astype(q.dtype)
