@@ -64,7 +64,7 @@ def main():
     cfg, tok = m.cfg, m.tokenizer
     rng = np.random.default_rng(a.seed)
     keys = {(n, d, t): str(rng.integers(10000, 100000)) for n in a.lengths for d in a.depths for t in range(a.trials)}
-    out = {"model": model_identity(m.path), "dtype": a.dtype, "lengths": a.lengths, "depths": a.depths, "trials": a.trials,
+    out = {"model": model_identity(m), "dtype": a.dtype, "lengths": a.lengths, "depths": a.depths, "trials": a.trials,
            "seed": a.seed, "new_tokens": a.new_tokens, "command": "python " + " ".join(sys.argv), "policies": {}}
     out["policies"], partial = previous_rows(Path(a.out) / "passkey.json", out)
     if partial:                                # cells only logged by an interrupted run, until a row replaces them
@@ -98,11 +98,13 @@ def main():
             write(a, out)                      # after every length: a run stopped early keeps what it finished
 
 
-def model_identity(path) -> str:
-    """The model as a protocol field: file name + sha256 prefix, so a copy of the same GGUF in another directory
-    (another machine's cache) resumes the same file and another GGUF does not."""
-    from kvquant_jax.models.fetch import sha256_file
-    return f"{Path(path).name} (sha256 {sha256_file(path)[:8]}...)"
+def model_identity(m) -> str:
+    """The model as a protocol field: file name + sha256 prefix (the digest the loader already has,
+    ``cfg.sha256``), so a copy of the same GGUF in another directory (another machine's cache) resumes the same
+    file and another GGUF does not."""
+    if not m.cfg.sha256:
+        raise SystemExit(f"{m.path}: the loaded model carries no sha256; its results cannot be resumed by identity")
+    return f"{Path(m.path).name} (sha256 {m.cfg.sha256[:8]}...)"
 
 
 def previous_rows(path: Path, out: dict) -> tuple[dict, dict]:

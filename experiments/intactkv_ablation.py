@@ -37,6 +37,7 @@ from kvquant_jax.cache.static_int import StaticIntScheme, load_static_scales, pe
 from kvquant_jax.calibration import intactkv as ikv
 from kvquant_jax.calibration import prefixquant as pq
 from kvquant_jax.data import load_corpus
+from kvquant_jax.eval import quantized_ppl
 from kvquant_jax.models import load_model
 from kvquant_jax.models.llama import forward_jit
 
@@ -69,15 +70,12 @@ def chunked_nll(params, cfg, cache, tokens: np.ndarray, chunk: int) -> np.ndarra
                                     jnp.full((b,), num, jnp.int32))
         if not bool(ok):
             raise RuntimeError("non-finite K/V during evaluation")
-        nll.append(np.asarray(_chunk_nll(lg, jnp.asarray(targets[:, j * chunk:(j + 1) * chunk])))[:, :num])
+        nll.append(np.asarray(_chunk_nll(lg, jnp.asarray(targets[:, j * chunk:(j + 1) * chunk]), cfg))[:, :num])
     return np.concatenate(nll, axis=1)[:, :t - 1]
 
 
-@jax.jit
-def _chunk_nll(logits, targets):
-    """NLL float32 ``[B, C]`` of ``targets [B, C]`` under ``logits [B, C, V]`` (position p predicts targets[p])."""
-    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
+# NLL [B, C] of targets [B, C] under logits [B, C, V] (position p predicts targets[p]): the harness's own gather
+_chunk_nll = jax.jit(quantized_ppl._gather_nll, static_argnames=("cfg",))
 
 
 VARIANTS = ("none", "intactkv-extracted", "intactkv-calibrated", "prefixquant")
