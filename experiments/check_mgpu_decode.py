@@ -123,6 +123,20 @@ def ws_groups_needed(cfg: MgpuWsConfig) -> set:
     return need
 
 
+def parity_tol(q_dtype: str, precision: str) -> float:
+    """The relative-error bound of one parity row against the float32 reference.
+
+    1e-3 (issue J's bound with fp32 accumulation) where every operand the tensor cores see is exact: a bfloat16
+    query with the p x V product kept at split-bf16 precision.  Where the kernel itself rounds an operand to
+    bfloat16 -- a float32 query (wgmma takes bf16 operands), or ``precision="bf16"`` (p rounded before p x V) --
+    4e-3: bf16's unit roundoff is 2^-9 = 2.0e-3 per rounded operand, so the output's relative error sits at
+    1-2e-3 by construction (the H200 rows read 1.1-1.6e-3 on 2026-12-02, and 9.5e-4 to 1.3e-3 for the same
+    case across runs on fresh random inputs): that error is reported per row, not hidden, and a real bug
+    (a wrong block, scale or mask) gives errors of 1e-1 and above."""
+    exact = q_dtype == "bfloat16" and not precision.endswith("bf16") and precision != "bf16"
+    return 1e-3 if exact else 4e-3
+
+
 def parity_variants(args, ci: int, kf, qdt, ws_only: bool):
     """``(label, impl, fn)`` rows of one parity case: v1's precisions, then (``--ws``) the warp-specialized ones."""
     out = []
@@ -182,8 +196,9 @@ def check(args, results):
                     try:
                         out = np.asarray(jax.jit(f)(q, reg, kn, vn))
                         err = rel_err(out, ref)
-                        rec.update(rel_err=err, finite=bool(np.isfinite(out).all()),
-                                   ok=bool(np.isfinite(err) and err < 1e-3))
+                        tol = parity_tol(rec["q_dtype"], prec)
+                        rec.update(rel_err=err, tol=tol, finite=bool(np.isfinite(out).all()),
+                                   ok=bool(np.isfinite(err) and err < tol))
                         log(f"check {str(case):45s} {name:5s} q={rec['q_dtype']:8s} {prec:13s} rel err {err:.2e} "
                             f"{'OK' if rec['ok'] else 'HIGH'}")
                     except Exception as e:  # noqa: BLE001

@@ -135,7 +135,9 @@ def write_report(res: dict, out: Path) -> Path:
         "# IntactKV / PrefixQuant ablation on SmolLM2-135M-Instruct (issue H)", "",
         f"Command: `{res['command']}`  ",
         f"Date: {res['date']}; git {res['git_commit']}; JAX {res['jax']} on {res['backend']} ({res['machine']}); "
-        f"{res['seconds'] / 60:.0f} min wall on a shared, heavily loaded 2-core CPU.  ",
+        f"{res['seconds'] / 60:.0f} min wall"
+        + (f" on {res['device']}" if res.get("device") else "")
+        + (f" ({res['note']})" if res.get("note") else "") + ".  ",
         f"Model: `{Path(res['model']).name}` sha256 `{res['model_sha256'][:16]}…`, tokenizer hash "
         f"`{res['tokenizer_hash']}`.  ",
         f"Evaluation: {res['test_corpus']} (sha256 `{res['test_corpus_sha256'][:12]}…`), {a['segments']} contiguous "
@@ -409,7 +411,8 @@ def main(argv=None):
     result = {
         "command": "python experiments/intactkv_ablation.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.date.today().isoformat(), "git_commit": commit, "jax": jax.__version__,
-        "backend": jax.default_backend(), "machine": platform.machine(), "model": m.path,
+        "backend": jax.default_backend(), "machine": platform.machine(), "device": jax.devices()[0].device_kind,
+        "model": m.path,
         "model_sha256": cfg.sha256, "tokenizer_hash": tok.hash, "test_corpus": test.name,
         "test_corpus_sha256": test.sha256, "calibration_corpus": val.name, "calibration_corpus_sha256": val.sha256,
         "args": vars(args), "reference_ppl": ref, "rows": rows,

@@ -23,7 +23,11 @@ for s in $SWEEPS; do
   fi
 done
 t0=$(date +%s)
+# kvq sweep writes several configs into OUT/<sweep>/ but ONE config into OUT itself: keep OUT/<sweep>/ either way
+# (2026-12-02: a kvquant_main-only run wrote its rows over OUT/'s top level)
+DEST=$OUT
+[ ${#CONFIGS[@]} = 1 ] && DEST=$OUT/$SWEEPS
 $KVQ sweep "${CONFIGS[@]}" --sizes gpu --set tasks.ppl.enabled=false --set tasks.kv_error.enabled=false \
   --set tasks.agreement.enabled=false \
-  --out "$OUT" --no-progress
+  --out "$DEST" --no-progress
 echo "[gpu_sweeps] rc $? in $(( $(date +%s) - t0 )) s"

@@ -8,11 +8,11 @@
 # its own share of GPU memory, XLA_PYTHON_CLIENT_MEM_FRACTION, so that a short job does not wait for a long one):
 #   engine         M: continuous batching on the LLaMA-3-8B shape at a 16 GB KV budget, bf16 / int8 / int4 /
 #                  KIVI-2 against the static batch on one seeded trace (target: int4 >= 1.8x bf16 output tok/s)
-#   gemma_passkey  L: Gemma-3-270M passkey for the quantized policies (resumes: the committed bf16 row is kept,
-#                  int8 is re-run whole: only its first two lengths were measured)
-#   sweeps         P: the GPU-preset sweeps not yet committed (passkey, KIVI axes, KVQuant main with its three
-#                  calibrations on WikiText-2 validation)
-#   intactkv       P: the IntactKV / PrefixQuant ablation at 64 WikiText-2 test segments x 1024 tokens
+#   gemma_passkey  L: Gemma-3-270M passkey, the two rows still short of 32K (KIVI-2, local KIVI-2 + global bf16;
+#                  the script resumes the committed file at the first missing length, ~5 min per policy)
+#   sweeps         P: the GPU-preset sweeps not yet committed (KIVI axes, passkey; kvquant_main ran 2026-12-02)
+#   intactkv       P: the IntactKV / PrefixQuant ablation at 64 WikiText-2 test segments x 1024 tokens (ran
+#                  2026-12-02: docs/results/intactkv/gpu; rerun only to repeat it)
 #   paged_check    M: the compiled paged kernel vs the float64 oracle at D 128, 16- and 64-row pages
 #   fixed_order    N: what the fixed-order (mesh- and batch-invariant) numerics cost against the fast path
 #   ws             J: the warp-specialized Mosaic kernel (C = 4 register fix) vs v1 and cuDNN, parity first
@@ -25,7 +25,7 @@
 set -u
 LOG=${LOG:-/tmp/pending_gpu}
 mkdir -p "$LOG"
-JOBS=${*:-paged_check engine gemma_passkey sweeps intactkv fixed_order decode}
+JOBS=${*:-paged_check engine gemma_passkey sweeps fixed_order decode ws}
 PY=${PY:-python3}
 
 start_job() {   # name, memory fraction, command...
@@ -45,11 +45,11 @@ for job in $JOBS; do
         --compile-cache /tmp/kvq-jax-cache --out docs/results/engine ;;
     gemma_passkey)
       start_job gemma_passkey 0.20 $PY experiments/gemma3_passkey.py --dtype bf16 --trials 20 --batch 10 \
-        --policies bf16 int8 int4 kivi2 "local bf16 + global kivi2" "local kivi2 + global bf16" \
+        --policies kivi2 "local kivi2 + global bf16" \
         --out docs/results/gemma3/gpu ;;
     sweeps)
       # passkey last: one process runs the sweeps in order, and its 8K prefill is the one that ran out of memory
-      start_job sweeps 0.25 bash experiments/run_gpu_sweeps.sh docs/results/gpu kivi_axes kvquant_main passkey ;;
+      start_job sweeps 0.25 bash experiments/run_gpu_sweeps.sh docs/results/gpu kivi_axes passkey ;;
     intactkv)
       start_job intactkv 0.12 $PY experiments/intactkv_ablation.py --segments 64 --seq-len 1024 \
         --out docs/results/intactkv/gpu ;;

@@ -204,16 +204,52 @@ def serving_nll(params, cfg, tokens, policy, prefill: int, *, attention_impl: st
     return serving_decode(params, cfg, tokens, policy, prefill, attention_impl=attention_impl)["nll"]
 
 
+# The log-softmax rows one decode call may hold on the device ([rows, N, V] float32, and once more as the scan's
+# stacked output): 2 GiB.  SmolLM2's GPU preset (64 segments x 1024 steps x 49,152 vocab) is 12 GiB per copy and
+# ran out of memory on the H200 beside other jobs (2026-12-02); it now runs as 4 row blocks of 16 segments.
+LOGPROB_BLOCK_BYTES = 2 << 30
+
+
+def rows_per_block(n: int, vocab: int, rows: int, budget_bytes: int = LOGPROB_BLOCK_BYTES) -> int:
+    """Rows of one decode call so that its ``[rows, n, vocab]`` float32 log-softmax fits ``budget_bytes``
+    (at least 1, at most ``rows``)."""
+    return int(max(1, min(rows, budget_bytes // max(1, 4 * n * vocab))))
+
+
 def serving_decode(params, cfg, tokens, policy, prefill: int, *, attention_impl: str = "auto",
-                   reference_logprobs=None, return_logprobs: bool = False) -> dict:
+                   reference_logprobs=None, return_logprobs: bool = False,
+                   block_bytes: int = LOGPROB_BLOCK_BYTES) -> dict:
     """The serving path of :func:`serving_nll` with :func:`decode`'s extras (``logprobs`` of every scored
-    prediction, or ``kl`` / ``agree`` against ``reference_logprobs`` of the same tokens)."""
+    prediction, or ``kl`` / ``agree`` against ``reference_logprobs`` of the same tokens).
+
+    Rows (segments) run in blocks of :func:`rows_per_block` (``block_bytes`` of log-softmax per call) when
+    ``logprobs`` are returned or compared, each block through its own fresh cache: every row's computation is
+    the same as in one call (rows never interact).  Then ``logprobs`` comes back as host float32
+    ``[B, N, V]`` (NumPy), and ``reference_logprobs`` may be host or device; each block's slice goes to the
+    device only for its call."""
     tokens = np.asarray(tokens, np.int32)
     b, t = tokens.shape
     n = t - prefill - 1
     if prefill < 1 or n < 1:
         raise ValueError(f"serving path needs 1 <= prefill and at least one decode prediction: prefill {prefill}, "
                          f"{t} tokens")
-    return decode(params, cfg, policy, tokens[:, :prefill], n, targets=tokens[:, prefill:],
-                  attention_impl=attention_impl, reference_logprobs=reference_logprobs,
-                  return_logprobs=return_logprobs)
+    if reference_logprobs is not None and tuple(reference_logprobs.shape[:2]) != (b, n):
+        raise ValueError(f"reference_logprobs must be [B, n, V] with [B, n] = {(b, n)}, got "
+                         f"{tuple(reference_logprobs.shape)}")
+    rb = b
+    if return_logprobs or reference_logprobs is not None:
+        rb = rows_per_block(n, cfg.vocab_size, b, block_bytes)
+    if rb >= b:
+        return decode(params, cfg, policy, tokens[:, :prefill], n, targets=tokens[:, prefill:],
+                      attention_impl=attention_impl, reference_logprobs=reference_logprobs,
+                      return_logprobs=return_logprobs)
+    parts = []
+    for lo in range(0, b, rb):
+        part = decode(params, cfg, policy, tokens[lo:lo + rb, :prefill], n, targets=tokens[lo:lo + rb, prefill:],
+                      attention_impl=attention_impl,
+                      reference_logprobs=None if reference_logprobs is None else reference_logprobs[lo:lo + rb],
+                      return_logprobs=return_logprobs)
+        if "logprobs" in part:
+            part["logprobs"] = np.asarray(part["logprobs"], np.float32)
+        parts.append(part)
+    return {k: np.concatenate([p[k] for p in parts], axis=0) for k in parts[0]}

@@ -113,3 +113,31 @@ def test_serving_kl_and_top1_against_a_float64_oracle(tiny, tokens):
     assert np.all(same["agree"] == 1.0)
     with pytest.raises(ValueError, match="reference_logprobs must be"):
         serving_decode(params, cfg, toks, make_scheme("fp32"), 9, reference_logprobs=ref["logprobs"][:, :3])
+
+
+def test_serving_decode_in_row_blocks_equals_one_call(tiny, tokens):
+    """Row blocks (a small ``block_bytes``: 2 rows per call of 5) give the same NLL, log-softmax, KL and top-1 as
+    one call over every row: rows never interact, each block has its own fresh cache."""
+    from kvquant_jax.eval.quantized_ppl import rows_per_block, serving_decode
+
+    cfg, params = tiny
+    toks = tokens(5, 24, seed=11)
+    n = 24 - 7 - 1
+    two_rows = 2 * 4 * n * cfg.vocab_size
+    assert rows_per_block(n, cfg.vocab_size, 5, two_rows) == 2
+    assert rows_per_block(n, cfg.vocab_size, 5, 1) == 1 and rows_per_block(n, cfg.vocab_size, 5, 1 << 40) == 5
+    whole = serving_decode(params, cfg, toks, make_scheme("fp32"), 7, return_logprobs=True)
+    blocked = serving_decode(params, cfg, toks, make_scheme("fp32"), 7, return_logprobs=True, block_bytes=two_rows)
+    assert isinstance(blocked["logprobs"], np.ndarray) and blocked["logprobs"].shape == (5, n, cfg.vocab_size)
+    # (another batch size may reassociate XLA's float32 sums: ~1e-5 of a log-probability, not a behaviour change)
+    np.testing.assert_allclose(blocked["logprobs"], np.asarray(whole["logprobs"]), rtol=1e-5, atol=3e-5)
+    np.testing.assert_allclose(blocked["nll"], whole["nll"], rtol=1e-5, atol=3e-5)
+    q_whole = serving_decode(params, cfg, toks, make_scheme("int2"), 7, reference_logprobs=whole["logprobs"])
+    q_blocked = serving_decode(params, cfg, toks, make_scheme("int2"), 7, reference_logprobs=blocked["logprobs"],
+                               block_bytes=two_rows)
+    assert q_whole["kl"].mean() > 1e-4                               # a lossy cache: a KL the test can see
+    for k in ("nll", "kl", "agree", "argmax", "first"):
+        np.testing.assert_allclose(q_blocked[k], q_whole[k], rtol=1e-5, atol=3e-5, err_msg=k)
+    with pytest.raises(ValueError, match="reference_logprobs must be"):
+        serving_decode(params, cfg, toks, make_scheme("int2"), 7, reference_logprobs=blocked["logprobs"][:3],
+                       block_bytes=two_rows)
