@@ -8,6 +8,12 @@ default precision ("bf16x2": q rounded to bf16, p split hi + lo) and for ``preci
 
     python experiments/check_paged_gpu.py --out /tmp/check_paged.json      # D 128, pages 16 and 64; exit 1 on a failure
     python experiments/check_paged_gpu.py --head-dim 16 --page 8 16        # the CI test's shapes (2026-12-01 run)
+    python experiments/check_paged_gpu.py --page 64 --formats engine         # the engine's groups (KIVI G 32, ...)
+
+``--formats``: names of the CI test's ``SPECS`` (comma separated), ``all`` (default) or ``engine``: the schemes
+with the group sizes the engine benchmark serves (KIVI key / value groups and residual of 32 rows, INT4 head_dim
+groups of 32, the prefix-KIVI body likewise), which the CI test's 4-row groups cannot show: the compiled MMA rule
+refuses 4-row key groups, so those rows only exercise the fallback.
 """
 from __future__ import annotations
 
@@ -31,6 +37,13 @@ from kvquant_jax.attention import paged as paged_attn  # noqa: E402
 from kvquant_jax.cache.interface import layer_state  # noqa: E402
 from pallas_kernels import paged_decode_attention as paged_kernel  # noqa: E402
 
+#: the engine benchmark's group sizes (``--formats engine``; pages must be a multiple of 32 rows)
+_KIVI32 = {"name": "kivi2", "group_size": 32, "v_group_size": 32, "residual": 32}
+ENGINE_SPECS = {
+    "kivi2_g32": _KIVI32, "kivi4_g32": dict(_KIVI32, name="kivi4"), "int4_g32": "int4:group_size=32",
+    "prefix_kivi_g32": {"name": "prefix", "prefix_len": 2, "body": _KIVI32},
+}
+
 #: bound for a bf16 query / bf16x2 p against the float64 oracle (the contiguous kernel's compiled bound)
 BOUND = {"bf16x2": 5e-3, "f32": 1e-3}
 
@@ -41,7 +54,16 @@ def main(argv=None) -> int:
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run (the Triton interpreter)")
     ap.add_argument("--page", type=int, nargs="+", default=[16, 64], help="rows per page (the CI test uses 8)")
     ap.add_argument("--head-dim", type=int, default=128, help="head_dim (the CI test uses 16)")
+    ap.add_argument("--formats", default="all", help="'all', 'engine', or SPECS names (comma separated)")
     args = ap.parse_args(argv)
+    if args.formats == "engine":
+        T.SPECS.update(ENGINE_SPECS)
+        args.formats = ",".join(ENGINE_SPECS)
+    names = sorted(T.SPECS) if args.formats == "all" else args.formats.split(",")
+    unknown = [n for n in names if n not in T.SPECS]
+    if unknown:
+        ap.error(f"unknown formats {unknown}; known: {sorted(T.SPECS)} or 'engine'")
+    args.names = names
     rows, failed = [], []
     T.D = args.head_dim                                 # the builders read the module's sizes
     for page in args.page:
@@ -59,7 +81,7 @@ def main(argv=None) -> int:
 
 def check_all(args):
     rows, failed = [], []
-    for name in sorted(T.SPECS):
+    for name in args.names:
         if name in T.NOT_IN_PLACE:
             continue
         cache, ref, rng = T._build(name, seed=sorted(T.SPECS).index(name))

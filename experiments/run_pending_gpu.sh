@@ -9,7 +9,8 @@
 #   engine         M: continuous batching on the LLaMA-3-8B shape at a 16 GB KV budget, bf16 / int8 / int4 /
 #                  KIVI-2 against the static batch on one seeded trace (target: int4 >= 1.8x bf16 output tok/s)
 #   gemma_passkey  L: Gemma-3-270M passkey, the two rows still short of 32K (KIVI-2, local KIVI-2 + global bf16;
-#                  the script resumes the committed file at the first missing length, ~5 min per policy)
+#                  the script resumes the committed file at the first missing length), then FP8 E4M3 whole
+#                  (~8 min per whole policy when the GPU is shared)
 #   sweeps         P: the GPU-preset sweeps not yet committed (KIVI axes, passkey; kvquant_main ran 2026-12-02)
 #   intactkv       P: the IntactKV / PrefixQuant ablation at 64 WikiText-2 test segments x 1024 tokens (ran
 #                  2026-12-02: docs/results/intactkv/gpu; rerun only to repeat it)
@@ -45,7 +46,7 @@ for job in $JOBS; do
         --compile-cache /tmp/kvq-jax-cache --out docs/results/engine ;;
     gemma_passkey)
       start_job gemma_passkey 0.20 $PY experiments/gemma3_passkey.py --dtype bf16 --trials 20 --batch 10 \
-        --policies kivi2 "local kivi2 + global bf16" \
+        --policies kivi2 "local kivi2 + global bf16" "fp8_e4m3 (warm-up per-head scales)" \
         --out docs/results/gemma3/gpu ;;
     sweeps)
       # passkey last: one process runs the sweeps in order, and its 8K prefill is the one that ran out of memory
@@ -54,7 +55,10 @@ for job in $JOBS; do
       start_job intactkv 0.12 $PY experiments/intactkv_ablation.py --segments 64 --seq-len 1024 \
         --out docs/results/intactkv/gpu ;;
     paged_check)
-      start_job paged_check 0.05 $PY experiments/check_paged_gpu.py --out docs/results/engine/check_paged_gpu_d128.json ;;
+      # the engine's group sizes first (KIVI G 32: never compiled yet), then the CI test's formats at D 128
+      start_job paged_check 0.05 bash -c "$PY experiments/check_paged_gpu.py --page 64 --formats engine \
+        --out docs/results/engine/check_paged_gpu_engine.json; $PY experiments/check_paged_gpu.py \
+        --out docs/results/engine/check_paged_gpu_d128.json" ;;
     fixed_order)
       start_job fixed_order 0.10 $PY experiments/bench_serving.py --model llama3-8b-shaped --cache bf16 int4 \
         --batch 8 --T 32768 --reduction fast fixed_order --reps 5 --out docs/results/sharding/gpu ;;
