@@ -48,7 +48,7 @@ def probe(params, cfg, spec: str, impl: str, a) -> dict:
         t = time.perf_counter()
         out = orig(fn, *args, **kw)
         jax.block_until_ready(out)
-        fwd.append((int(args[2].shape[1]), time.perf_counter() - t))     # args: slot_state, rows, tokens
+        fwd.append((int(args[1].shape[1]), time.perf_counter() - t))     # args: rows, tokens, ...
         return out
 
     eng._jit_step = timed
