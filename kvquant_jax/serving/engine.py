@@ -3,18 +3,26 @@
 One :class:`Engine` owns ``num_slots`` sequence slots, a page pool and (optionally) a prefix cache.  Every
 :meth:`Engine.step`:
 
-1. **admits** queued requests (FCFS) into free slots while the pool has pages for their prompt (prefix-cache hits
-   map stored pages first and need only the rest) plus one page per running request of headroom;
+1. **admits** queued requests (FCFS) into free slots while the pool has the pages ``EngineConfig.admission`` asks
+   for (prefix-cache hits map stored pages first and need only the rest): ``"optimistic"`` (the default) -- the
+   prompt plus one page per running request of headroom, so under load requests outgrow the pool and are
+   preempted (step 3); ``"reserve"`` -- the request's prompt + ``max_new_tokens`` plus every page each running
+   request still needs to reach its ``max_new_tokens``, so a request is never preempted (fewer in flight; the
+   benchmark's policy);
 2. **plans** one step: every decoding slot feeds its last sampled token (one ``[num_slots, 1]`` forward; idle
    and prefilling slots feed nothing, ``num_new = 0``) and up to ``prefill_slots`` prefilling slots (admission
    order) feed ``min(chunk, pending)`` prompt tokens (one ``[prefill_slots, chunk]`` forward of those rows);
    static shapes from a bounded, bucketed set (``Engine.compile_shapes``);
-3. **reserves** pages (``paged.reserve``: map new pages, copy-on-write shared ones); when the pool runs out it
+3. **reserves** pages (``paged.plan_reserve``: map new pages, copy-on-write shared ones); when the pool runs out it
    evicts least-recently-used prefix-cache entries, then **preempts** the most recently admitted request (its pages
    are released and it re-queues at the front to be *recomputed*: prompt + generated tokens are prefilled again,
    its output continues where it stopped) -- never writing into a page another request holds;
 4. runs the step (``begin_step``/``retire_step`` bracket it: pages released while it runs are reclaimed only once
-   its outputs are ready), samples every slot's next token with its own sampling parameters (temperature / top-k /
+   its outputs are ready): both forwards are dispatched before either is waited for, and their outputs come back
+   in one ``jax.device_get``; the page table and lengths are kept on the host (the engine is their only writer:
+   ``paged.plan_reserve`` plans on them, every jitted step takes them as its ``host_state`` argument, and
+   :attr:`Engine.cache` refreshes the device copies only when read), so planning a step reads nothing from the
+   device; it samples every slot's next token with its own sampling parameters (temperature / top-k /
    top-p; a per-request PRNG stream, so results do not depend on batch composition) and **streams** a
    :class:`StreamEvent` per new token; a request stops at its stop tokens (EOS by default; the stop token is not
    emitted, as in ``serving.generate``) or its ``max_new_tokens``.
@@ -43,7 +51,9 @@ the reference attention; the interpreted paged kernel and ``forward="view"`` wer
 model = 2, not in the tests).
 
 Bad input raises ``ValueError`` at :meth:`Engine.submit`: an empty prompt, a token outside the vocabulary, a
-request longer than the model's context or the cache's, a request that needs more pages than the whole pool.
+request longer than the model's context or the cache's, a request that needs more pages than the whole pool; a bad
+:class:`EngineConfig` (unknown ``forward`` or ``admission``, a size that is not a positive int) raises
+``ValueError`` when it is built.
 """
 from __future__ import annotations
 
