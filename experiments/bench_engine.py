@@ -1,19 +1,23 @@
 """Continuous batching on the paged quantized KV cache vs the static-batch loop, on one seeded Poisson trace.
 
-    # H200 (issue M): LLaMA-3-8B shape (random bf16 weights), every cache + the static baseline on ONE trace and
-    # ONE set of weights; --max-seconds bounds each config (partial results are reported as such)
-    python experiments/bench_engine.py --model llama3-8b-shaped --cache bf16 int8 int4 kivi2 \
-        --requests 96 --rate 8 --prompt-len 512 8192 --output-len 64 1024 --hbm-gb 16 --slots 128 \
-        --page-size 64 --chunk 256 --max-seconds 90 --compile-cache /tmp/kvq-jax-cache --out docs/results/engine
+    # H200 (issue M): LLaMA-3-8B shape (random bf16 weights), bf16 vs int4 on ONE trace and ONE set of weights,
+    # capacity-bound (192 requests arrive within ~24 s, far faster than either cache serves them); the defaults
+    # are the run-2 engine settings: reserve admission, 8 x 512 prefill tokens per step, no prefix cache for
+    # random prompts (docs/results/engine/README.md, "Changes since run 1", has the arithmetic)
+    python experiments/bench_engine.py --model llama3-8b-shaped --cache bf16 int4 \
+        --requests 192 --rate 8 --prompt-len 512 8192 --output-len 64 1024 --hbm-gb 16 --slots 128 \
+        --page-size 64 --chunk 512 --prefill-slots 8 --admission reserve --view-buckets 2 --max-seconds 300 \
+        --no-static --compile-cache /tmp/kvq-jax-cache --out docs/results/engine
     # (at --rate 2 this trace is arrival-bound -- fewer requests in flight than a bf16 pool holds -- so no cache
     # can show its capacity; docs/results/engine/README.md)
     # CPU smoke run (tiny model, short requests; a minute)
     python experiments/bench_engine.py --small
 
-For every (model, cache): the engine (``kvquant_jax.serving.engine``: admission by free pages, one decode forward
+For every (model, cache): the engine (``kvquant_jax.serving.engine``: admission by free pages -- ``--admission
+reserve`` covers every admitted request's prompt + ``max_new_tokens``, so none is preempted -- one decode forward
 ``[slots, 1]`` through the paged kernel plus one prefill forward of ``--prefill-slots`` chunks per step, the
-paged-direct forward (``attention.paged.PagedStep``: no contiguous view of the cache), preemption by recompute,
-prefix cache) replays the trace in real time with a page pool of ``--hbm-gb`` of KV
+paged-direct forward (``attention.paged.PagedStep``: no contiguous view of the cache), preemption by recompute
+under ``--admission optimistic``, prefix cache with ``--shared-prefix``) replays the trace in real time with a page pool of ``--hbm-gb`` of KV
 (``engine_cli.pages_for_budget``: a quantized cache gets proportionally more pages).  Every step shape
 (``Engine.compile_shapes``: bounded, bucketed) is compiled before the clock starts (``compile_s``).  The
 static-batch loop (``serving.generate`` on a contiguous cache) serves the same trace in arrival order in batches
@@ -86,7 +90,8 @@ def static_batches(params, cfg, scheme, reqs, batch: int, chunk: int, max_second
 
 
 TABLE = ("model", "cache", "system", "output_tok_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
-         "peak_concurrent", "preemptions", "finished", "partial", "num_pages", "step_shapes", "compile_s")
+         "peak_concurrent", "preemptions", "finished", "partial", "num_pages", "admission", "step_shapes",
+         "compile_s")
 
 
 def table(rows) -> str:
@@ -111,12 +116,20 @@ def main(argv=None):
     ap.add_argument("--hbm-gb", type=float, default=16.0, help="KV-cache budget (the same for every cache)")
     ap.add_argument("--slots", type=int, default=128, help="upper bound; capped per cache (see below)")
     ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=512,
+                    help="prefill tokens per step and prefilling request (with --prefill-slots: the per-step "
+                         "prefill budget, default 8 x 512 = 4096 tokens; docs/results/engine/README.md)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-static", action="store_true", help="skip the static-batch baseline")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="stop each config (engine replay, static loop) after this long and report it as partial")
-    ap.add_argument("--prefill-slots", type=int, default=4, help="requests prefilling a chunk per engine step")
+    ap.add_argument("--prefill-slots", type=int, default=8, help="requests prefilling a chunk per engine step")
+    ap.add_argument("--admission", default="reserve", choices=["reserve", "optimistic"],
+                    help="reserve: admit only while the pool covers every request's prompt + max_new_tokens (no "
+                         "preemption); optimistic: prompt + one page per running request (preempts by recompute)")
+    ap.add_argument("--prefix-cache", default="auto", choices=["auto", "on", "off"],
+                    help="store prompt pages for reuse; auto: on iff --shared-prefix > 0 (random prompts never "
+                         "hit, and storing every chunk's pages costs host time per step)")
     ap.add_argument("--view-buckets", type=int, default=4, help="compiled view sizes per phase (max_pages / 2^k)")
     ap.add_argument("--forward", default="direct", choices=["direct", "view"],
                     help="paged-direct forward, or the whole-view gather/scatter reference path")
@@ -127,10 +140,11 @@ def main(argv=None):
     if args.small:
         args.model, args.dtype, args.requests, args.rate = ["tiny"], "float32", 12, 20.0
         args.prompt_len, args.output_len, args.hbm_gb = [32, 256], [8, 48], 0.001
-        args.slots, args.page_size, args.chunk = 6, 32, 64
+        args.slots, args.page_size, args.chunk, args.prefill_slots = 6, 32, 64, 4
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    prefix_cache = args.prefix_cache == "on" or (args.prefix_cache == "auto" and args.shared_prefix > 0)
     rows = []
     for model in args.model:
         params, cfg = load(model, args.dtype)
@@ -150,7 +164,8 @@ def main(argv=None):
             ec = E.EngineConfig(num_slots=slots, page_size=args.page_size, num_pages=num_pages,
                                 max_pages=-(-longest // args.page_size), chunk=args.chunk, seed=args.seed,
                                 forward=args.forward, prefill_slots=args.prefill_slots,
-                                view_buckets=args.view_buckets)
+                                view_buckets=args.view_buckets, admission=args.admission,
+                                prefix_cache=prefix_cache)
             row = {"model": model, "cache": spec, "system": "engine", "hbm_gb": args.hbm_gb,
                    "page_bytes": page_bytes(scheme, cfg, args.page_size),
                    **serve_bench(params, cfg, scheme, reqs, ec, realtime=True, max_seconds=args.max_seconds)}

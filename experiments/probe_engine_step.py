@@ -37,7 +37,7 @@ def probe(params, cfg, spec: str, impl: str, a) -> dict:
     slots = min(a.slots, num_pages // per_req)
     ec = E.EngineConfig(num_slots=slots, page_size=a.page_size, num_pages=num_pages, max_pages=per_req,
                         chunk=a.chunk, prefill_slots=a.prefill_slots, view_buckets=a.view_buckets,
-                        attention_impl=impl, prefix_cache=False)
+                        attention_impl=impl, prefix_cache=a.prefix_cache)
     eng = E.Engine(params, cfg, scheme, ec)
     t0 = time.perf_counter()
     compile_s = eng.warmup()
@@ -48,7 +48,7 @@ def probe(params, cfg, spec: str, impl: str, a) -> dict:
         t = time.perf_counter()
         out = orig(fn, *args, **kw)
         jax.block_until_ready(out)
-        fwd.append((int(args[1].shape[1]), time.perf_counter() - t))
+        fwd.append((int(args[1].shape[1]), time.perf_counter() - t))     # args: rows, tokens, ...
         return out
 
     eng._jit_step = timed
@@ -82,7 +82,7 @@ def probe(params, cfg, spec: str, impl: str, a) -> dict:
 
     dec = lambda s: "prefill" not in s          # noqa: E731
     mix = lambda s: "prefill" in s              # noqa: E731
-    out = {"cache": spec, "impl": impl, "slots": slots, "num_pages": num_pages, "prompt": a.prompt,
+    out = {"cache": spec, "impl": impl, "slots": slots, "prefix_cache": a.prefix_cache, "num_pages": num_pages, "prompt": a.prompt,
            "compile_s": round(compile_s, 1), "setup_s": round(time.perf_counter() - t0, 1), "steps": len(steps),
            "decode_only_steps": sum(map(dec, steps)),
            "ms_decode_only_wall": med("wall", dec), "ms_decode_only_forward": med("decode", dec),
@@ -106,6 +106,9 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--prefill-slots", type=int, default=4)
     ap.add_argument("--view-buckets", type=int, default=2)
+    ap.add_argument("--prefix-cache", action="store_true",
+                    help="store every prefill chunk's full pages in the prefix cache (the engine default; the "
+                         "prompts are random, so it only costs host time)")
     ap.add_argument("--trace", default=None, help="directory for Perfetto traces of decode-only steps")
     ap.add_argument("--trace-steps", type=int, default=3)
     ap.add_argument("--small", action="store_true", help="CPU smoke sizes")

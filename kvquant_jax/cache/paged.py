@@ -367,13 +367,15 @@ def table_refs(cache: PagedKVCache) -> np.ndarray:
     return t[t >= 0]
 
 
-def reserve(cache: PagedKVCache, pool: pp.PoolState, new_lengths, owners=None
-            ) -> tuple[PagedKVCache, pp.PoolState, np.ndarray]:
-    """Make room for sequences to grow to ``new_lengths`` (int ``[B]``): map missing pages and copy-on-write every
-    shared page an append to that length would write.  Returns ``(cache', pool', write)`` with ``write`` bool
-    ``[B, max_pages]``: the pages the append may write (all exclusively owned now).  Raises ``ValueError`` past
-    the capacity and :class:`~kvquant_jax.cache.page_pool.PoolExhaustedError` (nothing changed)."""
-    old = _host(cache.lengths).astype(np.int64)
+def plan_reserve(cache: PagedKVCache, pool: pp.PoolState, lengths, table, new_lengths, owners=None
+                 ) -> tuple[np.ndarray, pp.PoolState, np.ndarray, np.ndarray, np.ndarray]:
+    """The host half of :func:`reserve` on host copies of the cache's ``lengths`` (int ``[B]``) and
+    ``page_table`` (int ``[B, max_pages]``; not modified): no device array is read or written, so an engine that
+    keeps both on the host plans a step without a device round trip.  Returns ``(table', pool', write, src,
+    dst)``: the new page table (int32 ``[B, max_pages]``), the pool, ``write`` bool ``[B, max_pages]`` (the
+    pages the append may write, all exclusively owned then) and the copy-on-write copies ``src -> dst`` (int32
+    ``[n]``) to apply to the pools first (:func:`copy_pages`).  Raises as :func:`reserve` (nothing changed)."""
+    old = np.asarray(lengths, np.int64).reshape(-1)
     new = np.asarray(new_lengths, np.int64).reshape(old.shape)
     if (new > cache.capacity).any():
         b = int(np.argmax(new))
@@ -381,7 +383,7 @@ def reserve(cache: PagedKVCache, pool: pp.PoolState, new_lengths, owners=None
                          f"{cache.capacity} ({cache.row_offset} prefix rows + {cache.max_pages} pages of "
                          f"{cache.page_size})")
     owners = np.arange(cache.batch) if owners is None else np.asarray(owners)
-    table = _host(cache.page_table)
+    table = np.array(table, np.int32)
     need = cache.pages_needed(new)
     first = window_first(cache, old)
     grow = new > old
@@ -401,10 +403,27 @@ def reserve(cache: PagedKVCache, pool: pp.PoolState, new_lengths, owners=None
                 src.append(p)
                 dst.append(q)
                 table[b, j] = q
+    return table, pool, write, np.asarray(src, np.int32), np.asarray(dst, np.int32)
+
+
+def reserve(cache: PagedKVCache, pool: pp.PoolState, new_lengths, owners=None
+            ) -> tuple[PagedKVCache, pp.PoolState, np.ndarray]:
+    """Make room for sequences to grow to ``new_lengths`` (int ``[B]``): map missing pages and copy-on-write every
+    shared page an append to that length would write.  Returns ``(cache', pool', write)`` with ``write`` bool
+    ``[B, max_pages]``: the pages the append may write (all exclusively owned now).  Raises ``ValueError`` past
+    the capacity and :class:`~kvquant_jax.cache.page_pool.PoolExhaustedError` (nothing changed)."""
+    table, pool, write, src, dst = plan_reserve(cache, pool, _host(cache.lengths), _host(cache.page_table),
+                                                new_lengths, owners)
     cache = cache.replace(page_table=jnp.asarray(table, jnp.int32))
-    if src:
-        cache = _copy_jit(cache, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
+    if src.size:
+        cache = apply_copies(cache, src, dst)
     return cache, pool, write
+
+
+def apply_copies(cache: PagedKVCache, src, dst) -> PagedKVCache:
+    """:func:`copy_pages` (jitted) of host page lists ``src -> dst`` (int ``[n]``, ``n >= 1``): the device half of
+    a copy-on-write that :func:`plan_reserve` planned."""
+    return _copy_jit(cache, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
 
 
 def window_first(cache: PagedKVCache, lengths) -> np.ndarray:

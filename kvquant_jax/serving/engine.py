@@ -3,18 +3,26 @@
 One :class:`Engine` owns ``num_slots`` sequence slots, a page pool and (optionally) a prefix cache.  Every
 :meth:`Engine.step`:
 
-1. **admits** queued requests (FCFS) into free slots while the pool has pages for their prompt (prefix-cache hits
-   map stored pages first and need only the rest) plus one page per running request of headroom;
+1. **admits** queued requests (FCFS) into free slots while the pool has the pages ``EngineConfig.admission`` asks
+   for (prefix-cache hits map stored pages first and need only the rest): ``"optimistic"`` (the default) -- the
+   prompt plus one page per running request of headroom, so under load requests outgrow the pool and are
+   preempted (step 3); ``"reserve"`` -- the request's prompt + ``max_new_tokens`` plus every page each running
+   request still needs to reach its ``max_new_tokens``, so a request is never preempted (fewer in flight; the
+   benchmark's policy);
 2. **plans** one step: every decoding slot feeds its last sampled token (one ``[num_slots, 1]`` forward; idle
    and prefilling slots feed nothing, ``num_new = 0``) and up to ``prefill_slots`` prefilling slots (admission
    order) feed ``min(chunk, pending)`` prompt tokens (one ``[prefill_slots, chunk]`` forward of those rows);
    static shapes from a bounded, bucketed set (``Engine.compile_shapes``);
-3. **reserves** pages (``paged.reserve``: map new pages, copy-on-write shared ones); when the pool runs out it
+3. **reserves** pages (``paged.plan_reserve``: map new pages, copy-on-write shared ones); when the pool runs out it
    evicts least-recently-used prefix-cache entries, then **preempts** the most recently admitted request (its pages
    are released and it re-queues at the front to be *recomputed*: prompt + generated tokens are prefilled again,
    its output continues where it stopped) -- never writing into a page another request holds;
 4. runs the step (``begin_step``/``retire_step`` bracket it: pages released while it runs are reclaimed only once
-   its outputs are ready), samples every slot's next token with its own sampling parameters (temperature / top-k /
+   its outputs are ready): both forwards are dispatched before either is waited for, and their outputs come back
+   in one ``jax.device_get``; the page table and lengths are kept on the host (the engine is their only writer:
+   ``paged.plan_reserve`` plans on them, every jitted step takes them as its ``host_state`` argument, and
+   :attr:`Engine.cache` refreshes the device copies only when read), so planning a step reads nothing from the
+   device; it samples every slot's next token with its own sampling parameters (temperature / top-k /
    top-p; a per-request PRNG stream, so results do not depend on batch composition) and **streams** a
    :class:`StreamEvent` per new token; a request stops at its stop tokens (EOS by default; the stop token is not
    emitted, as in ``serving.generate``) or its ``max_new_tokens``.
@@ -43,7 +51,9 @@ the reference attention; the interpreted paged kernel and ``forward="view"`` wer
 model = 2, not in the tests).
 
 Bad input raises ``ValueError`` at :meth:`Engine.submit`: an empty prompt, a token outside the vocabulary, a
-request longer than the model's context or the cache's, a request that needs more pages than the whole pool.
+request longer than the model's context or the cache's, a request that needs more pages than the whole pool; a bad
+:class:`EngineConfig` (unknown ``forward`` or ``admission``, a size that is not a positive int) raises
+``ValueError`` when it is built.
 """
 from __future__ import annotations
 
@@ -74,6 +84,7 @@ __all__ = ["EngineConfig", "Request", "StreamEvent", "Result", "Engine", "sample
 
 
 FORWARDS = ("direct", "view")
+ADMISSIONS = ("optimistic", "reserve")
 
 
 def bucket(n: int, limit: int) -> int:
@@ -109,6 +120,10 @@ class EngineConfig:
       prefill_slots: rows of a step's prefill forward (``[prefill_slots, chunk]``; at most that many requests
         prefill a chunk per step, in admission order).
       view_buckets: page counts a forward's view of the mapped pages compiles at (``view_ladder``).
+      admission: "optimistic" (admit while the free pages cover the prompt plus one page per running request:
+        more requests in flight, but under load they outgrow the pool and are preempted -- recomputed) or
+        "reserve" (admit only while the free pages cover this request's prompt + ``max_new_tokens`` and what
+        every running request still needs to reach its ``max_new_tokens``: a request is never preempted).
     """
 
     num_slots: int = 8
@@ -122,10 +137,13 @@ class EngineConfig:
     forward: str = "direct"
     prefill_slots: int = 4
     view_buckets: int = 4
+    admission: str = "optimistic"
 
     def __post_init__(self):
         if self.forward not in FORWARDS:
             raise ValueError(f"engine: forward must be one of {FORWARDS}, got {self.forward!r}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"engine: admission must be one of {ADMISSIONS}, got {self.admission!r}")
         for f in ("num_slots", "page_size", "num_pages", "max_pages", "chunk", "prefill_slots", "view_buckets"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -203,12 +221,23 @@ def _sample_last(last, temperature, top_k, top_p, base_key, req_ids, n_gen):
     return sample_rows(last, keys, temperature, top_k, top_p)
 
 
+def _with_host_state(cache: paged.PagedKVCache, host_state) -> paged.PagedKVCache:
+    """The cache with the engine's host page table and lengths (``host_state`` int32 ``[S, max_pages + 1]``:
+    columns ``:max_pages`` the table, the last column the committed lengths; None: the cache as is)."""
+    if host_state is None:
+        return cache
+    m = cache.max_pages
+    return cache.replace(page_table=host_state[:, :m], lengths=host_state[:, m])
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_impl"), donate_argnames=("cache",))
 def _step_view(params, cfg: LlamaConfig, cache: paged.PagedKVCache, tokens, num_new, write, temperature, top_k,
-               top_p, base_key, req_ids, n_gen, attention_impl="auto"):
+               top_p, base_key, req_ids, n_gen, attention_impl="auto", host_state=None):
     """One forward on the whole contiguous view of every slot (``paged.gather`` -> ``forward`` ->
-    ``paged.scatter``): ``tokens`` int32 ``[S, T]`` (``num_new[s]`` valid), pages ``write`` bool ``[S, M]``.
-    Returns (next token int32 ``[S]``, cache', ok)."""
+    ``paged.scatter``): ``tokens`` int32 ``[S, T]`` (``num_new[s]`` valid), pages ``write`` bool ``[S, M]``;
+    ``host_state``: the engine's page table and lengths (``_with_host_state``).  Returns (next token int32
+    ``[S]``, cache', ok)."""
+    cache = _with_host_state(cache, host_state)
     view = paged.gather(cache)
     logits, view2, ok = forward(params, cfg, tokens, view, num_new, attention_impl=attention_impl,
                                 logits_at=jnp.maximum(num_new - 1, 0))
@@ -220,11 +249,14 @@ def _step_view(params, cfg: LlamaConfig, cache: paged.PagedKVCache, tokens, num_
                    donate_argnames=("cache",))
 def _step_direct(params, cfg: LlamaConfig, cache: paged.PagedKVCache, index, tokens, num_new, write, first,
                  temperature, top_k, top_p, base_key, req_ids, n_gen, attention_impl="auto", view_pages=1,
-                 window_pages=1):
+                 window_pages=1, host_state=None):
     """One paged-direct forward (``attention.paged.PagedStep``) of the rows ``index`` (int32 ``[R]``, slot ids;
     ``>= S`` = an empty row): ``tokens`` int32 ``[R, T]``, ``num_new``, ``write`` bool ``[R, M]``, ``first``
-    int32 ``[R]`` (first page each row writes), per-row sampling; static page buckets.  Returns (next token
-    int32 ``[R]``, cache', ok)."""
+    int32 ``[R]`` (first page each row writes), per-row sampling; static page buckets; ``host_state`` int32
+    ``[S, M + 1]``: the engine's page table and lengths (``_with_host_state``; the rows read theirs from it).
+    Returns (next token int32 ``[R]``, cache', ok).  With ``host_state`` only the rows' lengths and per-sequence
+    fields in cache' are meaningful (the engine's host copies are the truth for the others)."""
+    cache = _with_host_state(cache, host_state)
     sub = paged.select_slots(cache, index)
     step = paged_attention.paged_step(sub, write, first, view_pages=view_pages, window_pages=window_pages)
     logits, step2, ok = forward(params, cfg, tokens, step, num_new, attention_impl=attention_impl,
@@ -246,12 +278,13 @@ class Engine:
             params = S.place_params(params, cfg, mesh)
         self.params, self.cfg, self.config, self.mesh = params, cfg, config, mesh
         scheme = scheme or FullPrecisionScheme(rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
-        self.cache, self.pool = paged.init_paged(
+        cache, self.pool = paged.init_paged(
             scheme, num_layers=cfg.num_layers, batch=config.num_slots, num_pages=config.num_pages,
             page_size=config.page_size, max_pages=config.max_pages, num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, layer_groups="runs" if jax.default_backend() == "cpu" else "per_layer")
         if mesh is not None:
-            self.cache = S.place_cache(self.cache, mesh)
+            cache = S.place_cache(cache, mesh)
+        self.cache = cache              # the setter also takes the host copies of page table and lengths
         self.hashes = dict(model_hash=model_hash or cfg.name, tokenizer_hash=tokenizer_hash,
                            calibration_id=calibration_id)
         self.prefixes = pcache.PrefixCache()
@@ -267,15 +300,50 @@ class Engine:
         self._windows: dict[int, int] = {}
         self.t0 = time.perf_counter()
 
+    @property
+    def cache(self) -> paged.PagedKVCache:
+        """The paged cache, page table and lengths included.  The engine is their only writer and keeps them on
+        the host (``_table`` int32 ``[S, max_pages]``, ``_len`` int64 ``[S]``; every step passes them into the
+        jitted forward), so the device copies are refreshed only here, when someone reads the cache."""
+        if not self._synced:
+            self._cache = self._cache.replace(page_table=jnp.asarray(self._table, jnp.int32),
+                                              lengths=jnp.asarray(self._len, jnp.int32))
+            self._synced = True
+        return self._cache
+
+    @cache.setter
+    def cache(self, cache: paged.PagedKVCache) -> None:
+        self._cache = cache
+        self._table = np.array(jax.device_get(cache.page_table), np.int32)
+        self._len = np.array(jax.device_get(cache.lengths), np.int64)
+        self._synced = True
+
+    def _host_cache(self) -> paged.PagedKVCache:
+        """The cache with the host page table and lengths (NumPy) in place of the device ones: what host-side
+        readers (``prefix_cache.insert``) take, without a device round trip."""
+        return self._cache.replace(page_table=self._table, lengths=self._len)
+
+    def _host_state(self) -> np.ndarray:
+        """int32 ``[S, max_pages + 1]``: the host page table and lengths, one argument of every jitted step."""
+        return np.concatenate([self._table, self._len[:, None].astype(np.int32)], axis=1)
+
+    def _release(self, i: int) -> None:
+        """``paged.release`` of slot ``i`` on the host copies: its page references are dropped, the slot restarts
+        empty at ``row_offset`` (the next step's forwards take the table and lengths from the host)."""
+        self.pool = pp.decref(self.pool, self._table[i])
+        self._table[i] = -1
+        self._len[i] = self._cache.row_offset
+        self._synced = False
+
     def _jit_step(self, fn, *args, **kw):
         """``fn(params, cfg, cache, *args, **kw)`` (a jitted step) on the engine's mesh: under
         ``sharding.mesh_context`` with the cache re-placed on its ``sharding.cache_specs`` layout first (a no-op
         unless a host-side edit -- ``reserve``'s copy-on-write, ``release``, a prefix ``attach`` -- left an array
         elsewhere), so every step shape compiles once; no mesh: called as is."""
         if self.mesh is None:
-            return fn(self.params, self.cfg, self.cache, *args, **kw)
+            return fn(self.params, self.cfg, self._cache, *args, **kw)
         with S.mesh_context(self.mesh):
-            return fn(self.params, self.cfg, S.place_cache(self.cache, self.mesh), *args, **kw)
+            return fn(self.params, self.cfg, S.place_cache(self._cache, self.mesh), *args, **kw)
 
     @property
     def paths(self) -> dict[str, str]:
@@ -289,7 +357,7 @@ class Engine:
     @property
     def context(self) -> int:
         """Longest request (prompt + new tokens) the engine serves: the model's and the cache's limit."""
-        return min(self.cfg.max_position, self.cache.capacity) - self.cache.row_offset
+        return min(self.cfg.max_position, self._cache.capacity) - self._cache.row_offset
 
     def submit(self, req: Request) -> None:
         """Queue a request (after :meth:`check`)."""
@@ -313,12 +381,12 @@ class Engine:
         if need > self.context:
             raise ValueError(f"request {req.id}: prompt of {len(req.prompt)} tokens + {req.max_new_tokens} new "
                              f"tokens = {need} exceeds the context of {self.context} tokens (model max_position "
-                             f"{self.cfg.max_position}, cache {self.cache.max_pages} pages x "
-                             f"{self.cache.page_size})")
-        pages = -(-need // self.cache.page_size)
-        if pages > self.cache.num_pages:
-            raise ValueError(f"request {req.id} needs {pages} pages of {self.cache.page_size} rows but the pool has "
-                             f"{self.cache.num_pages}: it cannot fit even alone")
+                             f"{self.cfg.max_position}, cache {self._cache.max_pages} pages x "
+                             f"{self._cache.page_size})")
+        pages = -(-need // self._cache.page_size)
+        if pages > self._cache.num_pages:
+            raise ValueError(f"request {req.id} needs {pages} pages of {self._cache.page_size} rows but the pool has "
+                             f"{self._cache.num_pages}: it cannot fit even alone")
 
     @property
     def running(self) -> int:
@@ -331,17 +399,37 @@ class Engine:
     def _stops(self, req: Request) -> set:
         return set(req.stop) if req.stop is not None else {self.cfg.eos_id}
 
+    def _final_pages(self, req: Request) -> int:
+        """Pages ``req`` holds at most: its prompt plus every one of its ``max_new_tokens``."""
+        return -(-(len(req.prompt) + req.max_new_tokens) // self._cache.page_size)
+
+    def _headroom(self) -> int:
+        """Free pages the running requests are promised beyond what they hold (``EngineConfig.admission``):
+        "reserve": every page each still needs to reach its ``max_new_tokens``; "optimistic": one page each."""
+        if self.config.admission == "optimistic":
+            return self.running
+        mapped = (self._table >= 0).sum(axis=1)
+        return int(sum(max(self._final_pages(s.req) - int(mapped[i]), 0)
+                       for i, s in enumerate(self.slots) if s is not None))
+
     def _admit(self) -> None:
+        """FCFS admission into free slots while the pool covers the request and the running requests' headroom
+        (:meth:`_headroom`), evicting least-recently-used prefix entries first."""
         while self.queue and None in self.slots:
             req = self.queue[0]
             res = self.results[req.id]
             tokens = list(req.prompt) + res.tokens                  # a preempted request recomputes its output
             hit = None
             if self.config.prefix_cache:
-                hit = pcache.lookup(self.prefixes, self.cache, tokens, max_tokens=len(tokens) - 1, **self.hashes)
-            hit_tokens = 0 if hit is None else hit.length - self.cache.row_offset
-            need = -(-(len(tokens) + 1) // self.cache.page_size) - hit_tokens // self.cache.page_size
-            headroom = self.running                              # one page per running request
+                hit = pcache.lookup(self.prefixes, self._cache, tokens, max_tokens=len(tokens) - 1,
+                                    **self.hashes)
+            hit_tokens = 0 if hit is None else hit.length - self._cache.row_offset
+            hit_pages = hit_tokens // self._cache.page_size
+            if self.config.admission == "optimistic":     # the prompt (+ the first sampled token) only
+                need = -(-(len(tokens) + 1) // self._cache.page_size) - hit_pages
+            else:                                          # every page it can ever need
+                need = max(self._final_pages(req) - hit_pages, 0)
+            headroom = self._headroom()
             others = [e for _, e in self.prefixes.entries if hit is None or e.content != hit.content]
             for victim in sorted(others, key=lambda e: e.last_use):
                 if need + headroom <= self.pool.num_free:
@@ -352,7 +440,10 @@ class Engine:
             slot = self.slots.index(None)
             self.queue.popleft()
             if hit is not None:
-                self.prefixes, self.cache, self.pool = pcache.attach(self.prefixes, self.cache, self.pool, hit, slot)
+                self.prefixes, cache, self.pool = pcache.attach(self.prefixes, self.cache, self.pool, hit, slot)
+                self._cache = cache                    # attach edited row `slot` of the synced table / lengths
+                self._table[slot, : len(hit.pages)] = hit.pages
+                self._len[slot] = hit.length
                 res.prefix_hit_tokens += hit_tokens
             self._admitted += 1
             self.slots[slot] = _Slot(req, tokens[:hit_tokens], tokens[hit_tokens:], self._admitted)
@@ -367,7 +458,7 @@ class Engine:
             return False
         _, i = max(cands)
         s = self.slots[i]
-        self.cache, self.pool = paged.release(self.cache, self.pool, [i])
+        self._release(i)
         self.slots[i] = None
         self.results[s.req.id].preemptions += 1
         self.queue.appendleft(s.req)
@@ -389,8 +480,10 @@ class Engine:
         return n
 
     def _row_inputs(self, rows, t: int, n):
-        """Host arrays of one forward's rows (slot ids; ``num_slots`` = an empty row): tokens ``[R, t]``,
-        num_new, sampling parameters, request ids, output indices."""
+        """Host (NumPy) arrays of one forward's rows (slot ids; ``num_slots`` = an empty row): tokens int32
+        ``[R, t]``, num_new int32 ``[R]``, and the sampling tuple (temperature float32, top-k int32, top-p
+        float32 ``[R]``, the base key, request ids, output indices int32 ``[R]``).  Passed to the jitted step as
+        they are: its call transfers them together (no eager ``jnp.asarray`` per array)."""
         r = len(rows)
         toks = np.zeros((r, t), np.int32)
         num = np.zeros(r, np.int32)
@@ -405,27 +498,25 @@ class Engine:
             sp = s.req.sampling
             temp[j], topk[j], topp[j], ids[j] = sp.temperature, sp.top_k, sp.top_p, s.req.id
             ngen[j] = len(self.results[s.req.id].tokens)
-        return toks, num, (jnp.asarray(temp), jnp.asarray(topk), jnp.asarray(topp), self.base_key,
-                           jnp.asarray(ids), jnp.asarray(ngen))
+        return toks, num, (temp, topk, topp, self.base_key, ids, ngen)
 
-    def _direct_forward(self, rows, t: int, n, write, first, need):
-        """One paged-direct forward of ``rows`` (slot ids, padded with ``num_slots``); returns (next tokens of
-        the rows, ok).  Its static shape is ``(T, rows, view pages, window pages)``."""
+    def _direct_forward(self, rows, t: int, n, write, first, need, host_state):
+        """Dispatch one paged-direct forward of ``rows`` (slot ids, padded with ``num_slots``); returns (next
+        tokens of the rows, ok) as device arrays, not waited for.  Its static shape is ``(T, rows, view pages,
+        window pages)``; ``host_state``: :meth:`_host_state`."""
         rows = np.asarray(rows, np.int64)
         real = rows[rows < self.config.num_slots]
         toks, num, sampling = self._row_inputs(rows, t, n)
         pad = np.concatenate([write, np.zeros((1,) + write.shape[1:], bool)])[rows]
-        firsts = np.concatenate([first, [0]])[rows]
+        firsts = np.concatenate([first, [0]])[rows].astype(np.int32)
         win = int(np.max(need[real] - first[real], initial=1))
         if win > self._window_pages(t):
             raise AssertionError(f"engine: a row writes {win} pages, more than the {self._window_pages(t)} of a "
                                  f"T={t} window")
         shape = (t, len(rows), self._view_pages(t, int(np.max(need[real], initial=1))), self._window_pages(t))
-        nxt, self.cache, ok = self._jit_step(_step_direct, jnp.asarray(rows, jnp.int32),
-                                           jnp.asarray(toks), jnp.asarray(num), jnp.asarray(pad),
-                                           jnp.asarray(firsts, jnp.int32), *sampling,
-                                           attention_impl=self.config.attention_impl, view_pages=shape[2],
-                                           window_pages=shape[3])
+        nxt, self._cache, ok = self._jit_step(_step_direct, rows.astype(np.int32), toks, num, pad, firsts,
+                                              *sampling, attention_impl=self.config.attention_impl,
+                                              view_pages=shape[2], window_pages=shape[3], host_state=host_state)
         self.step_shapes[shape] = self.step_shapes.get(shape, 0) + 1
         return nxt, ok
 
@@ -434,7 +525,7 @@ class Engine:
         sealed page (``pages_needed(L + T) - window_first(L)`` over every committed length L), bucketed; one shape
         per T (a few spare pages per row cost less than another compile)."""
         if t not in self._windows:
-            c = self.cache
+            c = self._cache
             lengths = np.arange(c.row_offset, c.capacity, dtype=np.int64)
             worst = np.max(c.pages_needed(np.minimum(lengths + t, c.capacity)) - paged.window_first(c, lengths))
             self._windows[t] = bucket(max(int(worst), 1), c.max_pages)
@@ -443,7 +534,7 @@ class Engine:
     def compile_shapes(self) -> list[tuple[int, int, int, int]]:
         """Every ``(T, rows, view pages, window pages)`` the paged-direct forward can run at (bounded:
         ``view_buckets`` decode shapes and ``view_buckets`` prefill shapes)."""
-        s, r = self.config.num_slots, min(self.config.prefill_slots, self.config.num_slots)
+        s, r = self.config.num_slots, self._prefill_rows()
         return ([(1, s, v, self._window_pages(1)) for v in self.ladder]
                 + [(self.config.chunk, r, v, self._window_pages(self.config.chunk)) for v in self.ladder])
 
@@ -454,15 +545,14 @@ class Engine:
         t0 = time.perf_counter()
         if self.config.forward != "direct":
             return 0.0
+        host_state = self._host_state()
         for t, r, v, w in self.compile_shapes():
-            rows = np.full(r, self.config.num_slots, np.int64)
+            rows = np.full(r, self.config.num_slots, np.int32)
             toks, num, sampling = self._row_inputs(rows, t, np.zeros(self.config.num_slots + 1, np.int64))
-            _, self.cache, ok = self._jit_step(_step_direct, jnp.asarray(rows, jnp.int32),
-                                             jnp.asarray(toks), jnp.asarray(num),
-                                             jnp.zeros((r, self.cache.max_pages), jnp.bool_),
-                                             jnp.zeros(r, jnp.int32), *sampling,
-                                             attention_impl=self.config.attention_impl, view_pages=v,
-                                             window_pages=w)
+            _, self._cache, ok = self._jit_step(_step_direct, rows, toks, num,
+                                                np.zeros((r, self._cache.max_pages), bool), np.zeros(r, np.int32),
+                                                *sampling, attention_impl=self.config.attention_impl,
+                                                view_pages=v, window_pages=w, host_state=host_state)
             ok.block_until_ready()
         return time.perf_counter() - t0
 
@@ -474,56 +564,72 @@ class Engine:
         del t
         return next(v for v in self.ladder if v >= need)
 
+    def _prefill_rows(self) -> int:
+        """Rows of the prefill forward (``[prefill_slots, chunk]``; at most ``num_slots``)."""
+        return min(self.config.prefill_slots, self.config.num_slots)
+
     def step(self) -> list[StreamEvent]:
-        """Admit, run one step (decode + prefill chunks), return the new tokens as stream events."""
+        """Admit, run one step (decode + prefill chunks), return the new tokens as stream events.
+
+        Both forwards are dispatched before either is waited for (the prefill forward takes the decode
+        forward's cache, so the device runs them back to back), then their packed outputs come back in one
+        ``jax.device_get``; the page table and lengths live on the host (:attr:`cache`), so planning a step
+        reads nothing from the device."""
         self._admit()
         if not self.running:
             return []
         while True:
             n = self._plan()
-            lengths = np.asarray(self.cache.lengths).astype(np.int64)
+            lengths = self._len
             try:
                 owners = [s.req.id if s is not None else -1 for s in self.slots]
-                cache, pool, write = paged.reserve(self.cache, self.pool, lengths + n, owners)
+                table, pool, write, src, dst = paged.plan_reserve(self._cache, self.pool, lengths, self._table,
+                                                                  lengths + n, owners)
                 break
             except pp.PoolExhaustedError:
                 oldest = min((s.admitted, i) for i, s in enumerate(self.slots) if s is not None)[1]
                 if not self._preempt(keep=oldest):
                     raise
-        self.cache, self.pool = cache, pool
+        self._table, self.pool, self._synced = table, pool, False
+        if src.size:
+            self._cache = paged.apply_copies(self._cache, src, dst)
         self.pool, step_id = pp.begin_step(self.pool)
+        host_state = self._host_state()
         nxt = np.zeros(self.config.num_slots, np.int64)
-        oks = []
+        pending = []                          # (slot ids, their rows in the forward, (next tokens, ok) on device)
         if self.config.forward == "direct":
             # decode rows: every slot in one [S, 1] forward (others feed nothing); prefill rows: up to
             # prefill_slots slots in one [prefill_slots, chunk] forward
-            first, _, _ = paged.step_pages(self.cache, lengths, lengths + n)
-            need = self.cache.pages_needed(lengths + n)
+            first, _, _ = paged.step_pages(self._cache, lengths, lengths + n)
+            need = self._cache.pages_needed(lengths + n)
             decoding = np.array([s is not None and not s.prefilling and n[i] > 0 for i, s in enumerate(self.slots)])
             prefill = [i for i, s in enumerate(self.slots) if s is not None and s.prefilling and n[i] > 0]
             if decoding.any():
-                out, ok = self._direct_forward(np.arange(self.config.num_slots), 1, n * decoding,
-                                               write & decoding[:, None], first, np.where(decoding, need, 1))
-                nxt[decoding] = np.asarray(out)[decoding]
-                oks.append(ok)
+                idx = np.nonzero(decoding)[0]
+                pending.append((idx, idx, self._direct_forward(np.arange(self.config.num_slots), 1, n * decoding,
+                                                               write & decoding[:, None], first,
+                                                               np.where(decoding, need, 1), host_state)))
             if prefill:
-                width = min(self.config.prefill_slots, self.config.num_slots)
-                rows = prefill + [self.config.num_slots] * (width - len(prefill))
-                out, ok = self._direct_forward(rows, self.config.chunk, n, write, first, need)
-                nxt[prefill] = np.asarray(out)[: len(prefill)]
-                oks.append(ok)
+                rows = prefill + [self.config.num_slots] * (self._prefill_rows() - len(prefill))
+                pending.append((np.asarray(prefill), np.arange(len(prefill)),
+                                self._direct_forward(rows, self.config.chunk, n, write, first, need, host_state)))
         else:
             t = 1 if n.max() <= 1 else self.config.chunk
-            toks, num, sampling = self._row_inputs(np.arange(self.config.num_slots), t, n)
-            out, self.cache, ok = self._jit_step(_step_view, jnp.asarray(toks), jnp.asarray(num),
-                                             jnp.asarray(write), *sampling, attention_impl=self.config.attention_impl)
-            shape = (t, self.config.num_slots, self.cache.max_pages, 0)
+            rows = np.arange(self.config.num_slots)
+            toks, num, sampling = self._row_inputs(rows, t, n)
+            out, self._cache, ok = self._jit_step(_step_view, toks, num, write, *sampling,
+                                                  attention_impl=self.config.attention_impl,
+                                                  host_state=host_state)
+            shape = (t, self.config.num_slots, self._cache.max_pages, 0)
             self.step_shapes[shape] = self.step_shapes.get(shape, 0) + 1
-            nxt[:] = np.asarray(out)
-            oks.append(ok)
-        self.pool = pp.retire_step(self.pool, step_id)        # outputs ready (read above): its reads are done
-        if not all(bool(ok) for ok in oks):
+            pending.append((rows, rows, (out, ok)))
+        outs = jax.device_get(tuple(o for _, _, o in pending))   # one wait for every forward of the step
+        self.pool = pp.retire_step(self.pool, step_id)        # outputs ready: the step's reads are done
+        if not all(bool(ok) for _, ok in outs):
             raise CacheAppendError("engine step produced non-finite K/V; nothing was published")
+        for (slots, pos, _), (out, _) in zip(pending, outs):
+            nxt[slots] = out[pos]
+        self._len = lengths + n                                # what the forwards committed
         self.steps += 1
         self.peak_running = max(self.peak_running, self.running)
         now = time.perf_counter() - self.t0
@@ -542,8 +648,10 @@ class Engine:
         return events
 
     def _store_prefix(self, i: int, s: _Slot) -> None:
-        """After a prefill chunk: the full pages so far become a prefix-cache entry (``prefix_cache.insert``)."""
-        self.prefixes, self.pool = pcache.insert(self.prefixes, self.cache, self.pool, i, s.cached, **self.hashes)
+        """After a prefill chunk: the full pages so far become a prefix-cache entry (``prefix_cache.insert``, on
+        the host page table and lengths)."""
+        self.prefixes, self.pool = pcache.insert(self.prefixes, self._host_cache(), self.pool, i, s.cached,
+                                                 **self.hashes)
 
     def _emit(self, i: int, s: _Slot, tok: int, now: float) -> StreamEvent:
         res = self.results[s.req.id]
@@ -561,7 +669,7 @@ class Engine:
     def _finish(self, i: int, s: _Slot, tok, reason: str, now: float) -> StreamEvent:
         res = self.results[s.req.id]
         res.reason = reason
-        self.cache, self.pool = paged.release(self.cache, self.pool, [i])
+        self._release(i)
         self.slots[i] = None
         return StreamEvent(s.req.id, tok, len(res.tokens) - (tok is not None), True, reason, now)
 

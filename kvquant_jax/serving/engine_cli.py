@@ -66,7 +66,8 @@ def serve_bench(params, cfg, scheme, requests, engine_config, *, realtime: bool 
                submitted=len(eng.results), steps=eng.steps, compile_s=round(compile_s, 2),
                step_shapes=len(eng.step_shapes), num_pages=engine_config.num_pages,
                page_size=engine_config.page_size, num_slots=engine_config.num_slots, chunk=engine_config.chunk,
-               forward=engine_config.forward, paths=eng.paths,
+               forward=engine_config.forward, admission=engine_config.admission,
+               prefill_slots=engine_config.prefill_slots, prefix_cache=engine_config.prefix_cache, paths=eng.paths,
                mesh=None if mesh is None else ",".join(f"{k}={v}" for k, v in mesh.shape.items()),
                family=getattr(scheme, "family", "full") if scheme is not None else "full")
     return out
@@ -107,7 +108,7 @@ def cmd_serve_bench(args) -> None:
     ec = EngineConfig(num_slots=args.slots, page_size=args.page_size, num_pages=num_pages, max_pages=max_pages,
                       chunk=args.chunk, prefix_cache=not args.no_prefix_cache, seed=args.seed,
                       attention_impl=args.attention, forward=args.forward, prefill_slots=args.prefill_slots,
-                      view_buckets=args.view_buckets)
+                      view_buckets=args.view_buckets, admission=args.admission)
     out = serve_bench(params, cfg, scheme, reqs, ec, realtime=not args.no_realtime, max_seconds=args.max_seconds,
                       mesh=mesh)
     print(json.dumps({"model": args.model, "cache_spec": args.cache or "fp32", **out}))
@@ -139,6 +140,9 @@ def add_parsers(sub) -> None:
                    help="paged-direct forward (default) or the whole-view gather/scatter reference path")
     p.add_argument("--prefill-slots", type=int, default=4, help="requests prefilling a chunk per step")
     p.add_argument("--view-buckets", type=int, default=4, help="compiled view sizes per phase")
+    p.add_argument("--admission", default=EngineConfig.admission, choices=["optimistic", "reserve"],
+                   help="optimistic: prompt + one page per running request (may preempt); reserve: every "
+                        "request's prompt + max_new_tokens (never preempts)")
     p.add_argument("--max-seconds", type=float, default=None, help="stop the replay after this long (partial)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mesh", default=None,

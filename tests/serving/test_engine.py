@@ -49,7 +49,7 @@ def test_full_precision_equals_one_at_a_time_with_preemption_and_prefix_hits(fp3
     distinct = {t for toks in want.values() for t in toks}
     assert len(distinct) >= 10, "degenerate reference outputs would make the comparison weak"
     eng = Engine(PARAMS, CFG, None, EngineConfig(num_slots=3, page_size=PAGE, num_pages=12, max_pages=8,
-                                                 chunk=CHUNK))
+                                                 chunk=CHUNK, admission="optimistic"))
     res = eng.run(reqs)
     for r in reqs:
         assert res[r.id].tokens == want[r.id], f"request {r.id}"
@@ -177,3 +177,66 @@ def test_kivi_engine_through_the_paged_kernel_equals_one_at_a_time():
     for r in reqs:
         assert res[r.id].tokens == want[r.id], f"request {r.id}"
     assert any("kernel" in str(v) for k, v in eng.paths.items() if "decode" in k), eng.paths
+
+
+def test_reserve_admission_never_preempts_where_optimistic_preempts(fp32_reference):
+    """The trace and pool of the optimistic test above (it preempts there): admission="reserve" admits a request
+    only while the free pages cover every running request's prompt + max_new_tokens, so none is preempted; the
+    tokens are still the one-at-a-time ones and requests still run concurrently."""
+    reqs, want = fp32_reference
+    eng = Engine(PARAMS, CFG, None, EngineConfig(num_slots=3, page_size=PAGE, num_pages=12, max_pages=8,
+                                                 chunk=CHUNK, admission="reserve"))
+    res = eng.run(reqs)
+    for r in reqs:
+        assert res[r.id].tokens == want[r.id], f"request {r.id}"
+    assert sum(r.preemptions for r in res.values()) == 0
+    assert eng.peak_running >= 2, "reserve admission must still batch requests"
+    paged.validate(eng.cache, eng.pool, eng.prefixes.references())
+
+
+def test_bad_engine_config_raises():
+    with pytest.raises(ValueError, match=r"admission must be one of \('optimistic', 'reserve'\), got 'greedy'"):
+        EngineConfig(admission="greedy")
+    with pytest.raises(ValueError, match="chunk must be a positive int"):
+        EngineConfig(chunk=0)
+
+
+def test_step_dispatches_both_forwards_then_waits_once(fp32_reference, monkeypatch):
+    """Every step dispatches its forwards (decode [S, 1], prefill [prefill_slots, chunk]) before it waits, and
+    waits once (one ``jax.device_get`` of the packed outputs); the engine's host page table / lengths stay
+    consistent with the pool after every step (``paged.validate`` on :attr:`Engine.cache`); tokens equal the
+    one-at-a-time ones."""
+    import jax
+
+    from kvquant_jax.serving import engine as engine_mod
+
+    reqs, want = fp32_reference
+    eng = Engine(PARAMS, CFG, None, EngineConfig(num_slots=3, page_size=PAGE, num_pages=40, max_pages=8,
+                                                 chunk=CHUNK, admission="reserve"))
+    log = []
+    real_step, real_get = eng._jit_step, jax.device_get
+
+    def logged_step(fn, *args, **kw):
+        log.append("dispatch")
+        return real_step(fn, *args, **kw)
+
+    def logged_get(x):
+        log.append("wait")
+        return real_get(x)
+
+    eng._jit_step = logged_step
+    monkeypatch.setattr(engine_mod.jax, "device_get", logged_get)
+    for r in reqs:
+        eng.submit(r)
+    patterns = []
+    while not eng.done():
+        log.clear()
+        eng.step()
+        monkeypatch.setattr(engine_mod.jax, "device_get", real_get)      # validate reads the device itself
+        paged.validate(eng.cache, eng.pool, eng.prefixes.references())
+        monkeypatch.setattr(engine_mod.jax, "device_get", logged_get)
+        patterns.append(tuple(log[log.index("dispatch"):]))     # before it: admission (a prefix attach reads)
+    assert set(patterns) <= {("dispatch", "wait"), ("dispatch", "dispatch", "wait")}, set(patterns)
+    assert ("dispatch", "dispatch", "wait") in patterns, "no step ran a decode and a prefill forward"
+    for r in reqs:
+        assert eng.results[r.id].tokens == want[r.id], f"request {r.id}"
