@@ -3,11 +3,13 @@
 #
 #     bash experiments/run_pending_gpu.sh [JOB ...]        # default: all jobs, in the order below
 #     LOG=/tmp/pending bash experiments/run_pending_gpu.sh engine gemma_passkey
+#     SEQUENTIAL=1 bash experiments/run_pending_gpu.sh engine engine_static ws decode   # timing jobs, one at a time
 #
 # Jobs (each writes its own results directory; logs go to $LOG/<job>.log; each job runs in the background with
 # its own share of GPU memory, XLA_PYTHON_CLIENT_MEM_FRACTION, so that a short job does not wait for a long one):
-#   engine         M: continuous batching on the LLaMA-3-8B shape at a 16 GB KV budget, bf16 / int8 / int4 /
-#                  KIVI-2 against the static batch on one seeded trace (target: int4 >= 1.8x bf16 output tok/s)
+#   engine         M: continuous batching on the LLaMA-3-8B shape at a 16 GB KV budget, bf16 vs int4 on one
+#                  seeded capacity-bound trace (target: int4 >= 1.8x bf16 output tok/s); ALONE on the GPU
+#   engine_static  M: the static-batch loop on the same trace, then the int8 / KIVI-2 engines; ALONE
 #   gemma_passkey  L: Gemma-3-270M passkey, the two rows still short of 32K (KIVI-2, local KIVI-2 + global bf16;
 #                  the script resumes the committed file at the first missing length), then FP8 E4M3 whole
 #                  (~8 min per whole policy when the GPU is shared)
@@ -20,30 +22,54 @@
 #   decode         J: the packed decode kernels against cuDNN at 32K / 128K (the baseline table of issue J)
 # Needs SmolLM2 and Gemma-3 in $KVQ_CACHE_DIR (kvq fetch-model), WikiText-2 in $KVQ_DATA_DIR, gguf importable.
 # The jobs share the GPU, so their absolute speeds are only comparable within a job (each job measures its own
-# baseline in the same run), never across jobs.  Timing jobs (engine, fixed_order, decode, ws) belong in a block of
+# baseline in the same run), never across jobs.  Timing jobs (engine, engine_static, fixed_order, decode, ws) belong in a block of
 # their own: on 2026-12-01 the engine ran beside three quality jobs and its table says so
 # (docs/results/engine/README.md).  Quality jobs: paged_check gemma_passkey sweeps intactkv.
 set -u
 LOG=${LOG:-/tmp/pending_gpu}
 mkdir -p "$LOG"
-JOBS=${*:-paged_check engine gemma_passkey sweeps fixed_order decode ws}
+JOBS=${*:-paged_check engine engine_static gemma_passkey sweeps fixed_order decode ws}
 PY=${PY:-python3}
+
+SEQUENTIAL=${SEQUENTIAL:-0}      # 1: the jobs run one after another (timing jobs: each alone on the GPU)
+KNOWN="paged_check engine engine_static gemma_passkey sweeps intactkv fixed_order decode ws"
+for job in $JOBS; do                # every name checked before anything starts
+  case " $KNOWN " in *" $job "*) ;; *) echo "unknown job $job ($KNOWN)" >&2; exit 2 ;; esac
+done
 
 start_job() {   # name, memory fraction, command...
   local name=$1 frac=$2
   shift 2
   echo "[pending] $(date +%T) start $name (mem fraction $frac): $*" | tee -a "$LOG/jobs.txt"
+  if [ "$SEQUENTIAL" = 1 ]; then
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$frac "$@" > "$LOG/$name.log" 2>&1
+    echo "[pending] $(date +%T) $name rc $?" >> "$LOG/jobs.txt"
+    return
+  fi
   ( XLA_PYTHON_CLIENT_MEM_FRACTION=$frac setsid nohup "$@" > "$LOG/$name.log" 2>&1; \
     echo "[pending] $(date +%T) $name rc $?" >> "$LOG/jobs.txt" ) &
 }
 
+run_jobs() {
 for job in $JOBS; do
   case $job in
     engine)
-      start_job engine 0.30 $PY experiments/bench_engine.py --model llama3-8b-shaped \
-        --cache bf16 int8 int4 kivi2 --requests 96 --rate 8 --prompt-len 512 8192 --output-len 64 1024 \
-        --hbm-gb 16 --slots 128 --page-size 64 --chunk 256 --max-seconds 90 --view-buckets 2 \
-        --compile-cache /tmp/kvq-jax-cache --out docs/results/engine ;;
+      # alone on the GPU (a timing job); 192 requests in ~24 s: capacity-bound, both caches finish within 300 s
+      # (docs/results/engine/README.md, "Changes since run 1"); run it three times for the ratio's range
+      start_job engine 0.90 $PY experiments/bench_engine.py --model llama3-8b-shaped --cache bf16 int4 \
+        --requests 192 --rate 8 --prompt-len 512 8192 --output-len 64 1024 --hbm-gb 16 --slots 128 \
+        --page-size 64 --chunk 512 --prefill-slots 8 --admission reserve --view-buckets 2 --max-seconds 300 \
+        --no-static --compile-cache /tmp/kvq-jax-cache --out docs/results/engine ;;
+    engine_static)
+      # the static-batch loop on the same trace (bounded: it runs once untimed first), then int8 / KIVI-2 engines
+      start_job engine_static 0.90 bash -c "$PY experiments/bench_engine.py --model llama3-8b-shaped \
+        --cache bf16 int4 --requests 192 --rate 8 --prompt-len 512 8192 --output-len 64 1024 --hbm-gb 16 \
+        --slots 128 --page-size 64 --chunk 512 --prefill-slots 8 --admission reserve --view-buckets 2 \
+        --max-seconds 120 --compile-cache /tmp/kvq-jax-cache --out docs/results/engine-static; \
+        $PY experiments/bench_engine.py --model llama3-8b-shaped --cache int8 kivi2 --requests 192 --rate 8 \
+        --prompt-len 512 8192 --output-len 64 1024 --hbm-gb 16 --slots 128 --page-size 64 --chunk 512 \
+        --prefill-slots 8 --admission reserve --view-buckets 2 --max-seconds 300 --no-static \
+        --compile-cache /tmp/kvq-jax-cache --out docs/results/engine" ;;
     gemma_passkey)
       start_job gemma_passkey 0.20 $PY experiments/gemma3_passkey.py --dtype bf16 --trials 20 --batch 10 \
         --policies kivi2 "local kivi2 + global bf16" "fp8_e4m3 (warm-up per-head scales)" \
@@ -68,7 +94,15 @@ for job in $JOBS; do
     ws)
       start_job ws 0.10 $PY experiments/check_mgpu_decode.py --ws --quick --T 4096,32768 --formats bf16,int8,int4 \
         --impls mgpu --reps 8 --ws-probe-timeout 90 --out docs/results/decode_mgpu/pending-ws ;;
-    *) echo "unknown job $job (paged_check engine gemma_passkey sweeps intactkv fixed_order decode ws)" >&2; exit 2 ;;
+    *) echo "unknown job $job (paged_check engine engine_static gemma_passkey sweeps intactkv fixed_order decode ws)" >&2; exit 2 ;;
   esac
 done
-echo "[pending] started: $JOBS; poll $LOG/jobs.txt"
+}
+
+if [ "$SEQUENTIAL" = 1 ]; then      # one background chain: returns at once, the jobs run in turn
+  ( run_jobs ) > /dev/null 2>&1 < /dev/null &
+  disown
+else
+  run_jobs
+fi
+echo "[pending] started: $JOBS (sequential=$SEQUENTIAL); poll $LOG/jobs.txt"
