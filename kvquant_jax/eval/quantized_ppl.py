@@ -206,7 +206,7 @@ def serving_nll(params, cfg, tokens, policy, prefill: int, *, attention_impl: st
 
 # The log-softmax rows one decode call may hold on the device ([rows, N, V] float32, and once more as the scan's
 # stacked output): 2 GiB.  SmolLM2's GPU preset (64 segments x 1024 steps x 49,152 vocab) is 12 GiB per copy and
-# ran out of memory on the H200 beside other jobs (2026-12-02); it now runs as 4 row blocks of 16 segments.
+# ran out of memory on the H200 beside other jobs (2026-12-02); it now runs as 7 row blocks of <= 10 segments.
 LOGPROB_BLOCK_BYTES = 2 << 30
 
 
