@@ -1,5 +1,6 @@
 """The real SmolLM2-135M-Instruct: parity with transformers, tokenizer parity, perplexity, generation, errors."""
 import json
+import math
 import subprocess
 import sys
 
@@ -16,8 +17,11 @@ from hf_reference import transformers_from_gguf, wiki_test_ids
 pytestmark = pytest.mark.model
 
 # transformers fp32 on the first 8x1024 tokens of the WikiText-2 test split (whole file tokenized once, no BOS,
-# contiguous segments, mean NLL of 1023 predictions per segment), measured 2026-11-29 with transformers 5.24.0.
+# contiguous segments, mean NLL of 1023 predictions per segment), measured 2026-11-29 with transformers 5.24.0;
+# the per-segment mean NLLs re-measured 2026-12-02 (transformers 5.24.0, fp32 logits, float64 log-softmax): their
+# 8-segment ppl is 29.18533, the figure above.
 TRANSFORMERS_PPL_8x1024 = 29.1851
+TRANSFORMERS_SEGMENT_NLL_4DP = [2.6177, 3.3946, 3.1818, 3.3638, 3.8013, 3.4237, 3.7367, 3.4696]
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +73,16 @@ def test_interleaved_rope_loading_gives_same_logits(smollm, wiki_ids):
 
 @pytest.mark.slow
 def test_kvq_ppl_matches_transformers(wikitext_test_path, smollm):
+    """``kvq ppl`` (1024-token contiguous segments, no BOS) against transformers' per-segment NLLs.  CI scores the
+    first 2 segments (2 x 1023 predictions; the second starts at token 1024, so the segmenting is checked; segments
+    3-8 run the same code on other text), and the record of all 8 is held to the 8-segment ppl (29.1851)."""
+    assert abs(math.exp(np.mean(TRANSFORMERS_SEGMENT_NLL_4DP)) / TRANSFORMERS_PPL_8x1024 - 1) < 1e-4
     out = subprocess.run([sys.executable, "-m", "kvquant_jax.cli", "ppl", "--corpus", str(wikitext_test_path),
-                          "--seq-len", "1024", "--max-segments", "8"], capture_output=True, text=True, check=True)
+                          "--seq-len", "1024", "--max-segments", "2"], capture_output=True, text=True, check=True)
     row = json.loads(out.stdout.strip().splitlines()[-1])
-    assert row["segments"] == 8 and row["seq_len"] == 1024 and row["tokens"] == 8 * 1023 and row["bos"] is False
-    assert abs(row["ppl"] / TRANSFORMERS_PPL_8x1024 - 1) < 0.005, row["ppl"]
+    assert row["segments"] == 2 and row["seq_len"] == 1024 and row["tokens"] == 2 * 1023 and row["bos"] is False
+    ref = math.exp(np.mean(TRANSFORMERS_SEGMENT_NLL_4DP[:2]))
+    assert abs(row["ppl"] / ref - 1) < 0.005, (row["ppl"], ref)
 
 
 def test_generate_france_paris(smollm):
