@@ -124,7 +124,7 @@ def main(argv=None):
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="stop each config (engine replay, static loop) after this long and report it as partial")
     ap.add_argument("--prefill-slots", type=int, default=8, help="requests prefilling a chunk per engine step")
-    ap.add_argument("--admission", default="reserve", choices=["reserve", "optimistic"],
+    ap.add_argument("--admission", default="reserve", choices=E.ADMISSIONS,
                     help="reserve: admit only while the pool covers every request's prompt + max_new_tokens (no "
                          "preemption); optimistic: prompt + one page per running request (preempts by recompute)")
     ap.add_argument("--prefix-cache", default="auto", choices=["auto", "on", "off"],

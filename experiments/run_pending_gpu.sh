@@ -94,7 +94,6 @@ for job in $JOBS; do
     ws)
       start_job ws 0.10 $PY experiments/check_mgpu_decode.py --ws --quick --T 4096,32768 --formats bf16,int8,int4 \
         --impls mgpu --reps 8 --ws-probe-timeout 90 --out docs/results/decode_mgpu/pending-ws ;;
-    *) echo "unknown job $job (paged_check engine engine_static gemma_passkey sweeps intactkv fixed_order decode ws)" >&2; exit 2 ;;
   esac
 done
 }

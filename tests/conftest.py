@@ -116,7 +116,7 @@ def _release_compiled_executables():
 # Longest files first.  `make test` runs `--dist loadfile`: each xdist worker takes whole files in collection order,
 # so the heavy files that sort last alphabetically (tests/sharding/*: ~860 s of a ~4,400 s suite) ran at the end
 # while the other worker idled.  Collected first, they overlap and the many small files fill in behind them
-# (longest-processing-time-first).  Seconds per file: a full 2-worker run, 2026-12-01 (fixture setup included);
+# (longest-processing-time-first).  Seconds per file: a full 2-worker run, 2026-12-02 (fixture setup included);
 # a file not listed keeps its place after these.  The order of tests inside a file is unchanged.
 _LONGEST_FIRST = (
     "tests/models/test_gemma3.py", "tests/sharding/test_sharded_model.py", "tests/sharding/test_sharded_smollm2.py",

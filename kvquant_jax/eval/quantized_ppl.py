@@ -148,6 +148,13 @@ def _decode_scan(params, cfg, cache, first, forced, targets, free_running, ref=N
     return nll, am, extra, cache, ok
 
 
+def _check_reference(reference_logprobs, b: int, n: int) -> None:
+    """``reference_logprobs`` (None, or ``[B, n, V]``) must cover the ``[B, n]`` scored steps."""
+    if reference_logprobs is not None and tuple(reference_logprobs.shape[:2]) != (b, n):
+        raise ValueError(f"reference_logprobs must be [B, n, V] with [B, n] = {(b, n)}, got "
+                         f"{tuple(reference_logprobs.shape)}")
+
+
 def decode(params, cfg, policy, prompt, n: int, *, targets=None, free_running: bool = False,
            attention_impl: str = "auto", reference_logprobs=None, return_logprobs: bool = False):
     """Prefill ``prompt`` (int32 [B, P]) then decode ``n`` tokens through a fresh cache of ``policy``.
@@ -170,9 +177,7 @@ def decode(params, cfg, policy, prompt, n: int, *, targets=None, free_running: b
     targets = np.asarray(targets, np.int32)
     if targets.shape != (b, n + 1):
         raise ValueError(f"targets must be [B, n + 1] = {(b, n + 1)}, got {targets.shape}")
-    if reference_logprobs is not None and tuple(reference_logprobs.shape[:2]) != (b, n):
-        raise ValueError(f"reference_logprobs must be [B, n, V] with [B, n] = {(b, n)}, got "
-                         f"{tuple(reference_logprobs.shape)}")
+    _check_reference(reference_logprobs, b, n)
     mode = "compare" if reference_logprobs is not None else "logprobs" if return_logprobs else "nll"
     cache = policy.init(cfg, b, p + n)
     last, cache, ok = _prefill(params, cfg, jnp.asarray(prompt), cache)
@@ -233,9 +238,7 @@ def serving_decode(params, cfg, tokens, policy, prefill: int, *, attention_impl:
     if prefill < 1 or n < 1:
         raise ValueError(f"serving path needs 1 <= prefill and at least one decode prediction: prefill {prefill}, "
                          f"{t} tokens")
-    if reference_logprobs is not None and tuple(reference_logprobs.shape[:2]) != (b, n):
-        raise ValueError(f"reference_logprobs must be [B, n, V] with [B, n] = {(b, n)}, got "
-                         f"{tuple(reference_logprobs.shape)}")
+    _check_reference(reference_logprobs, b, n)
     rb = b
     if return_logprobs or reference_logprobs is not None:
         rb = rows_per_block(n, cfg.vocab_size, b, block_bytes)

@@ -440,10 +440,9 @@ class Engine:
             slot = self.slots.index(None)
             self.queue.popleft()
             if hit is not None:
-                self.prefixes, cache, self.pool = pcache.attach(self.prefixes, self.cache, self.pool, hit, slot)
-                self._cache = cache                    # attach edited row `slot` of the synced table / lengths
-                self._table[slot, : len(hit.pages)] = hit.pages
-                self._len[slot] = hit.length
+                # attach edits row `slot` of the table and its length on the device: the setter takes them back
+                self.prefixes, self.cache, self.pool = pcache.attach(self.prefixes, self.cache, self.pool, hit,
+                                                                     slot)
                 res.prefix_hit_tokens += hit_tokens
             self._admitted += 1
             self.slots[slot] = _Slot(req, tokens[:hit_tokens], tokens[hit_tokens:], self._admitted)

@@ -19,7 +19,8 @@ from kvquant_jax.cache import paged
 from kvquant_jax.cache.registry import make_scheme
 from kvquant_jax.models import load_model
 from kvquant_jax.models.testing import random_params, tiny_config
-from kvquant_jax.serving.engine import Engine, EngineConfig, Request, read_trace, summarize, synthetic_trace
+from kvquant_jax.serving.engine import (ADMISSIONS, Engine, EngineConfig, Request, read_trace, summarize,
+                                        synthetic_trace)
 
 
 def page_bytes(scheme, cfg, page_size: int) -> int:
@@ -140,7 +141,7 @@ def add_parsers(sub) -> None:
                    help="paged-direct forward (default) or the whole-view gather/scatter reference path")
     p.add_argument("--prefill-slots", type=int, default=4, help="requests prefilling a chunk per step")
     p.add_argument("--view-buckets", type=int, default=4, help="compiled view sizes per phase")
-    p.add_argument("--admission", default=EngineConfig.admission, choices=["optimistic", "reserve"],
+    p.add_argument("--admission", default=EngineConfig.admission, choices=ADMISSIONS,
                    help="optimistic: prompt + one page per running request (may preempt); reserve: every "
                         "request's prompt + max_new_tokens (never preempts)")
     p.add_argument("--max-seconds", type=float, default=None, help="stop the replay after this long (partial)")
