@@ -135,7 +135,9 @@ def main(argv=None):
                     help="paged-direct forward, or the whole-view gather/scatter reference path")
     ap.add_argument("--compile-cache", default=None, help="JAX persistent compilation cache directory")
     ap.add_argument("--small", action="store_true", help="CPU smoke sizes (tiny model, short requests)")
-    ap.add_argument("--out", default=None, help="directory for results.jsonl + README.md")
+    ap.add_argument("--out", default=None,
+                    help="directory: results.jsonl (appended) + latest_run.md (this run's table; a hand-written "
+                         "README.md there is left alone)")
     args = ap.parse_args(argv)
     if args.small:
         args.model, args.dtype, args.requests, args.rate = ["tiny"], "float32", 12, 20.0
@@ -196,7 +198,7 @@ def main(argv=None):
         with open(os.path.join(args.out, "results.jsonl"), "a") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
-        with open(os.path.join(args.out, "README.md"), "w") as f:
+        with open(os.path.join(args.out, "latest_run.md"), "w") as f:
             f.write(f"# Engine benchmark\n\n`python experiments/bench_engine.py {' '.join(argv or sys.argv[1:])}`\n\n")
             f.write(table(rows) + "\n")
             f.write(f"\nint4 / bf16 engine output tokens/s: {ratio} (target >= 1.8)\n")

@@ -8,15 +8,16 @@
 # Jobs (each writes its own results directory; logs go to $LOG/<job>.log; each job runs in the background with
 # its own share of GPU memory, XLA_PYTHON_CLIENT_MEM_FRACTION, so that a short job does not wait for a long one):
 #   engine         M: continuous batching on the LLaMA-3-8B shape at a 16 GB KV budget, bf16 vs int4 on one
-#                  seeded capacity-bound trace (target: int4 >= 1.8x bf16 output tok/s); ALONE on the GPU
+#                  seeded capacity-bound trace (target: int4 >= 1.8x bf16 output tok/s; run 2, 2026-12-02: 2.04x,
+#                  once); ALONE on the GPU; two more runs give the range
 #   engine_static  M: the static-batch loop on the same trace, then the int8 / KIVI-2 engines; ALONE
-#   gemma_passkey  L: Gemma-3-270M passkey, the two rows still short of 32K (KIVI-2, local KIVI-2 + global bf16;
-#                  the script resumes the committed file at the first missing length), then FP8 E4M3 whole
-#                  (~8 min per whole policy when the GPU is shared)
-#   sweeps         P: the GPU-preset sweeps not yet committed (KIVI axes, passkey; kvquant_main ran 2026-12-02)
+#   gemma_passkey  L: Gemma-3-270M passkey (every cell measured by 2026-12-02 07:34 UTC; the script resumes the
+#                  committed file, so this recomputes nothing unless a policy or the protocol is added)
+#   sweeps         P: the GPU-preset sweep not yet committed: passkey (kivi_axes and kvquant_main ran 2026-12-02)
 #   intactkv       P: the IntactKV / PrefixQuant ablation at 64 WikiText-2 test segments x 1024 tokens (ran
 #                  2026-12-02: docs/results/intactkv/gpu; rerun only to repeat it)
-#   paged_check    M: the compiled paged kernel vs the float64 oracle at D 128, 16- and 64-row pages
+#   paged_check    M: the compiled paged kernel vs the float64 oracle at D 128, 16- and 64-row pages, and the
+#                  engine's KIVI groups (all right, 2026-12-02 07:18 UTC; rerun only to repeat it)
 #   fixed_order    N: what the fixed-order (mesh- and batch-invariant) numerics cost against the fast path
 #   ws             J: the warp-specialized Mosaic kernel (C = 4 register fix) vs v1 and cuDNN, parity first
 #   decode         J: the packed decode kernels against cuDNN at 32K / 128K (the baseline table of issue J)
@@ -28,7 +29,7 @@
 set -u
 LOG=${LOG:-/tmp/pending_gpu}
 mkdir -p "$LOG"
-JOBS=${*:-paged_check engine engine_static gemma_passkey sweeps fixed_order decode ws}
+JOBS=${*:-engine engine_static sweeps fixed_order decode ws}
 PY=${PY:-python3}
 
 SEQUENTIAL=${SEQUENTIAL:-0}      # 1: the jobs run one after another (timing jobs: each alone on the GPU)
@@ -75,8 +76,8 @@ for job in $JOBS; do
         --policies kivi2 "local kivi2 + global bf16" "fp8_e4m3 (warm-up per-head scales)" \
         --out docs/results/gemma3/gpu ;;
     sweeps)
-      # passkey last: one process runs the sweeps in order, and its 8K prefill is the one that ran out of memory
-      start_job sweeps 0.25 bash experiments/run_gpu_sweeps.sh docs/results/gpu kivi_axes passkey ;;
+      # passkey alone (kivi_axes ran 2026-12-02 07:18 UTC); its 8K prefill is the one that ran out of memory twice
+      start_job sweeps 0.25 bash experiments/run_gpu_sweeps.sh docs/results/gpu passkey ;;
     intactkv)
       start_job intactkv 0.12 $PY experiments/intactkv_ablation.py --segments 64 --seq-len 1024 \
         --out docs/results/intactkv/gpu ;;
