@@ -4,6 +4,8 @@
     python experiments/check_mgpu_decode.py --check-only
     python experiments/check_mgpu_decode.py --T 32768 --formats int4 --variants
     python experiments/check_mgpu_decode.py --ws --impls mgpu      # + the warp-specialized kernel, side by side
+    python experiments/check_mgpu_decode.py --ws --impls mgpu --variants --tune pallas_kernels/tuning/decode_h200.json
+    python experiments/check_mgpu_decode.py --tune-from RESULTS.json --tune PATH   # the table from a results file
 
 (a) Small ragged random cases (B=3, Hkv=2, G=4, T=512, D=128, poisoned dead rows where the format allows, the
     current token k_new/v_new in the same softmax) against the float64 NumPy oracle, for every implemented format,
@@ -24,6 +26,9 @@
     child prints ``starting case ...`` before each case, so a hang names its case.  A ws timing variant runs only
     when every parity group it depends on (:func:`ws_groups_needed`) finished with all rows OK; the others get
     a "skipped" row.  ``--no-ws-isolate`` runs the ws parity in-process; ``--ws-groups`` picks groups.
+(c) ``--tune PATH`` (after the timing) or ``--tune-from RESULTS_JSON --tune PATH`` (no GPU): the dispatcher's decode
+    tuning table (:mod:`pallas_kernels.decode_tuning`): per (format, T) of the timed shape the fastest Mosaic
+    candidate (v1 or a ws variant) whose parity passed (:func:`tune_refusal`), with v1 default's time.
 """
 from __future__ import annotations
 
@@ -33,6 +38,9 @@ import datetime
 import json
 import math
 import os
+import re
+import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -50,6 +58,7 @@ from bench_decode_attention import (baseline_fns, device_region, hbm_copy_tbps, 
                                     time_program)
 from kvquant_jax.abi.reference import decode_attention_jnp, decode_attention_reference  # noqa: E402
 from kvquant_jax.attention.synthetic import PRESETS, random_region  # noqa: E402
+from pallas_kernels import decode_tuning  # noqa: E402
 from pallas_kernels.decode_attention import decode_attention as triton_decode  # noqa: E402
 from pallas_kernels.decode_attention_mgpu import (MgpuConfig, _spec_for, decode_attention_mgpu,  # noqa: E402
                                                   decode_attention_mgpu_prepared, default_mgpu_config,
@@ -432,6 +441,101 @@ def timing(args, results, t, variants_here=True, tag=""):
             del regs
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# (c) --tune: the dispatcher's table (pallas_kernels/decode_tuning.py) from the timing rows
+# ---------------------------------------------------------------------------------------------------------------
+def _parity_failed(results, impl: str, fmt: str, labels) -> str | None:
+    """Why the parity of ``impl`` on ``fmt`` under each parity label did not pass (None: every label has rows, all
+    OK, and for ws its child group finished OK)."""
+    for label in labels:
+        rows = [r for r in results.get("check", []) if r.get("impl", "mgpu") == impl and r.get("format") == fmt
+                and r.get("precision") == label]
+        if not rows:
+            return f"no {impl} {fmt} parity rows for {label!r}"
+        bad = [r for r in rows if not r.get("ok")]
+        if bad:
+            return f"{len(bad)} of {len(rows)} {impl} {fmt} parity rows for {label!r} failed"
+        child = results.get("ws_child", {}).get(label) if impl == "mgpu_ws" else None
+        if child is not None and not child.get("ok"):
+            return f"ws parity group {label!r} did not pass: {child.get('why')}"
+    return None
+
+
+def tune_refusal(results, row) -> str | None:
+    """Why a timing row cannot be a table candidate (None: it can): a Mosaic kernel (v1 or ws), timed, the default
+    numerics (``precision="bf16x2"``: a faster variant that rounds p to bf16 changes the numbers, it is not a
+    tuning choice), its own output within :func:`parity_tol` of the float32 reference, and every float64-oracle
+    parity row it depends on OK (v1: its precision label; ws: :func:`ws_groups_needed`)."""
+    impl = row.get("impl")
+    if impl not in ("mgpu", "mgpu_ws"):
+        return f"impl {impl!r} is not a Mosaic GPU kernel"
+    if not row.get("us") or row.get("error") or row.get("skipped"):
+        return "not timed"
+    cfg = row.get("config") or {}
+    prec = cfg.get("precision", "bf16x2")
+    if prec != "bf16x2" or cfg.get("split_query"):
+        return f"precision {prec!r} / split_query: not the default numerics"
+    err, tol = row.get("rel_err"), parity_tol("bfloat16", prec)
+    if err is None or not math.isfinite(err) or err >= tol:
+        return f"rel err vs float32 {err} is not < {tol}"
+    labels = (["bf16x2+upcast" if cfg.get("upcast") else "bf16x2"] if impl == "mgpu"
+              else sorted(ws_groups_needed(MgpuWsConfig(**cfg))))
+    return _parity_failed(results, impl, row["format"], labels)
+
+
+def _base_variant(v: str) -> str:
+    """A variant label without its ``--repeat`` tag (" (rep 2)")."""
+    return re.sub(r" \(rep \d+\)$", "", v or "")
+
+
+def tune_table(results, command: str, source: str) -> dict:
+    """The decode tuning table (schema: :mod:`pallas_kernels.decode_tuning`) from one results object: per (format,
+    T) of the timed shape, the fastest parity-passing Mosaic candidate (v1 variants and ws variants; repeats of a
+    variant: the median of their medians), with v1 default's time; a point without a passing v1 default row is
+    left out (logged)."""
+    shape = results["shape"]
+    d, g = int(shape["d"]), int(shape["hq"]) // int(shape["hkv"])
+    points: dict = {}
+    for row in results.get("rows", []):
+        why = tune_refusal(results, row)
+        if why:
+            if row.get("impl") in ("mgpu", "mgpu_ws"):
+                log(f"tune: T={row.get('T')} {row.get('impl')} {row.get('format')} {row.get('variant')!r} "
+                    f"not a candidate: {why}")
+            continue
+        key = (row["impl"], _base_variant(row.get("variant")))
+        points.setdefault((row["format"], int(row["T"])), {}).setdefault(key, []).append(row)
+    entries = []
+    for (fmt, t), cands in sorted(points.items()):
+        us = {k: statistics.median(r["us"] for r in rows) for k, rows in cands.items()}
+        if ("mgpu", "default") not in us:
+            log(f"tune: T={t} {fmt}: no parity-passing v1 default row, no entry")
+            continue
+        best = min(us, key=lambda k: (us[k], k != ("mgpu", "default")))     # ties: v1 default
+        payload = PRESETS[fmt][0].payload if fmt in PRESETS else fmt
+        entries.append(dict(format=payload, head_dim=d, group=g, T=t, impl=best[0], variant=best[1],
+                            config=cands[best][0]["config"], us=round(us[best], 1),
+                            v1_us=round(us[("mgpu", "default")], 1), candidates=len(us)))
+        log(f"tune: T={t} {payload}: {best[0]} {best[1]!r} {us[best]:.1f} us (v1 {us[('mgpu', 'default')]:.1f} us, "
+            f"{len(us)} candidates)")
+    return dict(schema=decode_tuning.SCHEMA, device_kind=str(results["device"]).split(":", 1)[-1],
+                jax=str(results["jax"]), date=str(results["date"]), command=command, source=source,
+                shape={k: int(v) for k, v in shape.items()}, entries=entries)
+
+
+def write_tune(path: str, results, command: str, source: str) -> dict:
+    """Build, validate (:func:`pallas_kernels.decode_tuning.validate_table`) and write the table to ``path``."""
+    table = tune_table(results, command, source)
+    decode_tuning.validate_table(table, os.path.basename(path))
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+    log(f"tune: wrote {len(table['entries'])} entries to {path}")
+    return table
+
+
 def markdown(results) -> str:
     copy = results.get("hbm_copy_tbps") or float("nan")
     lines = [f"Device: {results.get('device')}; JAX {results.get('jax')}; {results['date']}; "
@@ -476,7 +580,20 @@ def main(argv=None):
                     help="run the ws parity in this process (a hung / faulting ws kernel then stops everything)")
     ap.add_argument("--ws-probe-timeout", type=int, default=240, help="seconds per ws parity group child")
     ap.add_argument("--ws-groups", default=",".join(WS_GROUPS), help="ws parity groups (comma separated)")
+    ap.add_argument("--tune", default="", metavar="PATH",
+                    help="after timing, write the dispatcher's decode tuning table (pallas_kernels/decode_tuning.py)")
+    ap.add_argument("--tune-from", default="", metavar="RESULTS_JSON",
+                    help="with --tune: build the table from an existing check_mgpu_decode.json (no GPU, no runs)")
     args = ap.parse_args(argv)
+    command = "python experiments/check_mgpu_decode.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if args.tune_from:
+        if not args.tune:
+            ap.error("--tune-from needs --tune PATH")
+        with open(args.tune_from) as f:
+            results = json.load(f)
+        return write_tune(args.tune, results, command, args.tune_from)
+    if args.tune and args.check_only:
+        ap.error("--tune needs the timing (drop --check-only)")
     args.T = [int(x) for x in args.T.split(",") if x]
     args.formats = [x for x in args.formats.split(",") if x]
     args.impls = [x for x in args.impls.split(",") if x]
@@ -508,6 +625,11 @@ def main(argv=None):
         for r in range(1, args.repeat):
             timing(args, results, max(args.T), variants_here=False, tag=f" (rep {r + 1})")
     flush(args, results)
+    if args.tune and not args.ws_child:
+        try:
+            write_tune(args.tune, results, command, f"this run ({args.out or os.environ.get('OUT') or 'no --out'})")
+        except ValueError as e:                    # e.g. nothing passed parity: keep the results, say why
+            log(f"tune: no table written: {e}")
     print(markdown(results), flush=True)
     return results
 

@@ -106,7 +106,8 @@ from pallas_kernels.decode_attention import _combine, _dense_partial
 __all__ = ["MgpuConfig", "MgpuOperands", "prepare_region", "unprepare_codes", "mgpu_unsupported",
            "decode_attention_mgpu", "decode_attention_mgpu_prepared", "decode_attention_mgpu_partials",
            "decode_attention_mgpu_reference", "decode_attention_mgpu_reference_f64", "transposed_v_operands",
-           "transposed_v_unsupported", "decode_attention_transposed_v"]
+           "transposed_v_device_unsupported", "transposed_v_unsupported", "transposed_v_config_unsupported",
+           "transposed_v_shape", "decode_attention_transposed_v"]
 
 _F32 = jnp.float32
 _NEG = -1e30
@@ -713,9 +714,9 @@ def transposed_v_operands(fmt, state, lengths) -> MgpuOperands:
                         num_kv_heads=hkv)
 
 
-def transposed_v_unsupported(q, fmt, state) -> Optional[str]:
-    """Why the Mosaic GPU kernel cannot serve this transposed-V layer on this device (None when it can): not a
-    Hopper GPU, a float32 query, head_dim not a multiple of 64, capacity not a multiple of the format's block."""
+def transposed_v_device_unsupported(q) -> Optional[str]:
+    """The device / query conditions every Mosaic GPU kernel over a transposed-V layer shares (v1 and the
+    warp-specialized one): why not (not a Hopper GPU, a float32 query), or None."""
     dev = jax.devices()[0]
     cc = str(getattr(dev, "compute_capability", ""))
     if dev.platform != "gpu" or not (cc.startswith("9") or any(h in dev.device_kind for h in ("H100", "H200"))):
@@ -723,6 +724,15 @@ def transposed_v_unsupported(q, fmt, state) -> Optional[str]:
     if jnp.dtype(q.dtype) == jnp.float32:
         return ("float32 query: the kernel rounds q to bf16 (~1e-3 relative); a float32 model keeps float32 parity "
                 "on the reference path")
+    return None
+
+
+def transposed_v_unsupported(q, fmt, state) -> Optional[str]:
+    """Why the Mosaic GPU kernel cannot serve this transposed-V layer on this device (None when it can): not a
+    Hopper GPU, a float32 query, head_dim not a multiple of 64, capacity not a multiple of the format's block."""
+    why = transposed_v_device_unsupported(q)
+    if why:
+        return why
     c = state.k_codes.shape[-2]
     d = q.shape[-1]
     bt = default_mgpu_config(KVFormat(fmt.payload, "token", "symmetric")).block_t
@@ -730,6 +740,29 @@ def transposed_v_unsupported(q, fmt, state) -> Optional[str]:
         return f"head_dim {d} is not a multiple of 64"
     if c % bt:
         return f"capacity {c} is not a multiple of block_t={bt} (round the capacity up)"
+    return None
+
+
+def transposed_v_shape(fmt, state) -> MgpuOperands:
+    """The :class:`MgpuOperands` of a transposed-V layer as shapes and dtypes only (``jax.eval_shape``: no array
+    is read or written; works on tracers), for the launch-plan checks of both Mosaic GPU kernels."""
+    zeros = lambda st: jnp.zeros(st.k_codes.shape[:1], jnp.int32)  # noqa: E731
+    return jax.eval_shape(lambda st: transposed_v_operands(fmt, st, zeros(st)), state)
+
+
+def transposed_v_config_unsupported(fmt, state, head_dim: int, group: int,
+                                    config: MgpuConfig | None = None) -> Optional[str]:
+    """Why this kernel with ``config`` cannot read a transposed-V layer of this shape (None when it can): the
+    format / head_dim rules, block_t vs the capacity, num_splits (the launch plan of :func:`_spec_for`).  Device
+    independent (CPU-checkable); :func:`transposed_v_unsupported` adds the device and query checks."""
+    kf = KVFormat(fmt.payload, "token", "symmetric")
+    why = _formats_unsupported(kf, kf, head_dim)
+    if why:
+        return why
+    try:
+        _spec_for(transposed_v_shape(fmt, state), group, config)
+    except ValueError as e:
+        return str(e)
     return None
 
 

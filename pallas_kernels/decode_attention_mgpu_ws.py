@@ -54,6 +54,11 @@ and 0.11.2; ptxas is not run), a CPU model of the mbarrier plan AND the register
 ``experiments/check_mgpu_decode.py --ws`` checks parity against the float64 oracle (one child process per
 variant group) and times it next to v1 on the H200.  ``interpret=True`` runs v1's plain-JAX partials (same
 arithmetic), as v1 does.
+
+A cache stored in v1's layout (``kvquant_jax.abi.transposed_v``: ``int8_vt`` / ``int4_vt``) is read in place by
+:func:`decode_attention_transposed_v_ws` (v1's ``transposed_v_operands``, this kernel);
+``kvquant_jax.attention.dispatch`` picks it or v1 per layer from the measured table
+(:mod:`pallas_kernels.decode_tuning`).
 """
 from __future__ import annotations
 
@@ -68,10 +73,13 @@ from jax.experimental import pallas as pl
 from kvquant_jax.abi.regions import KVFormat, Region, check_query
 from pallas_kernels.decode_attention_mgpu import (MgpuConfig, MgpuOperands, _auto_splits, _block_update, _F32,
                                                   _formats_unsupported, _kernel_partials, _partials_jnp, _spec_for, _Spec,
-                                                  _tile_transforms, _with_current_token, prepare_region)
+                                                  _tile_transforms, _with_current_token, prepare_region,
+                                                  transposed_v_device_unsupported, transposed_v_operands,
+                                                  transposed_v_shape)
 
 __all__ = ["MgpuWsConfig", "default_ws_config", "register_pool", "mgpu_ws_unsupported", "decode_attention_mgpu_ws",
-           "decode_attention_mgpu_ws_prepared", "decode_attention_mgpu_ws_partials"]
+           "decode_attention_mgpu_ws_prepared", "decode_attention_mgpu_ws_partials",
+           "transposed_v_ws_config_unsupported", "transposed_v_ws_unsupported", "decode_attention_transposed_v_ws"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,3 +367,49 @@ def decode_attention_mgpu_ws(q, region: Region, *, k_new=None, v_new=None, sm_sc
     ops = prepare_region(region)
     return decode_attention_mgpu_ws_prepared(q, ops, k_new=k_new, v_new=v_new, sm_scale=sm_scale, config=config,
                                              interpret=interpret, out_dtype=out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A cache stored in the kernel's layout (kvquant_jax.abi.transposed_v): v1's operands, this kernel
+# --------------------------------------------------------------------------------------------------------------
+def transposed_v_ws_config_unsupported(fmt, state, head_dim: int, group: int,
+                                       config: MgpuWsConfig | None = None) -> Optional[str]:
+    """Why this kernel with ``config`` cannot read a transposed-V layer of this shape (None when it can): the
+    format / head_dim rules, the register plan, capacity vs ``compute_wgs x blocks_per_update x block_t``,
+    num_splits and ring slots (the launch plan of :func:`_ws_spec` on the layer's shapes; no array is read).
+    Device independent (CPU-checkable); :func:`transposed_v_ws_unsupported` adds the device and query checks.
+    ``state``: the layer's arrays (``k_codes [B, Hkv, C, D*b/8]``, ...), ``group``: query heads per KV head."""
+    kf = KVFormat(fmt.payload, "token", "symmetric")
+    why = _formats_unsupported(kf, kf, head_dim)
+    if why:
+        return why
+    try:
+        _ws_spec(transposed_v_shape(fmt, state), group, config, jnp.bfloat16)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def transposed_v_ws_unsupported(q, fmt, state, config: MgpuWsConfig | None = None) -> Optional[str]:
+    """Why this kernel cannot serve this transposed-V layer on this device with ``config`` (None when it can): v1's
+    device / query checks (a Hopper GPU, a bf16 / fp16 query), then :func:`transposed_v_ws_config_unsupported`."""
+    return (transposed_v_device_unsupported(q)
+            or transposed_v_ws_config_unsupported(fmt, state, q.shape[-1], q.shape[1] // state.k_codes.shape[1],
+                                                  config))
+
+
+def decode_attention_transposed_v_ws(q, fmt, state, lengths, k_new=None, v_new=None, *,
+                                     sm_scale: float | None = None, interpret: Any = None,
+                                     config: MgpuWsConfig | None = None):
+    """:func:`~pallas_kernels.decode_attention_mgpu.decode_attention_transposed_v` with this kernel: the same
+    operands (:func:`~pallas_kernels.decode_attention_mgpu.transposed_v_operands`, codes reinterpreted in place),
+    ONE softmax with the exact current token.
+
+    ``q [B, Hq, D]``; ``fmt, state``: the layer's static format and arrays; ``lengths`` int ``[B]``; ``k_new,
+    v_new`` optional ``[B, Hkv, D]``.  ``interpret``: anything but False/None on a non-GPU platform runs v1's
+    plain-JAX partials on the same operands (CPU tests), as v1 does.  Returns ``[B, Hq, D]`` float32.
+    """
+    ops = transposed_v_operands(fmt, state, lengths)
+    interp = bool(interpret) if interpret is not None else jax.devices()[0].platform != "gpu"
+    return decode_attention_mgpu_ws_prepared(q, ops, k_new=k_new, v_new=v_new, sm_scale=sm_scale, config=config,
+                                             interpret=interp, out_dtype=_F32)

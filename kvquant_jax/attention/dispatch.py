@@ -11,6 +11,14 @@ Mosaic GPU swap-AB kernel for per-token INT8/INT4 stored in its transposed-V lay
 Which path served each layer is logged once per (path, format, shape) on the ``kvquant_jax.attention`` logger at
 trace time (INFO; a WARNING when a GPU falls back to the float materialize path) and kept in :data:`SERVED`.
 
+Dispatch by measurement (issue J): a transposed-V layer on a GPU (``impl`` "auto" or "kernel") is served by Mosaic
+v1 or the warp-specialized Mosaic kernel, whichever the shipped tuning table
+(:func:`pallas_kernels.decode_tuning.choose`, written by ``experiments/check_mgpu_decode.py --tune``) measured
+fastest at the nearest timed T for (device kind, payload, head_dim, group); its config from the table; v1 default
+when the table has no entry or the table's config does not fit this layer (capacity, splits).  The reason (the
+table point, or why not) is the logged / :data:`SERVED` reason.  Formats no Mosaic kernel reads keep the Triton
+region kernel; the float reference serves a GPU only with a WARNING.
+
 This module keeps only: the key-stage guard, the scheme's regions (or fused operand), kernel or reference.  The
 current token's exact ``k_new, v_new`` join the same softmax.  ``impl``: ``"kernel"`` (Pallas; interpreted on
 CPU), ``"reference"`` (float32 JAX, :func:`kvquant_jax.abi.reference.decode_attention_jnp`) or ``"auto"``: the
@@ -32,6 +40,8 @@ from kvquant_jax.abi.transposed_v import TransposedVFormat
 from pallas_kernels import decode_attention as kernel
 from pallas_kernels import decode_attention_kvquant as kvquant_kernel
 from pallas_kernels import decode_attention_mgpu as mgpu_kernel
+from pallas_kernels import decode_attention_mgpu_ws as ws_kernel
+from pallas_kernels import decode_tuning
 from pallas_kernels.backend import platform
 
 __all__ = ["decode_attention", "layer_regions", "IMPLS", "FUSED_KERNELS", "SERVED"]
@@ -61,6 +71,36 @@ def _served(path: str, what: str, q, reason: str = "") -> None:
                                               tuple(q.shape), f" ({reason})" if reason else "")
 
 
+def _device_kind() -> str:
+    return jax.devices()[0].device_kind
+
+
+def _transposed_v_route(q, fmt: TransposedVFormat, state) -> tuple[Any, Any, str, str]:
+    """``(kernel, config, what, reason)`` for one transposed-V layer on a GPU: the tuning table's choice.
+
+    ``q [B, Hq, D]``; ``state.k_codes [B, Hkv, C, D*b/8]`` (C = capacity rows, the table's bucket key).  The
+    kernel is :func:`~pallas_kernels.decode_attention_mgpu.decode_attention_transposed_v` (v1) or
+    :func:`~pallas_kernels.decode_attention_mgpu_ws.decode_attention_transposed_v_ws`, looked up at call time;
+    ``what`` names the format and capacity for the log."""
+    hkv, cap = state.k_codes.shape[1], state.k_codes.shape[2]
+    d, g = q.shape[-1], q.shape[1] // hkv
+    impl, fields, reason = decode_tuning.choose(_device_kind(), fmt.payload, d, g, cap)
+    what = f"{fmt} C={cap}"
+    if impl == "mgpu_ws":
+        cfg = ws_kernel.MgpuWsConfig(**fields)
+        why = ws_kernel.transposed_v_ws_config_unsupported(fmt, state, d, g, cfg)
+        if why is None:
+            return ws_kernel.decode_attention_transposed_v_ws, cfg, what, reason
+        return (mgpu_kernel.decode_attention_transposed_v, None, what,
+                f"{reason}, but that ws config does not fit this layer ({why}): v1 default")
+    cfg = mgpu_kernel.MgpuConfig(**fields) if fields else None
+    why = mgpu_kernel.transposed_v_config_unsupported(fmt, state, d, g, cfg) if cfg is not None else None
+    if why:
+        return (mgpu_kernel.decode_attention_transposed_v, None, what,
+                f"{reason}, but that v1 config does not fit this layer ({why}): v1 default")
+    return mgpu_kernel.decode_attention_transposed_v, cfg, what, reason
+
+
 def _check_key_stage(scheme) -> None:
     if getattr(scheme, "key_stage", "post_rope") != "post_rope" and not scheme.rotates_stored_keys:
         raise ValueError("decode_attention reads post-RoPE keys; a pre-RoPE cache needs the model to rotate the "
@@ -88,8 +128,14 @@ def _fused(q, scheme, layer_state, lengths, k_new, v_new, impl, interpret, sm_sc
         if why:
             _served("reference", str(fmt), q, why)
             return None
-    _served(getattr(fused, "__name__", "fused"), str(fmt), q)
-    out = fused(q, fmt, arrays, lengths.astype(jnp.int32), k_new, v_new, sm_scale=sm_scale, interpret=interpret)
+    kw = {}
+    if isinstance(fmt, TransposedVFormat) and platform() == "gpu":
+        fused, kw["config"], what, reason = _transposed_v_route(q, fmt, arrays)
+        _served(fused.__name__, what, q, reason)
+    else:
+        _served(getattr(fused, "__name__", "fused"), str(fmt), q)
+    out = fused(q, fmt, arrays, lengths.astype(jnp.int32), k_new, v_new, sm_scale=sm_scale, interpret=interpret,
+                **kw)
     return out.astype(q.dtype if out_dtype is None else out_dtype)
 
 

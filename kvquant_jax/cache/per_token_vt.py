@@ -14,8 +14,10 @@ read-modify-write of that byte (even and odd positions in two passes, so no two 
 token's nibble is preserved, hence no slot visible at the old length changes value).
 
 Decode: ``attention.dispatch`` routes the layer by its format type (:meth:`fused_decode_operand`) to
-``pallas_kernels.decode_attention_mgpu.decode_attention_transposed_v`` on a GPU with Mosaic GPU (sm_90); anywhere
-else (CPU, other shapes) the layer is read through its materialize view, exact.
+``pallas_kernels.decode_attention_mgpu.decode_attention_transposed_v`` on a GPU with Mosaic GPU (sm_90), or to the
+warp-specialized ``decode_attention_mgpu_ws.decode_attention_transposed_v_ws`` where the tuning table
+(``pallas_kernels.decode_tuning``) measured it faster; anywhere else (CPU, other shapes) the layer is read through
+its materialize view, exact.
 """
 from __future__ import annotations
 

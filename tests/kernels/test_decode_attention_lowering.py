@@ -114,3 +114,21 @@ def test_mgpu_ws_setmaxnreg_fits_the_launch(rng, monkeypatch, cfg):
     per_thread = 65536 // (128 * wgs) // 8 * 8
     assert dec + (wgs - 1) * inc <= wgs * per_thread, (dec, inc, wgs, per_thread)
     assert all(n % 8 == 0 and 24 <= n <= 256 for n, _ in calls)
+
+
+@pytest.mark.parametrize("bits,cfg", [(8, ws.MgpuWsConfig(compute_wgs=4, block_t=64, max_concurrent_steps=8)),
+                                      (4, ws.MgpuWsConfig(block_t=128, max_concurrent_steps=6))],
+                         ids=["int8-c4-bt64", "int4-ws"])
+def test_mgpu_ws_transposed_v_lowers_for_cuda(bits, cfg):
+    """The ws entry over a transposed-V layer (the configs the H200 tuning table picks at T = 32K) lowers for
+    "cuda" with ``interpret=False`` on v1's reinterpreted operands (no per-step conversion)."""
+    from kvquant_jax.cache.per_token_vt import TransposedVPerTokenScheme
+
+    scheme = TransposedVPerTokenScheme(bits=bits)
+    st = scheme.init_layer(2, 1024, 2, 128)
+    q = jnp.ones((2, 8, 128), jnp.bfloat16)
+    lengths = jnp.array([1024, 300], jnp.int32)
+    assert ws.transposed_v_ws_config_unsupported(scheme.kernel_format, st, 128, 4, cfg) is None
+    fn = lambda q, st, n: ws.decode_attention_transposed_v_ws(  # noqa: E731
+        q, scheme.kernel_format, st, n, interpret=False, config=cfg)
+    assert "mosaic_gpu" in _lower_cuda(fn, q, st, lengths)

@@ -203,3 +203,81 @@ def test_ws_barrier_protocol_model_catches_a_bad_ring():
     with pytest.raises(AssertionError):
         for seed in range(20):
             _run_protocol(8, 3, 2, 1, seed)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The transposed-V entry point (a cache stored in the kernel's layout, kvquant_jax.abi.transposed_v)
+# ---------------------------------------------------------------------------------------------------------------
+def _np_pack_signed(q: np.ndarray, bits: int) -> np.ndarray:
+    """Independent packing oracle: signed codes [..., n] -> two's-complement bytes, element 2i in the low nibble."""
+    u = (q.astype(np.int64) & ((1 << bits) - 1)).astype(np.uint8)
+    return u if bits == 8 else (u[..., 0::2] | (u[..., 1::2] << 4)).astype(np.uint8)
+
+
+def _vt_case(rng, bits, b=2, hkv=2, g=4, d=64, c=256):
+    """Random non-zero codes and scales in the transposed-V layout + their float64 K / V (``[B, Hkv, C, D]``)."""
+    from kvquant_jax.abi.transposed_v import TransposedVFormat
+    from kvquant_jax.cache.per_token_vt import TransposedVLayerState
+
+    qmax = 2 ** (bits - 1) - 1
+    qk = rng.integers(-qmax, qmax + 1, (b, hkv, c, d))
+    qv = rng.integers(-qmax, qmax + 1, (b, hkv, c, d))
+    sk = rng.uniform(0.5, 1.5, (b, hkv, c, 1)).astype(np.float16) / qmax
+    sv = rng.uniform(0.5, 1.5, (b, hkv, c, 1)).astype(np.float16) / qmax
+    st = TransposedVLayerState(k_codes=jnp.asarray(_np_pack_signed(qk, bits)),
+                               v_codes=jnp.asarray(_np_pack_signed(np.swapaxes(qv, 2, 3), bits)),
+                               k_scale=jnp.asarray(sk), v_scale=jnp.asarray(sv))
+    k = qk * sk.astype(np.float64)
+    v = qv * sv.astype(np.float64)
+    return TransposedVFormat(bits=bits), st, k, v
+
+
+def _np_oracle(q, k, v, lengths, kn, vn):
+    """float64 NumPy decode attention: q [B, Hq, D] over rows [0, lengths[b]) of k, v [B, Hkv, C, D] + the current
+    token kn, vn [B, Hkv, D] in the same softmax."""
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    q4 = q.reshape(b, hkv, hq // hkv, d)
+    kk = np.concatenate([k, kn[:, :, None]], axis=2)
+    vv = np.concatenate([v, vn[:, :, None]], axis=2)
+    s = np.einsum("bhgd,bhtd->bhgt", q4, kk) / np.sqrt(d)
+    live = np.arange(kk.shape[2])[None, :] < lengths[:, None]
+    live[:, -1] = True
+    s = np.where(live[:, None, None, :], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhgt,bhtd->bhgd", p, vv).reshape(b, hq, d)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_ws_transposed_v_plain_jax_path_matches_numpy_oracle(rng, bits):
+    """CPU: the ws transposed-V entry builds v1's operands and (interpret / non-GPU) runs the plain-JAX partials."""
+    fmt, st, k, v = _vt_case(rng, bits)
+    b, hkv, _, d = k.shape
+    q = rng.standard_normal((b, hkv * 4, d))
+    kn, vn = rng.standard_normal((b, hkv, d)), rng.standard_normal((b, hkv, d))
+    lengths = np.array([256, 131], np.int32)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    out = ws.decode_attention_transposed_v_ws(f32(q), fmt, st, jnp.asarray(lengths), f32(kn), f32(vn),
+                                              config=ws.MgpuWsConfig(compute_wgs=4, block_t=64))
+    assert out.dtype == jnp.float32 and out.shape == q.shape
+    want = _np_oracle(q, k, v, lengths, kn, vn)
+    assert _rel(out, want) < 1e-3
+    v1 = mg.decode_attention_transposed_v(f32(q), fmt, st, jnp.asarray(lengths), f32(kn), f32(vn))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(v1))          # same operands, same partials
+
+
+def test_ws_transposed_v_config_check_says_why(rng):
+    fmt, st, _, _ = _vt_case(rng, 4, c=384)
+    c4 = ws.MgpuWsConfig(compute_wgs=4, block_t=64, max_concurrent_steps=8)
+    assert "block" in ws.transposed_v_ws_config_unsupported(fmt, st, 64, 4, c4)       # 6 blocks for 4 warpgroups
+    assert ws.transposed_v_ws_config_unsupported(fmt, st, 64, 4, ws.MgpuWsConfig(block_t=64)) is None
+    assert "compute_wgs" in ws.transposed_v_ws_config_unsupported(fmt, st, 64, 4, ws.MgpuWsConfig(compute_wgs=3))
+    assert "block_t" in mg.transposed_v_config_unsupported(fmt, st, 64, 4, mg.MgpuConfig(block_t=256))
+    assert mg.transposed_v_config_unsupported(fmt, st, 64, 4, mg.MgpuConfig(block_t=64)) is None
+    fmt, st, _, _ = _vt_case(rng, 4, c=256)
+    assert ws.transposed_v_ws_config_unsupported(fmt, st, 64, 4, c4) is None
+    assert "num_splits" in ws.transposed_v_ws_config_unsupported(fmt, st, 64, 4, ws.MgpuWsConfig(num_splits=8))
+    q = jnp.ones((2, 8, 64), jnp.bfloat16)
+    assert ws.transposed_v_ws_unsupported(q, fmt, st, c4) == mg.transposed_v_device_unsupported(q)
+    assert ws.transposed_v_ws_unsupported(q.astype(jnp.float32), fmt, st, c4)      # never None: f32 q, or not Hopper

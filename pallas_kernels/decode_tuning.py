@@ -1,0 +1,239 @@
+"""Decode-kernel tuning tables: which Mosaic GPU kernel (v1 or warp-specialized) and config serves a layer, by
+measurement.
+
+The tables are JSON files shipped in ``pallas_kernels/tuning/`` (one per device kind, e.g. ``decode_h200.json``),
+written by ``experiments/check_mgpu_decode.py --tune PATH`` (after its timing) or ``--tune-from RESULTS_JSON
+--tune PATH`` (from an existing results file, no GPU): per (format, T, head_dim, group) the fastest
+implementation / variant among Mosaic v1 and the ws variants whose parity against the float64 oracle passed.
+``kvquant_jax.attention.dispatch`` asks :func:`choose` for every transposed-V layer on a GPU and logs the reason.
+
+Schema (every field required; :func:`validate_table` raises ``ValueError`` naming the file and the field)::
+
+    {
+      "schema": "kvquant_jax.decode_tuning/1",
+      "device_kind": "NVIDIA H200",               # jax.devices()[0].device_kind the table was measured on
+      "jax": "0.11.2",                            # JAX version of the measurement
+      "date": "2026-12-02T07:06:55+00:00",        # date of the measurement (the results file's)
+      "command": "python experiments/check_mgpu_decode.py ...",   # what wrote this table
+      "source": "docs/results/.../check_mgpu_decode.json",        # the results it was built from
+      "shape": {"B": 8, "hq": 32, "hkv": 8, "d": 128},          # the timed shape
+      "entries": [                                # at most one per (format, head_dim, group, T)
+        {"format": "int8",                        # KV payload: "bf16", "int8", "int4", "e4m3", ...
+         "head_dim": 128, "group": 4,             # D and query heads per KV head of the timed shape
+         "T": 32768,                              # timed rows (tokens per sequence): the bucket key
+         "impl": "mgpu_ws",                       # "mgpu" (v1) or "mgpu_ws" (warp-specialized)
+         "variant": "ws c4 bt64",                 # the benchmark's variant label of the winner
+         "config": {"block_t": 64, ...},          # fields of MgpuConfig ("mgpu") / MgpuWsConfig ("mgpu_ws")
+         "us": 291.8,                             # the winner's median µs
+         "v1_us": 455.7,                          # Mosaic v1 default's median µs at the same point
+         "candidates": 9}                         # parity-passing candidates timed there
+      ]
+    }
+
+Bucket rule (:func:`choose`): among the entries of the layer's (format, head_dim, group), the one of the largest
+measured T <= the layer's capacity (rows), else the smallest measured T.  No table for the device kind, or no
+entry for the (format, head_dim, group): v1 with its default config and a reason saying "no table entry".
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from typing import Any, Optional
+
+from pallas_kernels.decode_attention_mgpu import MgpuConfig
+from pallas_kernels.decode_attention_mgpu_ws import MgpuWsConfig
+
+__all__ = ["SCHEMA", "TABLE_DIR", "IMPLS", "TuningEntry", "TuningTable", "validate_table", "load_table",
+           "shipped_tables", "table_for", "choose"]
+
+SCHEMA = "kvquant_jax.decode_tuning/1"
+#: the shipped tables (package data)
+TABLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
+#: implementation name -> the config dataclass whose fields an entry's ``config`` holds
+IMPLS: dict[str, type] = {"mgpu": MgpuConfig, "mgpu_ws": MgpuWsConfig}
+_META = ("device_kind", "jax", "date", "command", "source")
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningEntry:
+    """One measured point: the winner at (format, head_dim, group, T) and the v1 time there (µs)."""
+
+    format: str
+    head_dim: int
+    group: int
+    T: int
+    impl: str
+    variant: str
+    config: tuple[tuple[str, Any], ...]      # sorted (field, value) pairs: hashable
+    us: float
+    v1_us: float
+    candidates: int
+
+    def config_fields(self) -> dict[str, Any]:
+        return dict(self.config)
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningTable:
+    """A validated table: ``name`` (file name), the measurement's metadata and its entries."""
+
+    name: str
+    device_kind: str
+    jax: str
+    date: str
+    command: str
+    source: str
+    shape: tuple[tuple[str, int], ...]
+    entries: tuple[TuningEntry, ...]
+
+
+def _fail(name: str, field: str, msg: str):
+    raise ValueError(f"decode tuning table {name}: field {field!r}: {msg}")
+
+
+def _int(name, field, x, lo=1) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < lo:
+        _fail(name, field, f"must be an integer >= {lo}, got {x!r}")
+    return x
+
+
+def _pos_float(name, field, x) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+        _fail(name, field, f"must be a finite number > 0, got {x!r}")
+    return float(x)
+
+
+def _str(name, field, x) -> str:
+    if not isinstance(x, str) or not x:
+        _fail(name, field, f"must be a non-empty string, got {x!r}")
+    return x
+
+
+def _entry(name: str, i: int, e: Any) -> TuningEntry:
+    at = f"entries[{i}]"
+    if not isinstance(e, dict):
+        _fail(name, at, f"must be an object, got {type(e).__name__}")
+    need = ("format", "head_dim", "group", "T", "impl", "variant", "config", "us", "v1_us", "candidates")
+    for k in need:
+        if k not in e:
+            _fail(name, f"{at}.{k}", "missing")
+    extra = sorted(set(e) - set(need))
+    if extra:
+        _fail(name, f"{at}.{extra[0]}", f"unknown field (known: {', '.join(need)})")
+    impl = e["impl"]
+    if impl not in IMPLS:
+        _fail(name, f"{at}.impl", f"must be one of {sorted(IMPLS)}, got {impl!r}")
+    cfg = e["config"]
+    if not isinstance(cfg, dict):
+        _fail(name, f"{at}.config", f"must be an object, got {type(cfg).__name__}")
+    fields = {f.name for f in dataclasses.fields(IMPLS[impl])}
+    for k, v in cfg.items():
+        if k not in fields:
+            _fail(name, f"{at}.config.{k}", f"not a field of {IMPLS[impl].__name__} (fields: {sorted(fields)})")
+        if v is not None and not isinstance(v, (bool, int, str)):
+            _fail(name, f"{at}.config.{k}", f"must be null, a boolean, an integer or a string, got {v!r}")
+    us, v1 = _pos_float(name, f"{at}.us", e["us"]), _pos_float(name, f"{at}.v1_us", e["v1_us"])
+    if impl == "mgpu" and us != v1:
+        _fail(name, f"{at}.v1_us", f"a v1 winner's v1_us must equal its us ({us} != {v1})")
+    return TuningEntry(format=_str(name, f"{at}.format", e["format"]),
+                       head_dim=_int(name, f"{at}.head_dim", e["head_dim"]),
+                       group=_int(name, f"{at}.group", e["group"]), T=_int(name, f"{at}.T", e["T"]), impl=impl,
+                       variant=_str(name, f"{at}.variant", e["variant"]), config=tuple(sorted(cfg.items())),
+                       us=us, v1_us=v1, candidates=_int(name, f"{at}.candidates", e["candidates"]))
+
+
+def validate_table(obj: Any, name: str = "<table>") -> TuningTable:
+    """A parsed JSON object -> :class:`TuningTable` (schema in the module docstring); ``ValueError`` naming ``name``
+    and the first bad field otherwise."""
+    if not isinstance(obj, dict):
+        _fail(name, "<top level>", f"must be an object, got {type(obj).__name__}")
+    known = ("schema",) + _META + ("shape", "entries")
+    for k in known:
+        if k not in obj:
+            _fail(name, k, "missing")
+    extra = sorted(set(obj) - set(known))
+    if extra:
+        _fail(name, extra[0], f"unknown field (known: {', '.join(known)})")
+    if obj["schema"] != SCHEMA:
+        _fail(name, "schema", f"must be {SCHEMA!r}, got {obj['schema']!r}")
+    meta = {k: _str(name, k, obj[k]) for k in _META}
+    shape = obj["shape"]
+    if not isinstance(shape, dict) or not shape:
+        _fail(name, "shape", f"must be a non-empty object, got {shape!r}")
+    for k, v in shape.items():
+        _int(name, f"shape.{k}", v)
+    entries = obj["entries"]
+    if not isinstance(entries, list) or not entries:
+        _fail(name, "entries", f"must be a non-empty list, got {entries!r}")
+    out, seen = [], {}
+    for i, e in enumerate(entries):
+        ent = _entry(name, i, e)
+        key = (ent.format, ent.head_dim, ent.group, ent.T)
+        if key in seen:
+            _fail(name, f"entries[{i}]", f"duplicates entries[{seen[key]}] (format, head_dim, group, T) = {key}")
+        seen[key] = i
+        out.append(ent)
+    return TuningTable(name=name, shape=tuple(sorted(shape.items())), entries=tuple(out), **meta)
+
+
+def load_table(path: str) -> TuningTable:
+    """Read and validate one table file (``ValueError`` naming the file on bad JSON or a bad field)."""
+    name = os.path.basename(path)
+    with open(path) as f:
+        try:
+            obj = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"decode tuning table {name}: not valid JSON: {e}") from e
+    return validate_table(obj, name)
+
+
+@functools.lru_cache(maxsize=None)
+def shipped_tables(table_dir: str = TABLE_DIR) -> tuple[TuningTable, ...]:
+    """Every ``*.json`` table in ``table_dir`` (default: the package's), validated, by file name; read once."""
+    if not os.path.isdir(table_dir):
+        return ()
+    return tuple(load_table(os.path.join(table_dir, f)) for f in sorted(os.listdir(table_dir)) if f.endswith(".json"))
+
+
+def table_for(device_kind: str, tables: Optional[tuple[TuningTable, ...]] = None) -> Optional[TuningTable]:
+    """The table measured on ``device_kind`` (exact match of ``jax.devices()[0].device_kind``), or None."""
+    for t in shipped_tables() if tables is None else tables:
+        if t.device_kind == device_kind:
+            return t
+    return None
+
+
+def _pick(entries: list[TuningEntry], capacity_rows: int) -> TuningEntry:
+    """The entry of the largest measured T <= ``capacity_rows``, else the one of the smallest T."""
+    below = [e for e in entries if e.T <= capacity_rows]
+    return max(below, key=lambda e: e.T) if below else min(entries, key=lambda e: e.T)
+
+
+def choose(device_kind: str, payload: str, head_dim: int, group: int, capacity_rows: int,
+           table: Optional[TuningTable] = None) -> tuple[str, dict[str, Any], str]:
+    """``(impl, config fields, reason)`` for one layer: ``impl`` "mgpu" (v1) or "mgpu_ws"; the fields build its
+    config (``IMPLS[impl](**fields)``; empty: the kernel's defaults); ``reason`` says which table point decided.
+
+    ``device_kind``: ``jax.devices()[0].device_kind``; ``payload``: the KV payload ("int8", "int4", ...);
+    ``head_dim``: D; ``group``: query heads per KV head; ``capacity_rows``: the layer's rows (tokens).  ``table``:
+    None -> the shipped table of ``device_kind`` (:func:`table_for`).
+    """
+    table = table if table is not None else table_for(device_kind)
+    if table is None:
+        return "mgpu", {}, f"no table entry: no decode tuning table for {device_kind!r}: v1 default"
+    if table.device_kind != device_kind:
+        return "mgpu", {}, (f"no table entry: table {table.name} is for {table.device_kind!r}, not "
+                            f"{device_kind!r}: v1 default")
+    here = [e for e in table.entries if (e.format, e.head_dim, e.group) == (payload, head_dim, group)]
+    if not here:
+        return "mgpu", {}, f"no table entry in {table.name} for {payload} D={head_dim} G={group}: v1 default"
+    e = _pick(here, capacity_rows)
+    at = f"at T={e.T}" + ("" if e.T == capacity_rows else f" (capacity {capacity_rows})")
+    if e.impl == "mgpu":
+        why = f"table {table.name}: v1 {e.variant} {e.us:.1f} µs, fastest of {e.candidates} measured {at}"
+    else:
+        why = f"table {table.name}: {e.variant} {e.us:.1f} µs vs v1 {e.v1_us:.1f} µs {at}"
+    return e.impl, e.config_fields(), why

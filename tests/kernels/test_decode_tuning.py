@@ -1,0 +1,205 @@
+"""The decode tuning table (pallas_kernels/decode_tuning.py): strict validation, bucket selection, and the table
+``experiments/check_mgpu_decode.py --tune-from RESULTS --tune PATH`` builds (fastest parity-passing candidate)."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from pallas_kernels import decode_tuning as dt
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = "docs/results/decode_mgpu/2026-12-02-ws-timed/check_mgpu_decode.json"
+WS = {"block_t": 128, "num_splits": None, "max_concurrent_steps": 6, "precision": "bf16x2", "compute_wgs": 2}
+V1 = {"block_t": 128, "num_splits": None, "max_concurrent_steps": 3, "precision": "bf16x2", "upcast": False}
+
+
+def _entry(t, impl, variant, us, v1_us, fmt="int8", config=None):
+    return dict(format=fmt, head_dim=128, group=4, T=t, impl=impl, variant=variant,
+                config=dict(config or (WS if impl == "mgpu_ws" else V1)), us=us, v1_us=v1_us, candidates=3)
+
+
+def _table():
+    return dict(schema=dt.SCHEMA, device_kind="NVIDIA H200", jax="0.11.2", date="2026-12-02", command="python x",
+                source="results.json", shape=dict(B=8, hq=32, hkv=8, d=128),
+                entries=[_entry(1024, "mgpu_ws", "ws small", 30.0, 40.0),
+                         _entry(4096, "mgpu", "default", 70.0, 70.0),
+                         _entry(16384, "mgpu_ws", "ws c4 bt64", 200.0, 300.0,
+                                config=dict(WS, block_t=64, compute_wgs=4, max_concurrent_steps=8))])
+
+
+@pytest.mark.parametrize("cap,t", [(256, 1024), (1024, 1024), (2048, 1024), (4096, 4096), (10000, 4096),
+                                   (16384, 16384), (1 << 20, 16384)],
+                         ids=["below-smallest", "at-smallest", "between-1", "at-middle", "between-2", "at-largest",
+                              "above-largest"])
+def test_bucket_is_the_largest_measured_T_at_or_below_the_capacity(cap, t):
+    table = dt.validate_table(_table(), "t.json")
+    impl, fields, why = dt.choose("NVIDIA H200", "int8", 128, 4, cap, table)
+    want_impl, want_bt = {1024: ("mgpu_ws", 128), 4096: ("mgpu", 128), 16384: ("mgpu_ws", 64)}[t]
+    assert impl == want_impl and f"at T={t}" in why and why.startswith("table t.json: ")
+    assert dt.IMPLS[impl](**fields).block_t == want_bt
+    if t == 16384:
+        assert fields["compute_wgs"] == 4 and "ws c4 bt64 200.0 µs vs v1 300.0 µs at T=16384" in why
+    if t == 4096:
+        assert "v1 default 70.0 µs" in why
+
+
+def test_no_entry_is_v1_default_and_says_so():
+    table = dt.validate_table(_table(), "t.json")
+    for args in (("NVIDIA H200", "int4", 128, 4), ("NVIDIA H200", "int8", 64, 4), ("NVIDIA H200", "int8", 128, 8)):
+        impl, fields, why = dt.choose(*args, 32768, table)
+        assert (impl, fields) == ("mgpu", {}) and "no table entry" in why
+    impl, fields, why = dt.choose("NVIDIA H100 80GB HBM3", "int8", 128, 4, 32768, table)
+    assert (impl, fields) == ("mgpu", {}) and "no table entry" in why
+    impl, _, why = dt.choose("NVIDIA B200", "int8", 128, 4, 32768)             # no shipped table for it
+    assert impl == "mgpu" and "no table entry" in why
+
+
+def _set(path, value):
+    def edit(t):
+        *head, last = path
+        node = t
+        for k in head:
+            node = node[k]
+        if value is KeyError:
+            del node[last]
+        else:
+            node[last] = value
+    return edit
+
+
+MALFORMED = {
+    "schema": (_set(["schema"], "other/2"), "'schema'"),
+    "device_kind-missing": (_set(["device_kind"], KeyError), "'device_kind'"),
+    "jax-empty": (_set(["jax"], ""), "'jax'"),
+    "command-not-str": (_set(["command"], 3), "'command'"),
+    "unknown-top": (_set(["extra"], 1), "'extra'"),
+    "shape": (_set(["shape", "B"], 0), "'shape.B'"),
+    "entries-empty": (_set(["entries"], []), "'entries'"),
+    "entry-not-object": (_set(["entries", 1], [1]), "'entries[1]'"),
+    "impl": (_set(["entries", 0, "impl"], "triton"), "'entries[0].impl'"),
+    "config-field": (_set(["entries", 0, "config", "warps"], 4), "'entries[0].config.warps'"),
+    "config-v1-field-on-ws": (_set(["entries", 2, "config", "split_query"], False), "'entries[2].config.split_query'"),
+    "config-value": (_set(["entries", 0, "config", "block_t"], [64]), "'entries[0].config.block_t'"),
+    "us": (_set(["entries", 0, "us"], -1.0), "'entries[0].us'"),
+    "v1_us-nan": (_set(["entries", 2, "v1_us"], float("nan")), "'entries[2].v1_us'"),
+    "v1-winner-v1_us": (_set(["entries", 1, "v1_us"], 71.0), "'entries[1].v1_us'"),
+    "T-zero": (_set(["entries", 1, "T"], 0), "'entries[1].T'"),
+    "T-bool": (_set(["entries", 1, "T"], True), "'entries[1].T'"),
+    "head_dim-missing": (_set(["entries", 0, "head_dim"], KeyError), "'entries[0].head_dim'"),
+    "entry-unknown": (_set(["entries", 0, "why"], "x"), "'entries[0].why'"),
+    "duplicate": (lambda t: t["entries"].append(copy.deepcopy(t["entries"][0])), "'entries[3]'"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_table_names_the_file_and_field(tmp_path, name):
+    edit, field = MALFORMED[name]
+    t = _table()
+    edit(t)
+    path = tmp_path / "decode_bad.json"
+    path.write_text(json.dumps(t))
+    with pytest.raises(ValueError) as e:
+        dt.load_table(str(path))
+    assert "decode_bad.json" in str(e.value) and f"field {field}" in str(e.value), str(e.value)
+
+
+def test_good_table_round_trips_and_bad_json_is_named(tmp_path):
+    path = tmp_path / "decode_x.json"
+    path.write_text(json.dumps(_table()))
+    table = dt.load_table(str(path))
+    assert table.name == "decode_x.json" and len(table.entries) == 3 and table.device_kind == "NVIDIA H200"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="decode_x.json: not valid JSON"):
+        dt.load_table(str(path))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# experiments/check_mgpu_decode.py --tune-from RESULTS --tune PATH
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("check_mgpu_decode", REPO / "experiments" / "check_mgpu_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _check(impl, fmt, label, ok=True):
+    return dict(case=dict(b=3, hkv=2, g=4, d=128, n=512), format=fmt, q_dtype="bfloat16", precision=label,
+                impl=impl, rel_err=1e-6 if ok else 0.5, tol=1e-3, finite=True, ok=ok)
+
+
+def _row(impl, fmt, variant, us, err=2e-6, **cfg):
+    base = dict(V1, split_query=False) if impl == "mgpu" else dict(WS, upcast=False, blocks_per_update=1,
+                                                                    v_first=None, memory_registers=None,
+                                                                    compute_registers=None)
+    return dict(T=1024, impl=impl, format=fmt, variant=variant, us=us, rel_err=err, config=dict(base, **cfg))
+
+
+def _synthetic_results():
+    """int8: the fastest rows have a failed parity group (c4), the reduced-precision numerics, or a high own error:
+    "ws" wins.  int4: v1 wins (its two repeats: median).  bf16: v1's parity failed: no entry."""
+    check = [_check("mgpu", f, "bf16x2", ok=f != "bf16") for f in ("int8", "int4", "bf16")]
+    check += [_check("mgpu_ws", f, g) for f in ("int8", "int4", "bf16") for g in ("ws", "ws default", "ws bf16")]
+    check += [_check("mgpu_ws", "int8", "ws c4", ok=False)]
+    rows = [dict(T=1024, impl="cudnn", format="bf16", variant="", us=10.0),
+            _row("mgpu", "int8", "default", 100.0),
+            _row("mgpu_ws", "int8", "ws", 80.0),
+            _row("mgpu_ws", "int8", "ws c4 bt64", 50.0, compute_wgs=4, block_t=64),         # parity failed
+            _row("mgpu_ws", "int8", "ws prec bf16", 40.0, precision="bf16"),               # other numerics
+            _row("mgpu_ws", "int8", "ws s8", 45.0, err=5e-3, max_concurrent_steps=8),      # own error too high
+            dict(T=1024, impl="mgpu_ws", format="int8", variant="ws u2", skipped=True, error="skipped"),
+            _row("mgpu", "int4", "default", 60.0), _row("mgpu", "int4", "default (rep 2)", 50.0),
+            _row("mgpu_ws", "int4", "ws", 56.0),
+            _row("mgpu", "bf16", "default", 100.0), _row("mgpu_ws", "bf16", "ws", 90.0)]
+    return dict(date="2026-12-02T00:00:00+00:00", shape=dict(B=8, hq=32, hkv=8, d=128), device="gpu:NVIDIA H200",
+                jax="0.11.2", rows=rows, check=check,
+                ws_child={"ws": dict(ok=True), "ws default": dict(ok=True), "ws c4": dict(ok=False, why="HIGH")})
+
+
+def test_tune_from_picks_the_fastest_parity_passing_candidate(bench, tmp_path):
+    src, out = tmp_path / "results.json", tmp_path / "decode_test.json"
+    src.write_text(json.dumps(_synthetic_results()))
+    bench.main(["--tune-from", str(src), "--tune", str(out)])
+    table = dt.load_table(str(out))
+    assert table.command == f"python experiments/check_mgpu_decode.py --tune-from {src} --tune {out}"
+    assert table.source == str(src) and table.device_kind == "NVIDIA H200" and table.date.startswith("2026-12-02")
+    by_fmt = {e.format: e for e in table.entries}
+    assert sorted(by_fmt) == ["int4", "int8"]                        # bf16: v1 failed parity, no entry
+    e8 = by_fmt["int8"]
+    assert (e8.impl, e8.variant, e8.us, e8.v1_us, e8.candidates) == ("mgpu_ws", "ws", 80.0, 100.0, 2)
+    e4 = by_fmt["int4"]
+    assert (e4.impl, e4.variant, e4.us, e4.v1_us) == ("mgpu", "default", 55.0, 55.0)   # median of 60 and 50
+    impl, fields, why = dt.choose("NVIDIA H200", "int8", 128, 4, 2048, table)
+    assert impl == "mgpu_ws" and fields["max_concurrent_steps"] == 6
+    assert why == "table decode_test.json: ws 80.0 µs vs v1 100.0 µs at T=1024 (capacity 2048)"
+
+
+def test_a_failed_ws_child_group_refuses_its_variants(bench):
+    res = _synthetic_results()
+    res["ws_child"]["ws default"] = dict(ok=False, why="timed out")
+    row = next(r for r in res["rows"] if r.get("variant") == "ws" and r["format"] == "int8")
+    assert "timed out" in bench.tune_refusal(res, row)
+    assert bench.tune_refusal(res, next(r for r in res["rows"] if r.get("variant") == "default")) is None
+
+
+def test_shipped_table_is_the_committed_results_tuned(bench, tmp_path):
+    """pallas_kernels/tuning/decode_h200.json == what --tune-from builds from the committed H200 results."""
+    shipped = json.loads((REPO / "pallas_kernels" / "tuning" / "decode_h200.json").read_text())
+    out = tmp_path / "decode_h200.json"
+    bench.main(["--tune-from", str(REPO / RESULTS), "--tune", str(out)])
+    built = json.loads(out.read_text())
+    assert {k: v for k, v in built.items() if k not in ("command", "source")} == \
+           {k: v for k, v in shipped.items() if k not in ("command", "source")}
+    assert shipped["source"] == RESULTS and f"--tune-from {RESULTS}" in shipped["command"]
+    table = dt.table_for("NVIDIA H200")
+    assert table is not None and table.name == "decode_h200.json"
+    impl, fields, why = dt.choose("NVIDIA H200", "int8", 128, 4, 32768)
+    assert impl == "mgpu_ws" and fields["compute_wgs"] == 4 and fields["block_t"] == 64
+    assert why == "table decode_h200.json: ws c4 bt64 291.8 µs vs v1 455.7 µs at T=32768"
+    assert dt.choose("NVIDIA H200", "int4", 128, 4, 65536)[0] == "mgpu_ws"
+    assert dt.choose("NVIDIA H200", "int4", 128, 4, 8192)[0] == "mgpu"      # T = 4096 bucket: v1 won there
