@@ -180,8 +180,11 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, d2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str | Path, *, rope_pairing: str = "half_split", sha256: str = "") -> tuple[LlamaConfig, dict]:
+def load_gguf(path: str | Path, *, rope_pairing: str = "half_split", sha256: str = "",
+              reader=None) -> tuple[LlamaConfig, dict]:
     """Read a llama GGUF. Returns ``(config, params)`` with float32 NumPy arrays laid out for ``x @ W``.
+    ``reader``: an :func:`open_reader` of the same ``path`` the caller already holds (opening one parses every
+    metadata field, ~10-20 s for a 262K-token vocabulary); None opens one.
 
     params: ``embed [V, H]``, ``final_norm [H]``, optional ``lm_head [H, V]``, and ``layers`` with arrays stacked
     on a leading layer axis: ``attn_norm [L, H]``, ``wq [L, H, Hq*D]``, ``wk/wv [L, H, Hkv*D]``,
@@ -191,7 +194,7 @@ def load_gguf(path: str | Path, *, rope_pairing: str = "half_split", sha256: str
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model file not found: {path}")
-    reader = open_reader(path)
+    reader = open_reader(path) if reader is None else reader
     cfg = config_from_gguf(reader, rope_pairing=rope_pairing, name=path.stem, sha256=sha256)
     tensors = {t.name: t for t in reader.tensors}
 

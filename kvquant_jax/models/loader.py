@@ -83,7 +83,7 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str = "fp32", r
             digest = sha256_file(path)
         cache = _params_cache(path, digest, rope_pairing)
         meta_file = cache.with_suffix(".meta-v1.json")
-        cfg = tok = None
+        cfg = tok = reader = None
         if cache.exists() and meta_file.exists():       # skip the GGUF reader (~20 s on a 262K-token vocabulary)
             try:
                 cfg, tok = _read_meta(meta_file)
@@ -101,7 +101,7 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str = "fp32", r
             if "lm_head" in flat:
                 params["lm_head"] = flat["lm_head"]
         else:
-            cfg, params = gg.load_gguf(path, rope_pairing=rope_pairing, sha256=digest)
+            cfg, params = gg.load_gguf(path, rope_pairing=rope_pairing, sha256=digest, reader=reader)
             try:
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 flat = {"embed": params["embed"], "final_norm": params["final_norm"],
