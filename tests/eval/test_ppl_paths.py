@@ -136,8 +136,15 @@ def test_serving_decode_in_row_blocks_equals_one_call(tiny, tokens):
     q_blocked = serving_decode(params, cfg, toks, make_scheme("int2"), 7, reference_logprobs=blocked["logprobs"],
                                block_bytes=two_rows)
     assert q_whole["kl"].mean() > 1e-4                               # a lossy cache: a KL the test can see
-    for k in ("nll", "kl", "agree", "argmax", "first"):
-        np.testing.assert_allclose(q_blocked[k], q_whole[k], rtol=1e-5, atol=3e-5, err_msg=k)
+    # Through int2 a ulp of another batch size can flip a stored code (a third of the row's range), which moves
+    # one prediction by ~1e-4 (measured: 1.8e-4 on one NLL, 3e-4 on one KL of 1.5): NLL and KL to 1e-3 (rel and
+    # abs); the top-1 may differ only at the odd near-tie (at most 2 of the 80 predictions).  Rows mixed or
+    # shifted between blocks move NLLs by O(1) and most top-1s.
+    for k in ("nll", "kl"):
+        np.testing.assert_allclose(q_blocked[k], q_whole[k], rtol=1e-3, atol=1e-3, err_msg=k)
+    for k in ("agree", "argmax"):
+        assert (q_blocked[k] != q_whole[k]).sum() <= 2, k
+    np.testing.assert_array_equal(q_blocked["first"], q_whole["first"])
     with pytest.raises(ValueError, match="reference_logprobs must be"):
         serving_decode(params, cfg, toks, make_scheme("int2"), 7, reference_logprobs=blocked["logprobs"][:3],
                        block_bytes=two_rows)

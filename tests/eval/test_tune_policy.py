@@ -74,7 +74,15 @@ def tiny():
 
 def test_probe_equals_the_real_chunked_cache_path(tiny):
     """Only layer 1's V in int2: the probe (shared float prefix, one layer through a one-layer cache, float tail)
-    equals ``chunked_nll`` through a real mixed cache, to float32 rounding."""
+    equals ``chunked_nll`` through a real mixed cache, up to int2 code flips.
+
+    The two are the same computation by different programs, so their float32 inputs to the int2 quantizer differ
+    by ulps, and a value at a rounding boundary lands on the neighbouring code (a third of the row's range): the
+    per-token NLL then moves by far more than a ulp (measured: 12 of 62 tokens off by up to 4.5e-4 on one CPU,
+    1.6e-6 on another).  So the bound is relative to the int2 effect itself, ``|NLL_int2 - NLL_fp32|`` (mean 0.56
+    per token, max 3.4): the mean gap under 1e-3 of the mean effect (measured 3.4e-5 = 6e-5 of it), every token
+    under 1e-2 of it (measured 4.5e-4).  Probing the wrong layer (0 or 2) or K instead of V gives mean gaps
+    0.5-1.0 and max 3-5, i.e. the size of the effect, which both bounds reject by orders of magnitude."""
     params, toks = tiny
     hidden, ref = TP.float_trace(params, CFG, jnp.asarray(toks))
     scheme = TP.candidate_scheme("int2", "v", CFG)
@@ -82,9 +90,12 @@ def test_probe_equals_the_real_chunked_cache_path(tiny):
     pol = [make_scheme("fp32")] * 3
     pol[1] = scheme
     real = np.asarray(chunked_nll(params, CFG, toks, tuple(pol), 8))
-    np.testing.assert_allclose(np.asarray(nll), real, rtol=0, atol=2e-5)
-    assert float(jnp.mean(kl)) > 0 and np.abs(np.asarray(nll) - -np.take_along_axis(
-        np.asarray(ref), toks[:, 1:, None], -1)[..., 0]).max() > 1e-4     # int2 V really changed the predictions
+    base = -np.take_along_axis(np.asarray(ref), toks[:, 1:, None], -1)[..., 0]
+    effect = np.abs(real - base).mean()
+    assert float(jnp.mean(kl)) > 0 and effect > 0.1                  # int2 V really changed the predictions
+    gap = np.abs(np.asarray(nll) - real)
+    assert gap.mean() < 1e-3 * effect, f"mean |probe - real| {gap.mean():.2e} vs int2 effect {effect:.2e}"
+    np.testing.assert_allclose(np.asarray(nll), real, rtol=0, atol=1e-2 * effect)
 
 
 def _sens(dnll, candidates=("fp16", "int4", "int2")):
