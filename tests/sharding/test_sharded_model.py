@@ -1,5 +1,5 @@
 """Sharded == unsharded on the model: with the fixed-order numerics (``model.reduction: fixed_order``) greedy
-tokens (64 steps), serving-path NLL and every teacher-forced log-probability are BIT-IDENTICAL on a tiny random
+tokens (32 steps), serving-path NLL and every teacher-forced log-probability are BIT-IDENTICAL on a tiny random
 model with 8 KV heads (model in {1, 2, 4, 8}, DP x TP in {2x4, 8x1}: bf16, int4, KIVI-2, a mixed policy); with the
 default numerics equal up to float rounding (SmolLM2 at TP 3 x DP 2: test_sharded_smollm2.py).  Also: the serving loop on a mesh,
 KV heads replicated when Hkv < model, the compiled decode step free of cache collectives, bad meshes.  The
@@ -54,8 +54,8 @@ def tiny():
 @pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(POLICIES))
 def test_fixed_order_greedy_nll_and_logprobs_bit_identical(tiny, key):
-    """Fixed-order numerics: 64 greedy tokens, the serving-path NLL and every teacher-forced log-probability (all
-    64 steps x 8 sequences x 128 vocabulary entries) of each mesh equal the single-device run exactly."""
+    """Fixed-order numerics: 32 greedy tokens, the serving-path NLL and every teacher-forced log-probability (all
+    32 steps x 8 sequences x 128 vocabulary entries) of each mesh equal the single-device run exactly."""
     params, prompt, targets = tiny
     cfg = apply_numerics(CFG, "fixed_order")
     policy = _policy(key)
