@@ -54,7 +54,10 @@ def parity(rows, log):
     key = jax.random.PRNGKey(0)
     for name in ("int8_vt", "int4_vt"):
         scheme = make_scheme(name)
-        for (b, hkv, g, d, t) in ((3, 2, 4, 128, 512), (2, 3, 3, 64, 384), (4, 8, 4, 128, 1024)):
+        # the last two at the capacities the tuning table keys (4K, 32K rows at D 128, G 4): there the table may
+        # route to the warp-specialized kernel (``SERVED`` names which one served)
+        for (b, hkv, g, d, t) in ((3, 2, 4, 128, 512), (2, 3, 3, 64, 384), (4, 8, 4, 128, 1024),
+                                  (2, 8, 4, 128, 4096), (2, 8, 4, 128, 32768)):
             lengths = [t - 1, t // 3 + 1, 129, 7][:b]
             st, L = filled_state(scheme, jax.random.fold_in(key, t + d), b, hkv, t, d, lengths, chunks=3)
             k, v, _ = scheme.materialize_layer(st, L)
