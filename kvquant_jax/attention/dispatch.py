@@ -115,10 +115,12 @@ def layer_regions(scheme, layer_state, lengths) -> tuple[list[Region], int]:
 
 
 def _fused(q, scheme, layer_state, lengths, k_new, v_new, impl, interpret, sm_scale, out_dtype):
-    """The fused-kernel path, or None when the scheme has no fused operand or the reference is wanted."""
+    """The fused-kernel path: ``(out, None)``; ``(None, None)`` when the scheme has no fused operand or the
+    reference is wanted; ``(None, (format, reason))`` when ``impl="auto"`` and the fused kernel refuses this layer
+    (the region path then serves it and records the refusal beside the path that did)."""
     operand = scheme.fused_decode_operand(layer_state) if impl != "reference" else None
     if operand is None:
-        return None
+        return None, None
     fmt, arrays = operand
     fused, platforms, unsupported = FUSED_KERNELS[type(fmt)]
     if impl == "auto":
@@ -126,8 +128,7 @@ def _fused(q, scheme, layer_state, lengths, k_new, v_new, impl, interpret, sm_sc
         why = why or (f"head_dim {q.shape[-1]} is not a multiple of 16" if q.shape[-1] % 16 else None)
         why = why or (unsupported(q, fmt, arrays) if unsupported is not None else None)
         if why:
-            _served("reference", str(fmt), q, why)
-            return None
+            return None, (str(fmt), f"{getattr(fused, '__name__', 'fused kernel')} refused: {why}")
     kw = {}
     if isinstance(fmt, TransposedVFormat) and platform() == "gpu":
         fused, kw["config"], what, reason = _transposed_v_route(q, fmt, arrays)
@@ -136,7 +137,7 @@ def _fused(q, scheme, layer_state, lengths, k_new, v_new, impl, interpret, sm_sc
         _served(getattr(fused, "__name__", "fused"), str(fmt), q)
     out = fused(q, fmt, arrays, lengths.astype(jnp.int32), k_new, v_new, sm_scale=sm_scale, interpret=interpret,
                 **kw)
-    return out.astype(q.dtype if out_dtype is None else out_dtype)
+    return out.astype(q.dtype if out_dtype is None else out_dtype), None
 
 
 def decode_attention(q: jax.Array, scheme, layer_state, lengths: jax.Array, k_new: jax.Array | None = None,
@@ -153,12 +154,15 @@ def decode_attention(q: jax.Array, scheme, layer_state, lengths: jax.Array, k_ne
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     _check_key_stage(scheme)
-    out = _fused(q, scheme, layer_state, lengths, k_new, v_new, impl, interpret, sm_scale, out_dtype)
+    out, refused = _fused(q, scheme, layer_state, lengths, k_new, v_new, impl, interpret, sm_scale, out_dtype)
     if out is not None:
         return out
     regions, tail_rows = layer_regions(scheme, layer_state, lengths)
     d = q.shape[-1]
     what = f"{regions[0].k.fmt}/{regions[0].v.fmt}"
+    # a refused fused kernel is recorded once, with the path that served the layer instead (not as "reference"
+    # when the region kernel serves it)
+    what, before = (refused[0], refused[1] + "; ") if refused else (what, "")
     if impl == "auto":
         plat = platform()
         why = (f"no region kernel on {plat}" if plat not in ("gpu", "tpu")
@@ -166,9 +170,9 @@ def decode_attention(q: jax.Array, scheme, layer_state, lengths: jax.Array, k_ne
                                               compiled_gpu=plat == "gpu" and not interpret))
         impl = "reference" if why else "kernel"
         if why:
-            _served("reference", what, q, why)
+            _served("reference", what, q, before + why)
     if impl == "kernel":
-        _served("pallas_decode_v1", what, q)
+        _served("pallas_decode_v1", what, q, before.rstrip("; "))
     if impl == "reference":
         return decode_attention_jnp(q, regions, k_new=k_new, v_new=v_new, sm_scale=sm_scale, out_dtype=out_dtype)
     return kernel.decode_attention(q, regions, k_new=k_new, v_new=v_new, sm_scale=sm_scale, backend=backend,

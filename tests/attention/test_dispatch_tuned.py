@@ -104,3 +104,33 @@ def test_cpu_does_not_consult_the_table(calls, monkeypatch):
     key, why = _serve(8, 32768, impl="kernel")
     assert calls == [("unrouted", None)] and key[0] == "unrouted" and why == ""
 
+
+
+def test_refused_fused_kernel_is_logged_with_the_region_path_that_served(calls, monkeypatch, caplog):
+    """A layer the Mosaic kernel refuses and the region kernel serves is recorded once, as the region kernel with
+    the refusal as its reason: no "reference served" entry (and no GPU-fallback warning) for it."""
+    monkeypatch.setitem(dispatch.FUSED_KERNELS, TransposedVFormat,
+                        (mg.decode_attention_transposed_v, ("gpu",), lambda *a: "float32 query"))
+    region_calls = []
+
+    def fake_region_kernel(q, regions, **kw):
+        region_calls.append(len(regions))
+        return jnp.zeros(q.shape, kw.get("out_dtype") or q.dtype)
+
+    monkeypatch.setattr(dispatch.kernel, "decode_attention", fake_region_kernel)
+    monkeypatch.setattr(dispatch.kernel, "kernel_unsupported", lambda *a, **k: None)
+    with caplog.at_level(logging.INFO, logger="kvquant_jax.attention"):
+        key, why = _serve(8, 1024)
+    assert calls == [] and region_calls == [1]
+    assert key[0] == "pallas_decode_v1" and "TransposedVFormat" in key[1]
+    assert why == "decode_attention_transposed_v refused: float32 query"
+    msgs = [r for r in caplog.records if "served" in r.getMessage()]
+    assert len(msgs) == 1 and msgs[0].levelno == logging.INFO and "reference" not in msgs[0].getMessage()
+
+
+def test_refused_fused_kernel_then_reference_keeps_both_reasons(calls, monkeypatch):
+    monkeypatch.setitem(dispatch.FUSED_KERNELS, TransposedVFormat,
+                        (mg.decode_attention_transposed_v, ("gpu",), lambda *a: "float32 query"))
+    monkeypatch.setattr(dispatch.kernel, "kernel_unsupported", lambda *a, **k: "no such region")
+    key, why = _serve(8, 1024)
+    assert key[0] == "reference" and why == "decode_attention_transposed_v refused: float32 query; no such region"
