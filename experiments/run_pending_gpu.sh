@@ -8,9 +8,14 @@
 # Jobs (each writes its own results directory; logs go to $LOG/<job>.log; each job runs in the background with
 # its own share of GPU memory, XLA_PYTHON_CLIENT_MEM_FRACTION, so that a short job does not wait for a long one):
 #   engine         M: continuous batching on the LLaMA-3-8B shape at a 16 GB KV budget, bf16 vs int4 on one
-#                  seeded capacity-bound trace (target: int4 >= 1.8x bf16 output tok/s; run 2, 2026-12-02: 2.04x,
-#                  once); ALONE on the GPU; two more runs give the range
-#   engine_static  M: the static-batch loop on the same trace, then the int8 / KIVI-2 engines; ALONE
+#                  seeded capacity-bound trace (target: int4 >= 1.8x bf16 output tok/s; runs 2-4, 2026-12-02:
+#                  1.98-2.04x); ALONE on the GPU; rerun only to repeat it
+#   engine_static  M: the static-batch loop on the same trace (run 4, 2026-12-02: once); ALONE
+#   engine_kivi2   M: the KIVI-2 and int8 engines on the same trace, one process each (2026-12-02: KIVI-2 met the
+#                  allocator limit after int8 in one process; int8 ran once); ALONE
+#   engine_smollm2 M: the same kind of trace on SmolLM2 (prompts 512-7168: its context is 8192) at a 1 GiB KV
+#                  budget, bf16 / int4 / int8 / KIVI-2, with the static loop; ALONE (not run yet)
+#   tv_check       J: the transposed-V caches through the dispatcher and the tuning table (2026-12-02: 20/20)
 #   gemma_passkey  L: Gemma-3-270M passkey (every cell measured by 2026-12-02 07:34 UTC; the script resumes the
 #                  committed file, so this recomputes nothing unless a policy or the protocol is added)
 #   sweeps         P: the GPU-preset sweep not yet committed: passkey (kivi_axes and kvquant_main ran 2026-12-02)
@@ -29,11 +34,11 @@
 set -u
 LOG=${LOG:-/tmp/pending_gpu}
 mkdir -p "$LOG"
-JOBS=${*:-engine engine_static sweeps fixed_order decode ws}
+JOBS=${*:-engine_kivi2 engine_smollm2 sweeps fixed_order decode ws}
 PY=${PY:-python3}
 
 SEQUENTIAL=${SEQUENTIAL:-0}      # 1: the jobs run one after another (timing jobs: each alone on the GPU)
-KNOWN="paged_check engine engine_static gemma_passkey sweeps intactkv fixed_order decode ws"
+KNOWN="paged_check engine engine_static engine_kivi2 engine_smollm2 tv_check gemma_passkey sweeps intactkv fixed_order decode ws"
 for job in $JOBS; do                # every name checked before anything starts
   case " $KNOWN " in *" $job "*) ;; *) echo "unknown job $job ($KNOWN)" >&2; exit 2 ;; esac
 done
@@ -62,15 +67,23 @@ for job in $JOBS; do
         --page-size 64 --chunk 512 --prefill-slots 8 --admission reserve --view-buckets 2 --max-seconds 300 \
         --no-static --compile-cache /tmp/kvq-jax-cache --out docs/results/engine ;;
     engine_static)
-      # the static-batch loop on the same trace (bounded: it runs once untimed first), then int8 / KIVI-2 engines
-      start_job engine_static 0.90 bash -c "$PY experiments/bench_engine.py --model llama3-8b-shaped \
+      # the static-batch loop on the same trace after each engine config (its warm-up pass, 1.5x the window, first)
+      start_job engine_static 0.90 $PY experiments/bench_engine.py --model llama3-8b-shaped \
         --cache bf16 int4 --requests 192 --rate 8 --prompt-len 512 8192 --output-len 64 1024 --hbm-gb 16 \
         --slots 128 --page-size 64 --chunk 512 --prefill-slots 8 --admission reserve --view-buckets 2 \
-        --max-seconds 120 --compile-cache /tmp/kvq-jax-cache --out docs/results/engine-static; \
-        $PY experiments/bench_engine.py --model llama3-8b-shaped --cache int8 kivi2 --requests 192 --rate 8 \
-        --prompt-len 512 8192 --output-len 64 1024 --hbm-gb 16 --slots 128 --page-size 64 --chunk 512 \
-        --prefill-slots 8 --admission reserve --view-buckets 2 --max-seconds 300 --no-static \
-        --compile-cache /tmp/kvq-jax-cache --out docs/results/engine" ;;
+        --max-seconds 150 --static-max-seconds 60 --compile-cache /tmp/kvq-jax-cache --out docs/results/engine ;;
+    engine_kivi2)
+      start_job engine_kivi2 0.90 bash -c "for c in kivi2 int8; do $PY experiments/bench_engine.py \
+        --model llama3-8b-shaped --cache \$c --requests 192 --rate 8 --prompt-len 512 8192 --output-len 64 1024 \
+        --hbm-gb 16 --slots 128 --page-size 64 --chunk 512 --prefill-slots 8 --admission reserve \
+        --view-buckets 2 --max-seconds 150 --no-static --compile-cache /tmp/kvq-jax-cache --out docs/results/engine; done" ;;
+    engine_smollm2)
+      start_job engine_smollm2 0.90 $PY experiments/bench_engine.py --model smollm2 --cache bf16 int4 int8 kivi2 \
+        --requests 192 --rate 8 --prompt-len 512 7168 --output-len 64 1024 --hbm-gb 1 --slots 128 \
+        --page-size 64 --chunk 512 --prefill-slots 8 --admission reserve --view-buckets 2 --max-seconds 60 \
+        --static-max-seconds 60 --compile-cache /tmp/kvq-jax-cache --out docs/results/engine/smollm2 ;;
+    tv_check)
+      start_job tv_check 0.30 $PY experiments/check_transposed_v_gpu.py --out docs/results/decode_mgpu/pending-tv ;;
     gemma_passkey)
       start_job gemma_passkey 0.20 $PY experiments/gemma3_passkey.py --dtype bf16 --trials 20 --batch 10 \
         --policies kivi2 "local kivi2 + global bf16" "fp8_e4m3 (warm-up per-head scales)" \
