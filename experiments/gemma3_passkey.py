@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from kvquant_jax.eval.passkey import first_number, make_prompt  # noqa: E402
-from kvquant_jax.eval.stats import wilson_interval  # noqa: E402
+from kvquant_jax.eval.stats import paired_delta_ci, wilson_interval  # noqa: E402
 from kvquant_jax.models import load_model  # noqa: E402
 from kvquant_jax.models.cache_layout import layer_schemes, schemes_by_layer_type  # noqa: E402
 from kvquant_jax.quant.ledger import Ledger, LedgerShape, ledger  # noqa: E402
@@ -36,6 +36,26 @@ from gemma3_cache_sweep import POLICIES  # noqa: E402  (one table of policies fo
 
 def policy(cfg, name):
     return schemes_by_layer_type(cfg, *POLICIES[name])
+
+
+def prompt_keys(lengths, depths, trials: int, seed: int) -> dict:
+    """The key of every prompt ``(length, depth, trial)``: drawn from ``seed`` in this order, so every policy (and
+    every resumed or separate process of the same protocol) answers the same prompts."""
+    rng = np.random.default_rng(seed)
+    return {(n, d, t): str(rng.integers(10000, 100000)) for n in lengths for d in depths for t in range(trials)}
+
+
+def outcomes(out: dict, row: dict) -> np.ndarray:
+    """Per-prompt correctness ``[lengths measured, depths, trials]`` (1.0 = the first number generated is the key)
+    from the row's stored answers and the protocol's seeded keys; checked against the row's stored accuracy."""
+    keys = prompt_keys(out["lengths"], out["depths"], out["trials"], out.get("seed", 0))
+    got = np.array([[[float(first_number(x) == keys[(n, d, t)]) for t, x in enumerate(texts)]
+                     for d, texts in zip(out["depths"], per_len)]
+                    for n, per_len in zip(out["lengths"], row["answers"])]).reshape(
+        len(row["answers"]), len(out["depths"]), out["trials"])
+    if not np.allclose(got.mean(axis=2), np.asarray(row["accuracy"], np.float64)[:len(got)]):
+        raise ValueError("stored answers do not reproduce the stored accuracy: another protocol or seed?")
+    return got
 
 
 def main():
@@ -62,8 +82,7 @@ def main():
         return
     m = load_model(a.model, dtype=a.dtype)
     cfg, tok = m.cfg, m.tokenizer
-    rng = np.random.default_rng(a.seed)
-    keys = {(n, d, t): str(rng.integers(10000, 100000)) for n in a.lengths for d in a.depths for t in range(a.trials)}
+    keys = prompt_keys(a.lengths, a.depths, a.trials, a.seed)
     out = {"model": model_identity(m), "dtype": a.dtype, "lengths": a.lengths, "depths": a.depths, "trials": a.trials,
            "seed": a.seed, "new_tokens": a.new_tokens, "command": "python " + " ".join(sys.argv), "policies": {}}
     out["policies"], partial = previous_rows(Path(a.out) / "passkey.json", out)
@@ -128,13 +147,18 @@ def previous_rows(path: Path, out: dict) -> tuple[dict, dict]:
 
 def report(out: dict) -> list[str]:
     """passkey.md's lines: accuracy per length over its depths x trials with the Wilson 95% interval, and the mean
-    difference to bf16 over the lengths BOTH rows measured (a row an interrupted run left short says how many)."""
+    difference to bf16 over the lengths BOTH rows measured (a row an interrupted run left short says how many),
+    with its paired bootstrap 95% CI over those prompts (every policy answers the same seeded prompts, so the
+    per-prompt outcomes pair up; ``eval.stats.paired_delta_ci``)."""
     n_cell = len(out["depths"]) * out["trials"]
     base = out["policies"].get("bf16")
     lines = [f"{out['trials']} trials x {len(out['depths'])} depths = {n_cell} prompts per length; "
-             f"[Wilson 95% interval]; — = not measured yet (the run resumes there)", "",
+             f"[Wilson 95% interval]; — = not measured yet (the run resumes there). mean Δ vs bf16: mean over the "
+             f"lengths both rows measured [95% CI: paired bootstrap over those prompts, each policy's outcome on a "
+             f"prompt paired with bf16's on the same seeded prompt (BCa, 10,000 resamples, "
+             f"`kvquant_jax.eval.stats`); n.s. = the interval contains 0]", "",
              "| policy | bytes at %d tokens | " % (max(out["lengths"]) + out["new_tokens"])
-             + " | ".join(f"acc {n}" for n in out["lengths"]) + " | mean Δ vs bf16 |",
+             + " | ".join(f"acc {n}" for n in out["lengths"]) + " | mean Δ vs bf16 [95% CI] |",
              "|---|---|" + "---|" * len(out["lengths"]) + "---|"]
     for name, row in out["policies"].items():
         cells = []
@@ -148,7 +172,12 @@ def report(out: dict) -> list[str]:
             both = min(len(row["accuracy"]), len(base["accuracy"]))
             if both:
                 d = np.mean([np.mean(row["accuracy"][i]) - np.mean(base["accuracy"][i]) for i in range(both)])
-                delta = f"{d:+.3f}" + ("" if both == len(out["lengths"]) else f" ({both} of {len(out['lengths'])} lengths)")
+                delta = f"{d:+.3f}"
+                if row is not base:
+                    ci = paired_delta_ci(outcomes(out, row)[:both].ravel(), outcomes(out, base)[:both].ravel(),
+                                         np.mean, what=f"passkey {name} vs bf16")
+                    delta += f" [{ci.lo:+.3f}, {ci.hi:+.3f}]" + ("" if ci.excludes_zero else " n.s.")
+                delta += "" if both == len(out["lengths"]) else f" ({both} of {len(out['lengths'])} lengths)"
         lines.append(f"| {name} | {row['bytes_at_longest']:,} | " + " | ".join(cells) + f" | {delta} |")
     return lines
 

@@ -179,8 +179,9 @@ def write_report(res: dict, out: Path) -> Path:
             w1 = sum(a < b for a, b in zip(r["segment_nll"], ext))
             cells.append(f"{w0}/{len(base)}" + ("" if v == "intactkv-extracted" else f" / {w1}/{len(ext)}"))
         lines.append(f"| {SCHEME_NAMES.get(sch, sch)} | " + " | ".join(cells) + " |")
-    if res.get("notes"):
-        lines += ["", "## Reading", ""] + [f"* {n}" for n in res["notes"]]
+    if res.get("notes"):                       # hand-written reading of the numbers, kept with them in results.json
+        lines += ["", "## Reading", ""] + ([res["notes_intro"], ""] if res.get("notes_intro") else []) \
+            + [f"* {n}" for n in res["notes"]]
     d = res["prefixquant_discovery"]
     lines += ["", "Per-segment NLLs are in `results.json` (paired comparisons: every variant scores the same "
               "tokens).", "",

@@ -139,9 +139,11 @@ def _sweep_one(loaded, args, session) -> None:
         import yaml
 
         manifest = Path(args.out) / "sweep.yaml"
-        command = yaml.safe_load(manifest.read_text()).get("command") if manifest.exists() else None
+        meta = (yaml.safe_load(manifest.read_text()) or {}) if manifest.exists() else {}
+        # the recorded run's --metrics, unless this command names its own
+        metrics = _metrics(args.metrics) if args.metrics else meta.get("metrics")
         print(write_report(Path(args.out), points=loaded.points(), sweep_name=runner.sweep_name(loaded),
-                           baseline=runner.sweep_baseline(loaded), command=command))
+                           baseline=runner.sweep_baseline(loaded), command=meta.get("command"), metrics=metrics))
         return
     t0 = time.perf_counter()
     summary = _run(loaded, args, session)

@@ -26,13 +26,15 @@ def _fmt(x, digits=3, signed=False) -> str:
     return str(x)
 
 
-def collect(rows: dict, points: list[Point], baseline: SchemeSpec) -> list[dict]:
-    """Per point: ``{"point": Point, <metric>: row or None, "baseline_<metric>": row}``."""
+def collect(rows: dict, points: list[Point], baseline: SchemeSpec, metrics=None) -> list[dict]:
+    """Per point: ``{"point": Point, <metric>: row or None, "baseline_<metric>": row}`` for the metrics the point
+    enables that the sweep ran (``metrics``: the sweep's ``--metrics`` subset as recorded in ``sweep.yaml``; None =
+    all enabled metrics)."""
     out = []
     for p in points:
         e = {"point": p}
         for m in METRICS:
-            if not getattr(p.config.tasks, m).enabled:
+            if not getattr(p.config.tasks, m).enabled or (metrics is not None and m not in metrics):
                 continue
             e[m] = rows.get(row_key(p.config, m, "point", baseline))
             if m in DELTA_FIELDS:
@@ -54,10 +56,13 @@ def _v(e, metric, *path):
 
 
 def write_report(out_dir: str | Path, *, points: list[Point], sweep_name: str, baseline: SchemeSpec,
-                 command: str | None = None) -> Path:
+                 command: str | None = None, metrics=None) -> Path:
+    """``metrics``: the sweep's ``--metrics`` subset (``sweep.yaml``'s ``metrics``); None = every enabled metric.
+    The task line, the planned row count and the tables cover only those metrics."""
     out = Path(out_dir)
     rows = _load(out / "results.jsonl")
-    entries = collect(rows, points, baseline)
+    metrics = tuple(metrics) if metrics else None
+    entries = collect(rows, points, baseline, metrics)
     done = sum(1 for e in entries for m in METRICS if e.get(m) is not None)
     planned = sum(1 for e in entries for m in METRICS if m in e)
     used = [r for e in entries for m in METRICS if (r := e.get(m)) is not None]
@@ -84,7 +89,7 @@ def write_report(out_dir: str | Path, *, points: list[Point], sweep_name: str, b
                   f"- rows: {done} of {planned} planned point rows in `results.jsonl`"
                   + (" (incomplete: rerun the command to resume)" if done < planned else ""),
                   f"- baseline (Δ reference): `{baseline}` cache on the same tokens",
-                  f"- tasks: {_task_line(cfg)}", ""]
+                  f"- tasks: {_task_line(cfg, metrics)}", ""]
     lines += _main_table(entries, baseline)
     lines += _model_transform_table(entries, baseline)
     lines += _passkey_tables(entries)
@@ -100,8 +105,10 @@ def write_report(out_dir: str | Path, *, points: list[Point], sweep_name: str, b
     return path
 
 
-def _task_line(cfg: dict) -> str:
-    t = cfg["tasks"]
+def _task_line(cfg: dict, metrics=None) -> str:
+    """The tasks the sweep ran: enabled in the config and, when the sweep was run with ``--metrics``, in that
+    subset (a task the sweep dropped is not listed)."""
+    t = {m: v if metrics is None or m in metrics else {**v, "enabled": False} for m, v in cfg["tasks"].items()}
     parts = []
     if t["ppl"]["enabled"]:
         p = t["ppl"]
@@ -140,6 +147,36 @@ def _transformed(e) -> bool:
     return point is not None and point.config.activation != ActivationConfig()
 
 
+def _ci_suffix(ci, x, b) -> str:
+    """What follows a Δ: `` [lo, hi]`` (+ `` n.s.`` when it contains 0), or `` (1 segment: no CI)`` when both rows
+    scored a single segment (nothing to resample), or nothing when the per-segment NLLs are missing/unpaired."""
+    if ci is not None:
+        return f" [{_fmt(ci.lo, 3, True)}, {_fmt(ci.hi, 3, True)}]" + ("" if ci.excludes_zero else " n.s.")
+    if x is not None and b is not None and len(x) == len(b) == 1:
+        return " (1 segment: no CI)"
+    return ""
+
+
+def _passkey_trials(row: dict | None, default: int | None = None) -> int | None:
+    """Trials per (length, depth) cell of a passkey row (its recorded config), else ``default``."""
+    t = (((row or {}).get("config") or {}).get("tasks") or {}).get("passkey", {}).get("trials")
+    return int(t) if t else default
+
+
+def _passkey_mean_cell(row: dict | None, trials: int | None = None) -> str:
+    """A passkey row's mean accuracy with the Wilson 95% interval over all its trials (every cell × ``trials``)."""
+    v = (row or {}).get("values")
+    if not v:
+        return "–"
+    trials = _passkey_trials(row, trials)
+    cells = [a for accs in v.get("accuracy", []) for a in accs]
+    if not trials or not cells:
+        return _fmt(v["mean"], 2)
+    k, n = sum(round(a * trials) for a in cells), trials * len(cells)
+    lo, hi = wilson_interval(k, n)
+    return f"{_fmt(v['mean'], 2)} [{lo:.2f}, {hi:.2f}]"
+
+
 def _delta_cell(e, metric) -> str:
     d = _v(e, metric, "delta", "delta_ppl")
     ci = delta_ci(e, metric)
@@ -173,9 +210,7 @@ def _model_transform_table(entries, baseline) -> list[str]:
             d = own["values"]["ppl"] - ref["values"]["ppl"]
             x, b = own["values"].get("segment_nll"), ref["values"].get("segment_nll")
             ci = ppl_delta_ci(x, b) if x and b and len(x) == len(b) and len(x) >= 2 else None
-            cells += [_fmt(own["values"]["ppl"]),
-                      _fmt(d, 3, True) + ("" if ci is None else f" [{_fmt(ci.lo, 3, True)}, {_fmt(ci.hi, 3, True)}]"
-                                          + ("" if ci.excludes_zero else " n.s."))]
+            cells += [_fmt(own["values"]["ppl"]), _fmt(d, 3, True) + _ci_suffix(ci, x, b)]
         rows.append("| " + " | ".join(cells) + " |")
     if not rows:
         return []
@@ -203,7 +238,7 @@ def _main_table(entries, baseline) -> list[str]:
         cells = [f"**baseline** `{baseline}`", "", "", "",
                  _fmt(bl["ppl"]["values"]["ppl"]) if bl["ppl"] else "–", "",
                  _fmt(bl["serving_ppl"]["values"]["ppl"]) if bl["serving_ppl"] else "–", "", "", "", "", "", "", "",
-                 "", _fmt(bl["passkey"]["values"]["mean"], 2) if bl["passkey"] else "–"]
+                 "", _passkey_mean_cell(bl["passkey"])]
         lines.append("| " + " | ".join(cells) + " |")
     for e in entries:
         p = e["point"]
@@ -217,7 +252,8 @@ def _main_table(entries, baseline) -> list[str]:
                  _fmt(_v(e, "serving_ppl", "values", "kl")), _fmt(_v(e, "serving_ppl", "values", "top1"), 3),
                  _fmt(_v(e, "agreement", "values", "match"), 3), _fmt(_v(e, "agreement", "values", "top1"), 3),
                  _fmt(_v(e, "kv_error", "values", "k_nmse")), _fmt(_v(e, "kv_error", "values", "v_nmse")),
-                 _fmt(_v(e, "kv_error", "values", "out_rel")), _fmt(_v(e, "passkey", "values", "mean"), 2)]
+                 _fmt(_v(e, "kv_error", "values", "out_rel")),
+                 _passkey_mean_cell(e.get("passkey"), e["point"].config.tasks.passkey.trials)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Δ [95% CI]: paired bootstrap of Δppl over the scored segments against the baseline on the same "
                   f"segments (BCa, 10,000 resamples, `kvquant_jax.eval.stats`); **n.s.** marks an interval that "
@@ -229,7 +265,9 @@ def _main_table(entries, baseline) -> list[str]:
                   "`lengths` metadata) × 8 / (2·L·Hkv·D·T); `(sim)`: simulated ablation scheme, bits of the "
                   "equivalent packed layout. nmse: mean over layers of mean((x̂−x)²)/mean(x²). attn out err: "
                   "relative L2 error of the attention output at the probes. greedy match: fraction of free-running "
-                  "greedy tokens equal to full precision's; top-1: teacher-forced argmax agreement.", ""]
+                  "greedy tokens equal to full precision's; top-1: teacher-forced argmax agreement."
+              + (" passkey: mean accuracy over the length × depth cells [Wilson 95% interval over all the point's "
+                 "trials]." if any(e.get("passkey") for e in entries) else ""), ""]
     return lines
 
 
@@ -243,7 +281,8 @@ def _passkey_tables(entries) -> list[str]:
             lines = ["## Passkey retrieval (accuracy per context length × needle depth)", ""]
         b = _v(e, "baseline_passkey", "values")
         trials = e["point"].config.tasks.passkey.trials
-        lines += [f"**{e['point'].label}**" + (f" (baseline mean {_fmt(b['mean'], 2)})" if b else "")
+        lines += [f"**{e['point'].label}**" + (f" (baseline mean {_passkey_mean_cell(e['baseline_passkey'])})"
+                                                if b else "")
                   + f"; {trials} trials per cell, [95% Wilson interval]", "",
                   "| length \\ depth | " + " | ".join(f"{d:g}" for d in v["depths"]) + " |",
                   "|---|" + "---|" * len(v["depths"])]

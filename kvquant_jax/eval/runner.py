@@ -250,8 +250,8 @@ def run_sweep(loaded: LoadedConfig, out_dir: str | Path | None, *, metrics=None,
                                  log=log, session=session)
         finally:
             if out is not None and report and (out / "results.jsonl").exists():
-
-                write_report(out, points=points, sweep_name=name, baseline=baseline, command=command)
+                write_report(out, points=points, sweep_name=name, baseline=baseline, command=command,
+                             metrics=metrics)
     return summary
 
 

@@ -96,6 +96,21 @@ def test_cli_sweep_and_eval(sweep_cfg, tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert f"report: {tmp_path / 'report.md'}" in out
     assert [r["metric"] for r in rows(tmp_path / "results.jsonl")] == ["bytes", "bytes"]
+
+    def tasks_and_rows():
+        lines = (tmp_path / "report.md").read_text().splitlines()
+        return (next(ln for ln in lines if ln.startswith("- tasks: ")),
+                next(ln for ln in lines if ln.startswith("- rows: ")))
+
+    # the report covers the metrics the sweep ran (--metrics), not every task the config enables; --report-only
+    # takes them from the recorded sweep.yaml
+    for again in (False, True):
+        if again:
+            (tmp_path / "report.md").unlink()
+            assert cli.main(["sweep", str(sweep_cfg), "--out", str(tmp_path), "--report-only"]) == 0
+        tasks, done = tasks_and_rows()
+        assert tasks.startswith("- tasks: bytes at ") and "ppl" not in tasks, tasks
+        assert done.startswith("- rows: 2 of 2 planned") and "incomplete" not in done, done
     assert cli.main(["eval", str(sweep_cfg), "--metrics", "bytes", "--no-progress",
                      "--set", "cache.scheme=int8"]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
