@@ -339,21 +339,57 @@ def ws_variants(kf, more: bool) -> dict:
     return out
 
 
-def timing(args, results, t, variants_here=True, tag=""):
-    b, hq, hkv, d = args.B, args.hq, args.hkv, args.d
+# The timed inputs and calls, one function each (``experiments/ncu_decode.py`` imports them: the kernels it profiles
+# under Nsight Compute see exactly these operands).
+def timing_query(t, b, hq, d):
+    """``(key, q)`` of the timed shape at ``t``: the key every input set of that T derives from, a bf16 query."""
     key = jax.random.PRNGKey(t)
     q = jax.random.normal(jax.random.fold_in(key, 1), (b, hq, d), jnp.float32).astype(jnp.bfloat16)
+    return key, q
+
+
+def cudnn_sets(key, b, hkv, t, d, n):
+    """``n`` bf16 ``(k, v)`` sets ``[B, T, Hkv, D]`` for the cuDNN baseline (``baseline_fns()["cudnn"]``)."""
+    sets = []
+    for i in range(n):
+        kk = jax.random.fold_in(key, 100 + i)
+        shape = (b, t, hkv, d)
+        sets.append((jax.random.normal(kk, shape, jnp.bfloat16),
+                     jax.random.normal(jax.random.fold_in(kk, 7), shape, jnp.bfloat16)))
+    return sets
+
+
+def prepared_sets(regs):
+    """The Mosaic kernels' pack-time operands of each region (converted outside the timed program)."""
+    return [jax.block_until_ready(jax.jit(prepare_region)(r)) for r in regs]
+
+
+def mgpu_read_bytes(ops, q) -> int:
+    """Bytes a Mosaic kernel reads from one prepared set (less its ``[B]`` start / end) plus the query."""
+    return nbytes(ops) - 2 * q.shape[0] * 4 + q.size * 2
+
+
+def triton_fn():
+    return lambda q, r: triton_decode(q, [r], out_dtype=jnp.float32)  # noqa: E731
+
+
+def mgpu_fn(cfg):
+    return lambda q, o: decode_attention_mgpu_prepared(q, o, config=cfg, out_dtype=jnp.float32)  # noqa: E731
+
+
+def mgpu_ws_fn(cfg):
+    return lambda q, o: decode_attention_mgpu_ws_prepared(q, o, config=cfg, out_dtype=jnp.float32)  # noqa: E731
+
+
+def timing(args, results, t, variants_here=True, tag=""):
+    b, hq, hkv, d = args.B, args.hq, args.hkv, args.d
+    key, q = timing_query(t, b, hq, d)
     base = {}
     bf16_bytes = 2 * b * hkv * t * d * 2
     n = n_sets_for(bf16_bytes)
     fns = baseline_fns()
     try:
-        sets = []
-        for i in range(n):
-            kk = jax.random.fold_in(key, 100 + i)
-            shape = (b, t, hkv, d)
-            sets.append((jax.random.normal(kk, shape, jnp.bfloat16),
-                         jax.random.normal(jax.random.fold_in(kk, 7), shape, jnp.bfloat16)))
+        sets = cudnn_sets(key, b, hkv, t, d, n)
         med, lo, hi, _ = time_program(fns["cudnn"], q, sets, args.reps)
         base["cudnn"] = med
         _row(results, args, T=t, impl="cudnn", format="bf16", variant=tag, us=med * 1e6, us_min=lo * 1e6,
@@ -375,8 +411,7 @@ def timing(args, results, t, variants_here=True, tag=""):
         read = set_bytes + q.size * 2
         if name in TRITON_FORMATS and "triton" in args.impls:
             try:
-                fn = lambda q, r: triton_decode(q, [r], out_dtype=jnp.float32)  # noqa: E731
-                med, lo, hi, out = time_program(fn, q, regs, args.reps)
+                med, lo, hi, out = time_program(triton_fn(), q, regs, args.reps)
                 _row(results, args, T=t, impl="triton", format=name, variant=tag, us=med * 1e6, us_min=lo * 1e6,
                      us_max=hi * 1e6, bytes=read, tbps=read / med / 1e12, sets=n, rel_err=rel_err(out, ref),
                      speedup_vs_cudnn=base.get("cudnn", float("nan")) / med)
@@ -384,12 +419,12 @@ def timing(args, results, t, variants_here=True, tag=""):
                 _row(results, args, T=t, impl="triton", format=name, error=f"{type(e).__name__}: {e}"[:800])
         if name in MGPU_FORMATS and "mgpu" in args.impls:
             try:
-                sets = [jax.block_until_ready(jax.jit(prepare_region)(r)) for r in regs]
+                sets = prepared_sets(regs)
             except Exception as e:  # noqa: BLE001
                 _row(results, args, T=t, impl="mgpu", format=name, error=f"prepare: {type(e).__name__}: {e}"[:800])
                 continue
             del regs
-            mread = nbytes(sets[0]) - 2 * b * 4 + q.size * 2
+            mread = mgpu_read_bytes(sets[0], q)
             dflt = default_mgpu_config(PRESETS[name][0])
             s0 = _spec_for(sets[0], hq // hkv, dflt).ns
             variants = {"default" + tag: dflt}
@@ -407,9 +442,7 @@ def timing(args, results, t, variants_here=True, tag=""):
                     variants["upcast splits x2"] = dataclasses.replace(dflt, upcast=True, num_splits=2 * s0)
             for vname, cfg in variants.items():
                 try:
-                    fn = lambda q, o, cfg=cfg: decode_attention_mgpu_prepared(  # noqa: E731
-                        q, o, config=cfg, out_dtype=jnp.float32)
-                    med, lo, hi, out = time_program(fn, q, sets, args.reps)
+                    med, lo, hi, out = time_program(mgpu_fn(cfg), q, sets, args.reps)
                     _row(results, args, T=t, impl="mgpu", format=name, variant=vname, us=med * 1e6,
                          us_min=lo * 1e6, us_max=hi * 1e6, bytes=mread, tbps=mread / med / 1e12, sets=len(sets),
                          rel_err=rel_err(out, ref), speedup_vs_cudnn=base.get("cudnn", float("nan")) / med,
@@ -425,9 +458,7 @@ def timing(args, results, t, variants_here=True, tag=""):
                              error=f"skipped: ws parity group(s) {missing} did not pass")
                         continue
                     try:
-                        fn = lambda q, o, cfg=cfg: decode_attention_mgpu_ws_prepared(  # noqa: E731
-                            q, o, config=cfg, out_dtype=jnp.float32)
-                        med, lo, hi, out = time_program(fn, q, sets, args.reps)
+                        med, lo, hi, out = time_program(mgpu_ws_fn(cfg), q, sets, args.reps)
                         _row(results, args, T=t, impl="mgpu_ws", format=name, variant=vname + tag, us=med * 1e6,
                              us_min=lo * 1e6, us_max=hi * 1e6, bytes=mread, tbps=mread / med / 1e12,
                              sets=len(sets), rel_err=rel_err(out, ref),

@@ -26,9 +26,13 @@
 #   fixed_order    N: what the fixed-order (mesh- and batch-invariant) numerics cost against the fast path
 #   ws             J: the warp-specialized Mosaic kernel (C = 4 register fix) vs v1 and cuDNN, parity first
 #   decode         J: the packed decode kernels against cuDNN at 32K / 128K (the baseline table of issue J)
+#   ncu            J: Nsight Compute counters of one launch per decode kernel at T = 32K (v1, ws, the tuned route,
+#                  Triton: bf16 / int8 / int4; cuDNN bf16): experiments/ncu_decode.py, ~11 ncu runs of up to
+#                  300 s each (not run yet); ALONE (ncu serializes the kernels and replays them; a job beside it
+#                  would disturb the counters, and it the job beside it); not in the default list
 # Needs SmolLM2 and Gemma-3 in $KVQ_CACHE_DIR (kvq fetch-model), WikiText-2 in $KVQ_DATA_DIR, gguf importable.
 # The jobs share the GPU, so their absolute speeds are only comparable within a job (each job measures its own
-# baseline in the same run), never across jobs.  Timing jobs (engine, engine_static, fixed_order, decode, ws) belong in a block of
+# baseline in the same run), never across jobs.  Timing jobs (engine, engine_static, fixed_order, decode, ws, ncu) belong in a block of
 # their own: on 2026-12-01 the engine ran beside three quality jobs and its table says so
 # (docs/results/engine/README.md).  Quality jobs: paged_check gemma_passkey sweeps intactkv.
 set -u
@@ -38,7 +42,7 @@ JOBS=${*:-engine_kivi2 engine_smollm2 sweeps fixed_order decode ws}
 PY=${PY:-python3}
 
 SEQUENTIAL=${SEQUENTIAL:-0}      # 1: the jobs run one after another (timing jobs: each alone on the GPU)
-KNOWN="paged_check engine engine_static engine_kivi2 engine_smollm2 tv_check gemma_passkey sweeps intactkv fixed_order decode ws"
+KNOWN="paged_check engine engine_static engine_kivi2 engine_smollm2 tv_check gemma_passkey sweeps intactkv fixed_order decode ws ncu"
 for job in $JOBS; do                # every name checked before anything starts
   case " $KNOWN " in *" $job "*) ;; *) echo "unknown job $job ($KNOWN)" >&2; exit 2 ;; esac
 done
@@ -108,6 +112,11 @@ for job in $JOBS; do
     ws)
       start_job ws 0.10 $PY experiments/check_mgpu_decode.py --ws --quick --T 4096,32768 --formats bf16,int8,int4 \
         --impls mgpu --reps 8 --ws-probe-timeout 90 --out docs/results/decode_mgpu/pending-ws ;;
+    ncu)
+      # alone on the GPU; the children inherit the small memory fraction (one input set: <= 1.1 GB at T = 32K);
+      # NCU=/path/to/ncu if ncu is not on PATH
+      start_job ncu 0.10 $PY experiments/ncu_decode.py --T 32768 --formats bf16,int8,int4 \
+        --impls v1,ws,tuned,triton,cudnn --case-timeout 300 --ncu "${NCU:-ncu}" --out docs/results/decode_mgpu/pending-ncu ;;
   esac
 done
 }
