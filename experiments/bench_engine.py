@@ -30,6 +30,7 @@ the same budget).  A config stopped by ``--max-seconds`` reports the tokens serv
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -60,6 +61,14 @@ def load(name: str, dtype: str):
         return params, cfg
     cfg = BS.tiny()
     return BS.random_params(cfg, dtype=jnp.dtype(dtype)), cfg
+
+
+def live_bytes() -> int:
+    """Bytes of every live JAX array after a full garbage collection: checked before each config, so one config's
+    page pool (or static-loop cache) cannot survive into the next one's budget unnoticed.  A config starts with the
+    weights alone (and the trace's small host-side arrays): ``live_bytes_before`` in every row."""
+    gc.collect()
+    return int(sum(a.nbytes for a in jax.live_arrays()))
 
 
 def static_batches(params, cfg, scheme, reqs, batch: int, chunk: int, max_seconds: float | None = None) -> dict:
@@ -153,6 +162,7 @@ def main(argv=None):
     rows = []
     for model in args.model:
         params, cfg = load(model, args.dtype)
+        weights = live_bytes()                           # the weights (and nothing of an earlier model)
         reqs = E.synthetic_trace(args.requests, rate=args.rate, prompt_range=tuple(args.prompt_len),
                                  output_range=tuple(args.output_len), vocab_size=cfg.vocab_size, seed=args.seed,
                                  shared_prefix=args.shared_prefix)
@@ -171,8 +181,12 @@ def main(argv=None):
                                 forward=args.forward, prefill_slots=args.prefill_slots,
                                 view_buckets=args.view_buckets, admission=args.admission,
                                 prefix_cache=prefix_cache)
+            before = live_bytes()
+            if before > weights + (1 << 20):
+                raise RuntimeError(f"bench_engine: {before - weights} bytes beyond the weights are live before the "
+                                   f"{spec} config (an earlier config's pool survived)")
             row = {"model": model, "cache": spec, "system": "engine", "hbm_gb": args.hbm_gb,
-                   "page_bytes": page_bytes(scheme, cfg, args.page_size),
+                   "page_bytes": page_bytes(scheme, cfg, args.page_size), "live_bytes_before": before,
                    **serve_bench(params, cfg, scheme, reqs, ec, realtime=True, max_seconds=args.max_seconds)}
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -181,10 +195,12 @@ def main(argv=None):
                 batch = max(1, int(budget // per_seq))
                 warm = [r.__class__(r.id, r.prompt, r.max_new_tokens, r.sampling, r.stop, 0.0) for r in reqs]
                 static_s = args.static_max_seconds if args.static_max_seconds is not None else args.max_seconds
+                before = live_bytes()
                 t0 = time.perf_counter()                     # compile every batch shape (bounded, 1.5x the window)
                 static_batches(params, cfg, scheme, warm, batch, args.chunk,
                                None if static_s is None else 1.5 * static_s)
                 srow = {"model": model, "cache": spec, "system": "static", "hbm_gb": args.hbm_gb, "batch": batch,
+                        "live_bytes_before": before,
                         "compile_s": round(time.perf_counter() - t0, 2),
                         "max_seconds": static_s,
                         **static_batches(params, cfg, scheme, reqs, batch, args.chunk, static_s)}
@@ -192,6 +208,7 @@ def main(argv=None):
                 rows.append(srow)
         del params
         jax.clear_caches()
+        gc.collect()
     ratio = {}
     for model in args.model:
         tps = {r["cache"]: r["output_tok_per_s"] for r in rows if r["model"] == model and r["system"] == "engine"}

@@ -25,7 +25,7 @@ from kvquant_jax.abi.regions import Region
 from kvquant_jax.attention import dispatch
 from kvquant_jax.attention.sharded import shard_layer
 from kvquant_jax.cache import paged as paged_cache
-from kvquant_jax.cache.interface import LayerGroups
+from kvquant_jax.cache.interface import CacheScheme, LayerGroups
 from kvquant_jax.cache.paged import PAGED, PagedKVCache
 from pallas_kernels import paged_decode_attention as paged_kernel
 from pallas_kernels.backend import resolve as resolve_backend
@@ -240,7 +240,7 @@ class PagedStep(LayerGroups):
                                              write[:, :self.view_pages], self.num_pages)
             _record(scheme, "append", t, "view", "no window append")
         keep = scheme.append_keeps_old_view(t)          # read the appended state at the old lengths, or the old one
-        read = st2 if keep else st
+        read = st2 if keep else _old_view_state(scheme, st, st2)
 
         def view():
             cached = view_new if keep else view_old
@@ -259,6 +259,24 @@ class PagedStep(LayerGroups):
             out = attn(q, k, v, view(), lengths, num_new)
             _record(scheme, "attention", t, "view")
         return st2, ok, out
+
+
+def _old_view_state(scheme, old, new):
+    """The state a multi-row append's attention reads at the OLD lengths when ``append_keeps_old_view`` is False.
+
+    Where that is False only because of the scheme's residual rings (the base rule: ``ring_fields``, the only
+    slots such an append may overwrite while they are visible at the old lengths -- the contract
+    ``ops.publish`` relies on too), the appended state with just the ring fields taken from the old one: every
+    other field is unchanged at the rows the old lengths see, so the values read are the same, and the paged
+    pools are read after their in-place update instead of before it.  Reading the whole pre-append state would
+    keep each layer's pre-append pools alive beside the updated ones, which makes XLA copy every layer's pools
+    per prefill step (KIVI-2 at the LLaMA-3-8B engine geometry: ~0.5 GiB a layer, ~16 GiB a step).  Schemes with
+    their own rule (window rings, the K/V split): the whole old state, as before."""
+    rings = tuple(scheme.ring_fields)
+    if rings and type(scheme).append_keeps_old_view is CacheScheme.append_keeps_old_view and \
+            all(hasattr(old, f) for f in rings):
+        return new.replace(**{f: getattr(old, f) for f in rings})
+    return old
 
 
 def paged_step(cache: PagedKVCache, write: jax.Array, first: jax.Array, *, view_pages: int,
