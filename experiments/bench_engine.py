@@ -71,6 +71,13 @@ def live_bytes() -> int:
     return int(sum(a.nbytes for a in jax.live_arrays()))
 
 
+def device_memory() -> dict:
+    """The device allocator's bytes in use now and its peak so far (``memory_stats``; {} where the backend has none,
+    e.g. CPU): recorded after each config, so an allocator limit (KIVI-2 at 16 GiB, 2026-12-02) shows in the rows."""
+    ms = jax.devices()[0].memory_stats() or {}
+    return {k: int(ms[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in ms}
+
+
 def static_batches(params, cfg, scheme, reqs, batch: int, chunk: int, max_seconds: float | None = None) -> dict:
     """The static-batch loop: arrival-order batches of ``batch``; a batch starts when its last request arrived
     and the previous batch finished; every request waits for the batch's longest output.  ``max_seconds``: no
@@ -188,6 +195,7 @@ def main(argv=None):
             row = {"model": model, "cache": spec, "system": "engine", "hbm_gb": args.hbm_gb,
                    "page_bytes": page_bytes(scheme, cfg, args.page_size), "live_bytes_before": before,
                    **serve_bench(params, cfg, scheme, reqs, ec, realtime=True, max_seconds=args.max_seconds)}
+            row["device_memory"] = device_memory()
             print(json.dumps(row), flush=True)
             rows.append(row)
             if not args.no_static:
