@@ -167,6 +167,17 @@ def main(argv=None):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     prefix_cache = args.prefix_cache == "on" or (args.prefix_cache == "auto" and args.shared_prefix > 0)
     rows = []
+
+    def emit(row):
+        """Print a finished config's row and append it to ``--out``/results.jsonl at once (a stopped process keeps
+        the configs it finished)."""
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "results.jsonl"), "a") as f:
+                f.write(json.dumps(row) + "\n")
+
     for model in args.model:
         params, cfg = load(model, args.dtype)
         weights = live_bytes()                           # the weights (and nothing of an earlier model)
@@ -196,8 +207,7 @@ def main(argv=None):
                    "page_bytes": page_bytes(scheme, cfg, args.page_size), "live_bytes_before": before,
                    **serve_bench(params, cfg, scheme, reqs, ec, realtime=True, max_seconds=args.max_seconds)}
             row["device_memory"] = device_memory()
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            emit(row)
             if not args.no_static:
                 per_seq = page_bytes(scheme, cfg, args.page_size) * -(-longest // args.page_size)
                 batch = max(1, int(budget // per_seq))
@@ -212,8 +222,7 @@ def main(argv=None):
                         "compile_s": round(time.perf_counter() - t0, 2),
                         "max_seconds": static_s,
                         **static_batches(params, cfg, scheme, reqs, batch, args.chunk, static_s)}
-                print(json.dumps(srow), flush=True)
-                rows.append(srow)
+                emit(srow)
         del params
         jax.clear_caches()
         gc.collect()
@@ -226,9 +235,6 @@ def main(argv=None):
     print(json.dumps({"int4_over_bf16_engine_tok_per_s": ratio, "target": 1.8}))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.jsonl"), "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
         with open(os.path.join(args.out, "latest_run.md"), "w") as f:
             f.write(f"# Engine benchmark\n\n`python experiments/bench_engine.py {' '.join(argv or sys.argv[1:])}`\n\n")
             f.write(table(rows) + "\n")
