@@ -15,6 +15,9 @@
 #                  allocator limit after int8 in one process; int8 ran once); ALONE
 #   engine_smollm2 M: the same kind of trace on SmolLM2 (prompts 512-7168: its context is 8192) at a 1 GiB KV
 #                  budget, bf16 / int4 / int8 / KIVI-2, with the static loop; ALONE (not run yet)
+#   engine_probe   M: one engine step split into its forwards and host part, bf16 / int8 / int4 / KIVI-2, 64
+#                  slots x 1K prompts (the bf16 pool holds them), the engine's 8 x 512 chunking (the int8 engine's
+#                  ITL p50 was 3x int4's on 2026-12-02: is its paged decode forward slow?); ALONE
 #   tv_check       J: the transposed-V caches through the dispatcher and the tuning table (2026-12-02: 20/20)
 #   gemma_passkey  L: Gemma-3-270M passkey (every cell measured by 2026-12-02 07:34 UTC; the script resumes the
 #                  committed file, so this recomputes nothing unless a policy or the protocol is added)
@@ -42,7 +45,7 @@ JOBS=${*:-engine_kivi2 engine_smollm2 sweeps fixed_order decode ws}
 PY=${PY:-python3}
 
 SEQUENTIAL=${SEQUENTIAL:-0}      # 1: the jobs run one after another (timing jobs: each alone on the GPU)
-KNOWN="paged_check engine engine_static engine_kivi2 engine_smollm2 tv_check gemma_passkey sweeps intactkv fixed_order decode ws ncu"
+KNOWN="paged_check engine engine_static engine_kivi2 engine_smollm2 engine_probe tv_check gemma_passkey sweeps intactkv fixed_order decode ws ncu"
 for job in $JOBS; do                # every name checked before anything starts
   case " $KNOWN " in *" $job "*) ;; *) echo "unknown job $job ($KNOWN)" >&2; exit 2 ;; esac
 done
@@ -86,6 +89,10 @@ for job in $JOBS; do
         --requests 192 --rate 8 --prompt-len 512 7168 --output-len 64 1024 --hbm-gb 1 --slots 128 \
         --page-size 64 --chunk 512 --prefill-slots 8 --admission reserve --view-buckets 2 --max-seconds 60 \
         --static-max-seconds 60 --compile-cache /tmp/kvq-jax-cache --out docs/results/engine/smollm2 ;;
+    engine_probe)
+      start_job engine_probe 0.90 $PY experiments/probe_engine_step.py --cache bf16 int8 int4 kivi2 --impl auto \
+        --slots 64 --prompt 1024 --decode-steps 8 --chunk 512 --prefill-slots 8 \
+        --out docs/results/engine/probe_engine_step_formats.json ;;
     tv_check)
       start_job tv_check 0.30 $PY experiments/check_transposed_v_gpu.py --out docs/results/decode_mgpu/pending-tv ;;
     gemma_passkey)
