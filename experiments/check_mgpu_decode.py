@@ -601,6 +601,9 @@ def main(argv=None):
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--quick", action="store_true", help="parity on the main shape only")
     ap.add_argument("--variants", action="store_true", help="a few Mosaic config variants at the largest T")
+    ap.add_argument("--variants-at", default="", metavar="T,T",
+                    help="with --variants: the T values to time the variants at (default: the largest T); e.g. "
+                         "4096,32768 so the tuning table can pick a non-default config at 4K too")
     ap.add_argument("--traceback", action="store_true")
     ap.add_argument("--max-sets", type=int, default=8, help="rotating input sets per program (>= 4x L2 anyway)")
     ap.add_argument("--repeat", type=int, default=1, help="re-time the defaults at the largest T this many times")
@@ -651,8 +654,9 @@ def main(argv=None):
         results["hbm_copy_tbps"] = hbm_copy_tbps()
         log(f"HBM copy probe (read+write) {results['hbm_copy_tbps']:.2f} TB/s")
         bench.MAX_SETS = args.max_sets
+        variants_at = {int(x) for x in args.variants_at.split(",") if x} or {max(args.T)}
         for t in args.T:
-            timing(args, results, t, variants_here=t == max(args.T))
+            timing(args, results, t, variants_here=t in variants_at)
         for r in range(1, args.repeat):
             timing(args, results, max(args.T), variants_here=False, tag=f" (rep {r + 1})")
     flush(args, results)

@@ -27,7 +27,7 @@
 #   paged_check    M: the compiled paged kernel vs the float64 oracle at D 128, 16- and 64-row pages, and the
 #                  engine's KIVI groups (all right, 2026-12-02 07:18 UTC; rerun only to repeat it)
 #   fixed_order    N: what the fixed-order (mesh- and batch-invariant) numerics cost against the fast path
-#   ws             J: the warp-specialized Mosaic kernel (C = 4 register fix) vs v1 and cuDNN, parity first
+#   ws             J: the warp-specialized Mosaic kernel vs v1 and cuDNN, parity first, variants at 4K and 32K
 #   decode         J: the packed decode kernels against cuDNN at 32K / 128K (the baseline table of issue J)
 #   ncu            J: Nsight Compute counters of one launch per decode kernel at T = 32K (v1, ws, the tuned route,
 #                  Triton: bf16 / int8 / int4; cuDNN bf16): experiments/ncu_decode.py, ~11 ncu runs of up to
@@ -117,8 +117,11 @@ for job in $JOBS; do
       start_job decode 0.10 $PY experiments/bench_decode_attention.py --check --T 32768,131072 \
         --out docs/results/decode_attention/pending ;;
     ws)
+      # variants at 4K too (the 4K target: int8_vt read 0.87x cuDNN there on 2026-12-02), defaults re-timed 3x;
+      # then `check_mgpu_decode.py --tune-from <its json> --tune pallas_kernels/tuning/decode_h200.json` here
       start_job ws 0.10 $PY experiments/check_mgpu_decode.py --ws --quick --T 4096,32768 --formats bf16,int8,int4 \
-        --impls mgpu --reps 8 --ws-probe-timeout 90 --out docs/results/decode_mgpu/pending-ws ;;
+        --impls mgpu --reps 8 --ws-probe-timeout 90 --variants --variants-at 4096,32768 --repeat 3 \
+        --out docs/results/decode_mgpu/pending-ws ;;
     ncu)
       # alone on the GPU; the children inherit the small memory fraction (one input set: <= 1.1 GB at T = 32K);
       # NCU=/path/to/ncu if ncu is not on PATH
