@@ -88,7 +88,7 @@ for job in $JOBS; do
       start_job engine_smollm2 0.90 $PY experiments/bench_engine.py --model smollm2 --cache bf16 int4 int8 kivi2 \
         --requests 192 --rate 8 --prompt-len 512 7168 --output-len 64 1024 --hbm-gb 1 --slots 128 \
         --page-size 64 --chunk 512 --prefill-slots 8 --admission reserve --view-buckets 2 --max-seconds 60 \
-        --static-max-seconds 60 --compile-cache /tmp/kvq-jax-cache --out docs/results/engine/smollm2 ;;
+        --static-max-seconds 30 --compile-cache /tmp/kvq-jax-cache --out docs/results/engine/smollm2 ;;
     engine_probe)
       start_job engine_probe 0.90 $PY experiments/probe_engine_step.py --cache bf16 int8 int4 kivi2 --impl auto \
         --slots 64 --prompt 1024 --decode-steps 8 --chunk 512 --prefill-slots 8 \
