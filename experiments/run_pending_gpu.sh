@@ -27,6 +27,8 @@
 #   paged_check    M: the compiled paged kernel vs the float64 oracle at D 128, 16- and 64-row pages, and the
 #                  engine's KIVI groups (all right, 2026-12-02 07:18 UTC; rerun only to repeat it)
 #   fixed_order    N: what the fixed-order (mesh- and batch-invariant) numerics cost against the fast path
+#   decode_shapes  J: the decode kernels at SmolLM2's shape (B 64, Hq 9, Hkv 3, D 64) and Gemma-3's (B 8, Hq 4,
+#                  Hkv 1, D 256) at T = 8K / 32K against cuDNN (never measured); ALONE
 #   ws             J: the warp-specialized Mosaic kernel vs v1 and cuDNN, parity first, variants at 4K and 32K
 #   decode         J: the packed decode kernels against cuDNN at 32K / 128K (the baseline table of issue J)
 #   ncu            J: Nsight Compute counters of one launch per decode kernel at T = 32K (v1, ws, the tuned route,
@@ -45,7 +47,7 @@ JOBS=${*:-engine_kivi2 engine_smollm2 sweeps fixed_order decode ws}
 PY=${PY:-python3}
 
 SEQUENTIAL=${SEQUENTIAL:-0}      # 1: the jobs run one after another (timing jobs: each alone on the GPU)
-KNOWN="paged_check engine engine_static engine_kivi2 engine_smollm2 engine_probe tv_check gemma_passkey sweeps intactkv fixed_order decode ws ncu"
+KNOWN="paged_check engine engine_static engine_kivi2 engine_smollm2 engine_probe tv_check decode_shapes gemma_passkey sweeps intactkv fixed_order decode ws ncu"
 for job in $JOBS; do                # every name checked before anything starts
   case " $KNOWN " in *" $job "*) ;; *) echo "unknown job $job ($KNOWN)" >&2; exit 2 ;; esac
 done
@@ -116,6 +118,11 @@ for job in $JOBS; do
     decode)
       start_job decode 0.10 $PY experiments/bench_decode_attention.py --check --T 32768,131072 \
         --out docs/results/decode_attention/pending ;;
+    decode_shapes)
+      start_job decode_shapes 0.20 bash -c "$PY experiments/bench_decode_attention.py --check --B 64 --hq 9 \
+        --hkv 3 --d 64 --check-d 64 --T 8192,32768 --out docs/results/decode_attention/pending-smollm2-shape; \
+        $PY experiments/bench_decode_attention.py --check --B 8 --hq 4 --hkv 1 --d 256 --check-d 256 \
+        --T 8192,32768 --out docs/results/decode_attention/pending-gemma3-shape" ;;
     ws)
       # variants at 4K too (the 4K target: int8_vt read 0.87x cuDNN there on 2026-12-02), defaults re-timed 3x;
       # then `check_mgpu_decode.py --tune-from <its json> --tune pallas_kernels/tuning/decode_h200.json` here
