@@ -35,7 +35,8 @@
 #                  Triton: bf16 / int8 / int4; cuDNN bf16): experiments/ncu_decode.py, ~11 ncu runs of up to
 #                  300 s each (not run yet); ALONE (ncu serializes the kernels and replays them; a job beside it
 #                  would disturb the counters, and it the job beside it); not in the default list
-# Needs SmolLM2 and Gemma-3 in $KVQ_CACHE_DIR (kvq fetch-model), WikiText-2 in $KVQ_DATA_DIR, gguf importable.
+# Needs SmolLM2 and Gemma-3 in $KVQ_CACHE_DIR (kvq fetch-model; to the device: experiments/device_carry.py),
+# WikiText-2 in $KVQ_DATA_DIR, gguf importable.
 # The jobs share the GPU, so their absolute speeds are only comparable within a job (each job measures its own
 # baseline in the same run), never across jobs.  Timing jobs (engine, engine_static, fixed_order, decode, ws, ncu) belong in a block of
 # their own: on 2026-12-01 the engine ran beside three quality jobs and its table says so
