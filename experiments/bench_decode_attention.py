@@ -3,6 +3,12 @@
     python experiments/bench_decode_attention.py --out results/decode            # the table (GPU)
     python experiments/bench_decode_attention.py --tune --T 32768 --out tune    # config sweep at one T
     python experiments/bench_decode_attention.py --check-only                    # parity vs the float64 oracle
+    python experiments/bench_decode_attention.py --T 32768 --formats kivi2,kivi2:kivi_update=block  # a variant
+
+A format name may carry ``@precision`` and ``:field=value`` suffixes (KernelConfig fields, ints parsed), applied on
+top of the config the format gets otherwise (``--configs`` / ``--tune`` entry, else the GPU ``default_config``), so
+a variant is timed beside its base in the same run: ``kivi2:kivi_update=block`` is KIVI-2 with one online-softmax
+update per block instead of per 32-token key group.
 
 One query token per sequence, B=8, Hq=32, Hkv=8, D=128 by default, every sequence full (``lengths = T``).
 Timing: each measured program runs ``n`` independent calls on ``n`` distinct input sets (rotated so the 60 MB L2
@@ -228,13 +234,17 @@ def run_size(args, t, names, configs, results, log):
         if name.endswith("+tail"):
             run_dispatch_kivi(args, t, name, q, configs, base, rows, log)
             continue
-        base_name, _, prec = name.partition("@")
+        base_name, *mods = name.split(":")
+        base_name, _, prec = base_name.partition("@")
         kf, vf = FORMATS[base_name]
         cfg = configs.get(base_name)
+        updates = config_updates(mods)
         if prec:
+            updates["precision"] = prec
+        if updates:
             from pallas_kernels.decode_attention import default_config
             cfg = dataclasses.replace(cfg or default_config(kf, t, b, hkv, backend="gpu", interpret=False),
-                                      precision=prec)
+                                      **updates)
         try:
             sets, set_bytes = region_sets(key, kf, vf, b, hkv, t, d)
             fn = lambda q, r, cfg=cfg: decode_attention(q, [r], config=cfg, out_dtype=jnp.float32)  # noqa: E731
@@ -245,6 +255,19 @@ def run_size(args, t, names, configs, results, log):
             log(f"T={t:6d} {name:16s} FAILED {type(e).__name__}: {str(e)[:400]}")
             rows.append(dict(T=t, impl="pallas", format=name, error=f"{type(e).__name__}: {str(e)[:400]}"))
     return rows
+
+
+def config_updates(mods) -> dict:
+    """``["kivi_update=block", "block_t=128"]`` -> ``{"kivi_update": "block", "block_t": 128}`` (KernelConfig
+    fields; a value of digits is an int)."""
+    fields = {f.name for f in dataclasses.fields(KernelConfig)}
+    out = {}
+    for m in mods:
+        key, eq, val = m.partition("=")
+        if not eq or key not in fields:
+            raise ValueError(f"format suffix {m!r}: expected ':<KernelConfig field>=<value>', fields {sorted(fields)}")
+        out[key] = int(val) if val.lstrip("-").isdigit() else val
+    return out
 
 
 def run_dispatch_kivi(args, t, name, q, configs, base, rows, log):
@@ -403,7 +426,9 @@ def main(argv=None):
     ap.add_argument("--tune-t", type=int, default=32768)
     ap.add_argument("--check", action="store_true", help="float64-oracle parity on a small ragged case first")
     ap.add_argument("--check-only", action="store_true")
-    ap.add_argument("--configs", default="", help="JSON {format: KernelConfig fields} overriding the defaults")
+    ap.add_argument("--configs", default="", help="JSON {format: KernelConfig fields} overriding the defaults "
+                    "(fields left out take KernelConfig's class defaults, NOT default_config's: for a one-field "
+                    "variant of the tuned defaults use a format suffix, e.g. kivi2:kivi_update=block)")
     ap.add_argument("--check-d", type=int, default=128)
     ap.add_argument("--check-n", type=int, default=1024)
     ap.add_argument("--max-sets", type=int, default=64)

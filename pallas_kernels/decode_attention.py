@@ -71,9 +71,13 @@ from kvquant_jax.abi.regions import KVFormat, Region, check_query
 from pallas_kernels.backend import platform, resolve
 
 __all__ = ["decode_attention", "decode_attention_reference", "KernelConfig", "default_config", "PRECISIONS",
-           "kernel_unsupported", "mma_too_small", "MMA_MIN", "MMA_MIN_N"]
+           "KIVI_UPDATES", "kernel_unsupported", "mma_too_small", "MMA_MIN", "MMA_MIN_N"]
 
 PRECISIONS = ("f32", "bf16x2", "bf16")
+#: ``KernelConfig.kivi_update``: "group" = one online-softmax update + one PV per G-row key group (the default),
+#: "block" = the logits of every group of a block in one [Mp, bt] tile, ONE update and ONE PV per block
+#: (:func:`_logits_channel_block`).  Only changes anything for per-channel (KIVI) K scales.
+KIVI_UPDATES = ("group", "block")
 _NEG = -1e30          # finite "minus infinity": keeps exp(m_old - m_new) NaN-free for empty splits
 _F32 = jnp.float32
 
@@ -92,6 +96,10 @@ class KernelConfig:
         once, ~1e-3) or "f32" (float32 operands; the default when interpreted).
       num_warps, num_stages: Triton launch parameters (GPU only).
       unpack: "magic", "convert" or "asm" (GPU inline PTX; the interpreter falls back to "magic").
+      kivi_update: per-channel (KIVI) K scales only: "group" (default) runs one online-softmax update and one PV
+        product per G-row key group; "block" assembles the logits of all ``block_t / G`` groups into one
+        ``[Mp, block_t]`` tile (same per-group folded math) and runs ONE update and ONE PV over the whole block
+        (:func:`_logits_channel_block`; opt-in, not yet timed on a device).  Ignored for other K formats.
     """
 
     block_t: int = 128
@@ -100,6 +108,7 @@ class KernelConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     unpack: str = "magic"
+    kivi_update: str = "group"
 
 
 def default_config(fmt_k: KVFormat, rows: int, batch: int, num_kv_heads: int, *, backend: str,
@@ -146,6 +155,11 @@ class _Spec:
     unpack: str        # "magic" (exponent-bias bit trick), "convert" (int -> float) or "asm" (GPU PRMT unpack)
     q_exact: bool      # the query is exactly representable in the K operand dtype (no hi/lo split needed)
     dup: int = 0       # > 0: query rows [dup, 2 dup) repeat rows [0, dup); PV feeds them the lo part of p
+    kblock: bool = False   # KIVI keys, kivi_update="block": sub == bt, logits from _logits_channel_block
+
+    @property
+    def gpb(self):     # K channel-scale rows per block (1 when the K scales are not per channel)
+        return self.bt // self.kf.group if self.kf.scale == "channel" else self.bt // self.sub
 
     @property
     def npk(self):
@@ -346,6 +360,47 @@ def _logits(qv, tile: _Tile, rr: int, j: int, sp: _Spec):
     return s
 
 
+def _logits_channel_block(qv, tile: _Tile, sp: _Spec):
+    """KIVI keys, ``kivi_update="block"``: logits of ALL ``bt`` rows of the block, ``[Mp, bt]`` float32 before
+    ``qs``, from the same per-group folded math as :func:`_logits` (``(q * s_j) . u_t + q . min_j``; codes stay
+    exact integers in the dot operands, the folded query is split per ``precision`` as there).
+
+    How the tile is assembled: Pallas Triton cannot concatenate the ``[Mp, G]`` group tiles along the columns
+    (its ``concatenate_p`` rule takes two ``[..., 1]`` operands only: a ``tt.join``), so each group's folded query
+    is dotted against the codes of ALL ``bt`` rows and an iota mask keeps that group's own columns
+    ``[j G, (j + 1) G)`` (a select, no data movement; lowers for Triton and Mosaic alike).  MMA cost: ``bt / G``
+    times the K-side tensor-core work of the per-group path (each group dot is ``[Mp, D/P] x [D/P, bt]`` instead of
+    ``[D/P, G]``; 2x at bt = 64, 4x at bt = 128, G = 32) -- traded for ONE online-softmax update and ONE PV per
+    block instead of ``bt / G`` of each (the V dots then contract over ``bt`` rows, so the 16 tiny V dots per group
+    become 16 per block).  The codes are unpacked once per block either way.
+    """
+    q, _, _, _ = qv
+    f, n, g = sp.kf, sp.bt, sp.kf.group
+    op = sp.op_dtype(f)
+    planes = _planes(tile.rows("k", 0, n), f, op, sp.unpack)                     # all bt rows, once
+    col = lax.broadcasted_iota(jnp.int32, (1, n), 1)
+    s = None
+    for j in range(n // g):
+        t = None
+        const = None
+        for r in range(sp.npk):
+            cols = pl.ds(r, sp.d // sp.npk, stride=sp.npk) if sp.npk > 1 else slice(None)
+            ks = tile.group_row("ks", j, cols).astype(_F32)                      # [1, D/P]
+            u = _mm(_split(q[0][r] * ks, op, sp.precision), planes[r], True)    # [Mp, bt]: every row
+            t = u if t is None else t + u
+            if f.zero == "min":
+                km = tile.group_row("kz", j, cols).astype(_F32)
+                c = jnp.sum(q[0][r] * km, axis=1, keepdims=True)               # [Mp, 1]
+                const = c if const is None else const + c
+        if const is not None:
+            t = t + const
+        if s is None:                  # group 0 also fills the other columns; groups j > 0 overwrite theirs
+            s = t
+        else:
+            s = jnp.where((col >= j * g) & (col < (j + 1) * g), t, s)
+    return s
+
+
 def _pv(accs, zaccs, p, valid_row, valid_col, tile: _Tile, rr: int, sp: _Spec):
     f, n = sp.vf, sp.sub
     op = sp.op_dtype(f)
@@ -382,7 +437,8 @@ def _init_state(sp: _Spec):
 
 
 def _block(state, qv, tile: _Tile, pos0, start, end, sp: _Spec):
-    """Online-softmax update over one block of ``bt`` rows (``bt // sub`` updates of ``sub`` rows)."""
+    """Online-softmax update over one block of ``bt`` rows (``bt // sub`` updates of ``sub`` rows; ONE update with
+    ``sp.kblock``, whose logits come from :func:`_logits_channel_block`)."""
     m, l, accs, zaccs = state
     accs = [list(a) for a in accs]
     zaccs = list(zaccs)
@@ -392,7 +448,8 @@ def _block(state, qv, tile: _Tile, pos0, start, end, sp: _Spec):
         pos_col = pos0 + rr + lax.broadcasted_iota(jnp.int32, (sp.sub, 1), 0)
         valid_row = (pos_row >= start) & (pos_row < end)
         valid_col = (pos_col >= start) & (pos_col < end)
-        s = jnp.where(valid_row, _logits(qv, tile, rr, j, sp) * qv[3], _NEG)
+        raw = _logits_channel_block(qv, tile, sp) if sp.kblock else _logits(qv, tile, rr, j, sp)
+        s = jnp.where(valid_row, raw * qv[3], _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m - m_new)
         p = jnp.where(valid_row, jnp.exp(s - m_new), 0.0)
@@ -435,10 +492,9 @@ def _loop_kernel(start_ref, end_ref, q_ref, qs_ref, *refs, sp: _Spec, names, til
     start, end = start_ref[b], end_ref[b]
     lo, hi = _split_range(start, end, s, sp)
     qv = _query_values(lambda g, r: q_ref[b, h, g, r], qs_ref[b, h], sp)
-    groups_per_block = sp.bt // sp.sub
     if tile_of is None:
         def tile_of(ins, b, h, blk):
-            return _Tile(ins, (b, h), blk * sp.bt, blk * groups_per_block)
+            return _Tile(ins, (b, h), blk * sp.bt, blk * sp.gpb)
 
     def body(blk, state):
         return _block(state, qv, tile_of(ins, b, h, blk), blk * sp.bt, start, end, sp)
@@ -666,6 +722,8 @@ def _region_partial(q4, qs, q_dtype, reg: Region, cfg: KernelConfig, backend: st
         raise ValueError(f"precision must be one of {PRECISIONS}, got {cfg.precision!r}")
     if cfg.unpack not in ("magic", "convert", "asm"):
         raise ValueError(f"unpack must be 'magic', 'convert' or 'asm', got {cfg.unpack!r}")
+    if cfg.kivi_update not in KIVI_UPDATES:
+        raise ValueError(f"kivi_update must be one of {KIVI_UPDATES}, got {cfg.kivi_update!r}")
     why = kernel_unsupported(reg, d, backend, compiled_gpu=not interpret)
     if why:
         raise ValueError(f"decode-attention kernel: {why}")
@@ -677,9 +735,10 @@ def _region_partial(q4, qs, q_dtype, reg: Region, cfg: KernelConfig, backend: st
     bt = _pick_block(rows, cfg.block_t, mult)
     ns = max(1, min(cfg.num_splits, rows // bt))
     unpack = cfg.unpack if (backend == "gpu" and not interpret) or cfg.unpack != "asm" else "magic"
-    sp = _Spec(kf=kf, vf=vf, d=d, mp=mp, bt=bt, sub=group if kf.scale == "channel" else bt, ns=ns,
+    kblock = cfg.kivi_update == "block" and kf.scale == "channel"
+    sp = _Spec(kf=kf, vf=vf, d=d, mp=mp, bt=bt, sub=group if kf.scale == "channel" and not kblock else bt, ns=ns,
                nb=rows // bt, precision=cfg.precision, unpack=unpack,
-               q_exact=kf.scale != "channel" and jnp.dtype(q_dtype) == jnp.dtype(op_k), dup=dup)
+               q_exact=kf.scale != "channel" and jnp.dtype(q_dtype) == jnp.dtype(op_k), dup=dup, kblock=kblock)
     qk, qs, names, arrays = _launch_operands(q4, qs, reg, dup, mp)
     start = jnp.clip(reg.start.astype(jnp.int32), 0, rows)
     end = jnp.clip(reg.end.astype(jnp.int32), 0, rows)

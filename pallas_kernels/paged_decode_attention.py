@@ -122,7 +122,8 @@ def _gpu_call(start, end, table, qk, qs, arrays, sp: _Spec, names, interpret, nu
     )(start, end, table, qk, qs, *arrays)
 
 
-def _paged_partial(q4, qs, q_dtype, reg: Region, table, backend, interpret, precision, num_splits):
+def _paged_partial(q4, qs, q_dtype, reg: Region, table, backend, interpret, precision, num_splits,
+                   kivi_update="group"):
     b, hkv, g, d = q4.shape
     kf, vf = reg.k.fmt, reg.v.fmt
     page_rows = reg.k.data.shape[2]
@@ -133,10 +134,14 @@ def _paged_partial(q4, qs, q_dtype, reg: Region, table, backend, interpret, prec
         raise ValueError(f"paged decode-attention kernel: {why}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if kivi_update not in dk.KIVI_UPDATES:
+        raise ValueError(f"kivi_update must be one of {dk.KIVI_UPDATES}, got {kivi_update!r}")
+    kblock = kivi_update == "block" and kf.scale == "channel"
     op_k, dup, mp = dk._query_rows(g, kf, vf, precision, backend)
-    sp = _Spec(kf=kf, vf=vf, d=d, mp=mp, bt=page_rows, sub=kf.group if kf.scale == "channel" else page_rows,
+    sp = _Spec(kf=kf, vf=vf, d=d, mp=mp, bt=page_rows,
+               sub=kf.group if kf.scale == "channel" and not kblock else page_rows,
                ns=max(1, min(num_splits, m_pages)), nb=m_pages, precision=precision, unpack="magic",
-               q_exact=kf.scale != "channel" and jnp.dtype(q_dtype) == jnp.dtype(op_k), dup=dup)
+               q_exact=kf.scale != "channel" and jnp.dtype(q_dtype) == jnp.dtype(op_k), dup=dup, kblock=kblock)
     qk, qs, names, arrays = dk._launch_operands(q4, qs, reg, dup, mp)
     rows = m_pages * page_rows
     start = jnp.clip(reg.start.astype(jnp.int32), 0, rows)
@@ -152,7 +157,7 @@ def _paged_partial(q4, qs, q_dtype, reg: Region, table, backend, interpret, prec
 def paged_decode_attention(q, paged_region: Region, page_table, small_regions: Sequence[Region] = (), *,
                            k_new=None, v_new=None, sm_scale: float | None = None, backend: str | None = None,
                            interpret: Any = None, precision: str | None = None, num_splits: int = 1,
-                           out_dtype=None):
+                           out_dtype=None, kivi_update: str = "group"):
     """One new token's attention over a paged region + small contiguous regions + the current token, ONE softmax.
 
     Args:
@@ -164,6 +169,8 @@ def paged_decode_attention(q, paged_region: Region, page_table, small_regions: S
       k_new, v_new: optional ``[B, Hkv, D]`` exact K/V of the current token.
       backend: "gpu" (Pallas Triton) / "tpu" (Mosaic) / None by platform; interpret: as the contiguous kernel.
       precision: "f32" (default when interpreted), "bf16x2" (default compiled) or "bf16".
+      kivi_update: KIVI (per-channel K) pages: "group" (default, one softmax update per key group) or "block"
+        (one update and one PV per page; :func:`pallas_kernels.decode_attention._logits_channel_block`).
     Returns ``[B, Hq, D]`` in ``out_dtype`` (default ``q.dtype``).
     """
     small_regions = list(small_regions)
@@ -177,7 +184,8 @@ def paged_decode_attention(q, paged_region: Region, page_table, small_regions: S
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
     q4 = q.astype(_F32).reshape(b, hkv, g, d)
     qs = jnp.full((b, hkv, g), scale, _F32)
-    parts = [_paged_partial(q4, qs, q.dtype, paged_region, page_table, backend, interpret, precision, num_splits)]
+    parts = [_paged_partial(q4, qs, q.dtype, paged_region, page_table, backend, interpret, precision, num_splits,
+                            kivi_update)]
     parts += [_small_region_partial(q4, qs, r) for r in small_regions]
     if k_new is not None:
         parts.append(_dense_partial(q4, qs, k_new.astype(_F32)[:, :, None], v_new.astype(_F32)[:, :, None],
