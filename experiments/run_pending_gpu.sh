@@ -29,6 +29,8 @@
 #   fixed_order    N: what the fixed-order (mesh- and batch-invariant) numerics cost against the fast path
 #   decode_shapes  J: the decode kernels at SmolLM2's shape (B 64, Hq 9, Hkv 3, D 64) and Gemma-3's (B 8, Hq 4,
 #                  Hkv 1, D 256) at T = 8K / 32K against cuDNN (never measured); ALONE
+#   kivi_block     J: KIVI-2/4 with the opt-in whole-block update (`kivi_update=block`, one softmax update + one
+#                  PV per block) against today's per-group path and cuDNN at 32K (never timed); ALONE
 #   ws             J: the warp-specialized Mosaic kernel vs v1 and cuDNN, parity first, variants at 4K and 32K
 #   decode         J: the packed decode kernels against cuDNN at 32K / 128K (the baseline table of issue J)
 #   ncu            J: Nsight Compute counters of one launch per decode kernel at T = 32K (v1, ws, the tuned route,
@@ -48,7 +50,7 @@ JOBS=${*:-engine_kivi2 engine_smollm2 sweeps fixed_order decode ws}
 PY=${PY:-python3}
 
 SEQUENTIAL=${SEQUENTIAL:-0}      # 1: the jobs run one after another (timing jobs: each alone on the GPU)
-KNOWN="paged_check engine engine_static engine_kivi2 engine_smollm2 engine_probe tv_check decode_shapes gemma_passkey sweeps intactkv fixed_order decode ws ncu"
+KNOWN="paged_check engine engine_static engine_kivi2 engine_smollm2 engine_probe tv_check decode_shapes kivi_block gemma_passkey sweeps intactkv fixed_order decode ws ncu"
 for job in $JOBS; do                # every name checked before anything starts
   case " $KNOWN " in *" $job "*) ;; *) echo "unknown job $job ($KNOWN)" >&2; exit 2 ;; esac
 done
@@ -124,6 +126,10 @@ for job in $JOBS; do
         --hkv 3 --d 64 --check-d 64 --T 8192,32768 --out docs/results/decode_attention/pending-smollm2-shape; \
         $PY experiments/bench_decode_attention.py --check --B 8 --hq 4 --hkv 1 --d 256 --check-d 256 \
         --T 8192,32768 --out docs/results/decode_attention/pending-gemma3-shape" ;;
+    kivi_block)
+      start_job kivi_block 0.10 $PY experiments/bench_decode_attention.py --T 32768 --baselines cudnn --reps 8 \
+        --formats kivi2,kivi2:kivi_update=block,kivi2:kivi_update=block:block_t=128,kivi4,kivi4:kivi_update=block,kivi4:kivi_update=block:block_t=128 \
+        --out docs/results/decode_attention/pending-kivi-block ;;
     ws)
       # variants at 4K too (the 4K target: int8_vt read 0.87x cuDNN there on 2026-12-02), defaults re-timed 3x;
       # then `check_mgpu_decode.py --tune-from <its json> --tune pallas_kernels/tuning/decode_h200.json` here
