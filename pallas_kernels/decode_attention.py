@@ -334,18 +334,7 @@ def _logits(qv, tile: _Tile, rr: int, j: int, sp: _Spec):
     if f.scale == "head":             # static per-head scale: folded into qs outside
         return functools.reduce(jnp.add, [_mm(pieces[0][r], planes[r], True) for r in range(sp.npk)])
     if f.scale == "channel":          # fold the group's channel scales into the query (0x03B, option 2)
-        s = None
-        const = None
-        for r in range(sp.npk):
-            cols = pl.ds(r, sp.d // sp.npk, stride=sp.npk) if sp.npk > 1 else slice(None)
-            ks = tile.group_row("ks", j, cols).astype(_F32)                      # [1, D/P]
-            t = _mm(_split(q[0][r] * ks, op, sp.precision), planes[r], True)
-            s = t if s is None else s + t
-            if f.zero == "min":
-                km = tile.group_row("kz", j, cols).astype(_F32)
-                c = jnp.sum(q[0][r] * km, axis=1, keepdims=True)               # [Mp, 1]
-                const = c if const is None else const + c
-        return s if const is None else s + const
+        return _channel_group_logits(q, tile, j, planes, sp)
     s = None                          # per-token scales applied after the dot (0x03A)
     for g in range(sp.ngk):
         raw = functools.reduce(jnp.add, [_mm(pieces[g][r], planes[r], True) for r in range(sp.npk)])
@@ -358,6 +347,24 @@ def _logits(qv, tile: _Tile, rr: int, j: int, sp: _Spec):
             t = ks * raw
         s = t if s is None else s + t
     return s
+
+
+def _channel_group_logits(q, tile: _Tile, j: int, planes, sp: _Spec):
+    """Key group ``j``'s per-channel scales folded into the query (0x03B, option 2), dotted with ``planes`` (the
+    unpacked code planes of the rows to score, ``[n, D/P]`` each): ``(q * s_j) . u_t + q . min_j``, ``[Mp, n]``."""
+    f, op = sp.kf, sp.op_dtype(sp.kf)
+    s = None
+    const = None
+    for r in range(sp.npk):
+        cols = pl.ds(r, sp.d // sp.npk, stride=sp.npk) if sp.npk > 1 else slice(None)
+        ks = tile.group_row("ks", j, cols).astype(_F32)                      # [1, D/P]
+        t = _mm(_split(q[0][r] * ks, op, sp.precision), planes[r], True)
+        s = t if s is None else s + t
+        if f.zero == "min":
+            km = tile.group_row("kz", j, cols).astype(_F32)
+            c = jnp.sum(q[0][r] * km, axis=1, keepdims=True)               # [Mp, 1]
+            const = c if const is None else const + c
+    return s if const is None else s + const
 
 
 def _logits_channel_block(qv, tile: _Tile, sp: _Spec):
@@ -376,24 +383,11 @@ def _logits_channel_block(qv, tile: _Tile, sp: _Spec):
     """
     q, _, _, _ = qv
     f, n, g = sp.kf, sp.bt, sp.kf.group
-    op = sp.op_dtype(f)
-    planes = _planes(tile.rows("k", 0, n), f, op, sp.unpack)                     # all bt rows, once
+    planes = _planes(tile.rows("k", 0, n), f, sp.op_dtype(f), sp.unpack)         # all bt rows, once
     col = lax.broadcasted_iota(jnp.int32, (1, n), 1)
     s = None
     for j in range(n // g):
-        t = None
-        const = None
-        for r in range(sp.npk):
-            cols = pl.ds(r, sp.d // sp.npk, stride=sp.npk) if sp.npk > 1 else slice(None)
-            ks = tile.group_row("ks", j, cols).astype(_F32)                      # [1, D/P]
-            u = _mm(_split(q[0][r] * ks, op, sp.precision), planes[r], True)    # [Mp, bt]: every row
-            t = u if t is None else t + u
-            if f.zero == "min":
-                km = tile.group_row("kz", j, cols).astype(_F32)
-                c = jnp.sum(q[0][r] * km, axis=1, keepdims=True)               # [Mp, 1]
-                const = c if const is None else const + c
-        if const is not None:
-            t = t + const
+        t = _channel_group_logits(q, tile, j, planes, sp)                        # [Mp, bt]: every row
         if s is None:                  # group 0 also fills the other columns; groups j > 0 overwrite theirs
             s = t
         else:
