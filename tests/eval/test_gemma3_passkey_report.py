@@ -2,9 +2,7 @@
 the prompts (every policy answers the same seeded prompts; per-prompt outcomes come from the stored answers), and
 the committed passkey.md is what ``--report-only`` writes from the committed passkey.json."""
 import copy
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,17 +10,15 @@ import pytest
 
 from kvquant_jax.eval.stats import paired_delta_ci
 
+from experiment_scripts import load_experiment
+
 REPO = Path(__file__).resolve().parents[2]
 GPU = REPO / "docs" / "results" / "gemma3" / "gpu"
 
 
 @pytest.fixture(scope="module")
 def gp():
-    sys.path.insert(0, str(REPO / "experiments"))
-    try:
-        yield importlib.import_module("gemma3_passkey")
-    finally:
-        sys.path.remove(str(REPO / "experiments"))
+    return load_experiment("gemma3_passkey")
 
 
 def _out(gp, correct):

@@ -1,12 +1,12 @@
 """experiments/intactkv_ablation.py --report-only reproduces the committed README.md of each results folder from its
 results.json, including the hand-written "Reading" (results.json ``notes_intro`` / ``notes``), so regenerating the
 report cannot bring back the claims the issue-P review reworded (gains inside their CIs stated as established)."""
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from experiment_scripts import load_experiment
 
 REPO = Path(__file__).resolve().parents[2]
 FOLDERS = [REPO / "docs" / "results" / "intactkv", REPO / "docs" / "results" / "intactkv" / "gpu"]
@@ -14,11 +14,7 @@ FOLDERS = [REPO / "docs" / "results" / "intactkv", REPO / "docs" / "results" / "
 
 @pytest.fixture(scope="module")
 def ablation():
-    sys.path.insert(0, str(REPO / "experiments"))
-    try:
-        yield importlib.import_module("intactkv_ablation")
-    finally:
-        sys.path.remove(str(REPO / "experiments"))
+    return load_experiment("intactkv_ablation")
 
 
 @pytest.mark.parametrize("folder", FOLDERS, ids=["cpu", "gpu"])

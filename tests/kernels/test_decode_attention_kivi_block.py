@@ -16,6 +16,7 @@ from kvquant_jax.abi.regions import KVOperand, Region
 from kvquant_jax.attention.synthetic import kivi_formats, random_region
 from pallas_kernels import decode_attention as da
 from pallas_kernels import paged_decode_attention as pk
+from experiment_scripts import load_experiment
 from test_decode_attention_common import rel_err
 
 B, HKV, N, G = 3, 2, 256, 32
@@ -147,13 +148,8 @@ def test_bad_kivi_update_raises(rng):
 
 def test_bench_format_suffix_selects_the_option():
     """``experiments/bench_decode_attention.py --formats kivi2:kivi_update=block`` patches KernelConfig fields."""
-    import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "experiments" / "bench_decode_attention.py"
-    spec = importlib.util.spec_from_file_location("bench_decode_attention", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_experiment("bench_decode_attention")
     assert bench.config_updates(["kivi_update=block", "block_t=128"]) == {"kivi_update": "block", "block_t": 128}
     with pytest.raises(ValueError, match="KernelConfig field"):
         bench.config_updates(["kivi_updates=block"])

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from pallas_kernels import decode_tuning as dt
+
+from experiment_scripts import load_experiment
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = "docs/results/decode_mgpu/2026-12-02-ws-timed/check_mgpu_decode.json"
@@ -122,10 +123,7 @@ def test_good_table_round_trips_and_bad_json_is_named(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("check_mgpu_decode", REPO / "experiments" / "check_mgpu_decode.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_experiment("check_mgpu_decode")
 
 
 def _check(impl, fmt, label, ok=True):

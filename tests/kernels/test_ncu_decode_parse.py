@@ -1,7 +1,6 @@
 """``experiments/ncu_decode.py`` without a GPU: ncu ``--csv`` parsing (units, thousands separators, metric -> field),
 the row of a case that matched no kernel / that ncu refused a metric in (a fake ``ncu`` that writes canned logs), and
 the default kernel-name patterns against the names in the lowered kernels."""
-import importlib.util
 import json
 import os
 import re
@@ -11,15 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from experiment_scripts import load_experiment
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def nd():
-    spec = importlib.util.spec_from_file_location("ncu_decode", REPO / "experiments" / "ncu_decode.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_experiment("ncu_decode")
 
 
 _HDR = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'

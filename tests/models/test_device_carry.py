@@ -1,22 +1,17 @@
 """experiments/device_carry.py: the model files split into call-sized parts and reassembled bit for bit on the
 other side; a missing or corrupt part is named, a file whose bytes differ is refused."""
-import importlib.util
 import json
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).parents[2]
+from experiment_scripts import load_experiment
 
 
 @pytest.fixture(scope="module")
 def dc():
-    spec = importlib.util.spec_from_file_location("device_carry", REPO / "experiments" / "device_carry.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_experiment("device_carry")
 
 
 @pytest.fixture
