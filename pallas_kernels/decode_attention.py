@@ -367,6 +367,19 @@ def _channel_group_logits(q, tile: _Tile, j: int, planes, sp: _Spec):
     return s if const is None else s + const
 
 
+def _check_kivi_update(kivi_update: str) -> None:
+    if kivi_update not in KIVI_UPDATES:
+        raise ValueError(f"kivi_update must be one of {KIVI_UPDATES}, got {kivi_update!r}")
+
+
+def _key_update(kf: KVFormat, bt: int, kivi_update: str) -> tuple[int, bool]:
+    """``(sub, kblock)`` of a block of ``bt`` rows: the rows per online-softmax update and whether KIVI keys take the
+    whole-block path (``kivi_update="block"``; other K formats update once per block either way).  Shared by the
+    contiguous and the paged kernel (each checks ``kivi_update`` first: :func:`_check_kivi_update`)."""
+    kblock = kivi_update == "block" and kf.scale == "channel"
+    return (kf.group if kf.scale == "channel" and not kblock else bt), kblock
+
+
 def _logits_channel_block(qv, tile: _Tile, sp: _Spec):
     """KIVI keys, ``kivi_update="block"``: logits of ALL ``bt`` rows of the block, ``[Mp, bt]`` float32 before
     ``qs``, from the same per-group folded math as :func:`_logits` (``(q * s_j) . u_t + q . min_j``; codes stay
@@ -716,8 +729,7 @@ def _region_partial(q4, qs, q_dtype, reg: Region, cfg: KernelConfig, backend: st
         raise ValueError(f"precision must be one of {PRECISIONS}, got {cfg.precision!r}")
     if cfg.unpack not in ("magic", "convert", "asm"):
         raise ValueError(f"unpack must be 'magic', 'convert' or 'asm', got {cfg.unpack!r}")
-    if cfg.kivi_update not in KIVI_UPDATES:
-        raise ValueError(f"kivi_update must be one of {KIVI_UPDATES}, got {cfg.kivi_update!r}")
+    _check_kivi_update(cfg.kivi_update)
     why = kernel_unsupported(reg, d, backend, compiled_gpu=not interpret)
     if why:
         raise ValueError(f"decode-attention kernel: {why}")
@@ -729,8 +741,8 @@ def _region_partial(q4, qs, q_dtype, reg: Region, cfg: KernelConfig, backend: st
     bt = _pick_block(rows, cfg.block_t, mult)
     ns = max(1, min(cfg.num_splits, rows // bt))
     unpack = cfg.unpack if (backend == "gpu" and not interpret) or cfg.unpack != "asm" else "magic"
-    kblock = cfg.kivi_update == "block" and kf.scale == "channel"
-    sp = _Spec(kf=kf, vf=vf, d=d, mp=mp, bt=bt, sub=group if kf.scale == "channel" and not kblock else bt, ns=ns,
+    sub, kblock = _key_update(kf, bt, cfg.kivi_update)
+    sp = _Spec(kf=kf, vf=vf, d=d, mp=mp, bt=bt, sub=sub, ns=ns,
                nb=rows // bt, precision=cfg.precision, unpack=unpack,
                q_exact=kf.scale != "channel" and jnp.dtype(q_dtype) == jnp.dtype(op_k), dup=dup, kblock=kblock)
     qk, qs, names, arrays = _launch_operands(q4, qs, reg, dup, mp)

@@ -134,12 +134,10 @@ def _paged_partial(q4, qs, q_dtype, reg: Region, table, backend, interpret, prec
         raise ValueError(f"paged decode-attention kernel: {why}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if kivi_update not in dk.KIVI_UPDATES:
-        raise ValueError(f"kivi_update must be one of {dk.KIVI_UPDATES}, got {kivi_update!r}")
-    kblock = kivi_update == "block" and kf.scale == "channel"
+    dk._check_kivi_update(kivi_update)
+    sub, kblock = dk._key_update(kf, page_rows, kivi_update)
     op_k, dup, mp = dk._query_rows(g, kf, vf, precision, backend)
-    sp = _Spec(kf=kf, vf=vf, d=d, mp=mp, bt=page_rows,
-               sub=kf.group if kf.scale == "channel" and not kblock else page_rows,
+    sp = _Spec(kf=kf, vf=vf, d=d, mp=mp, bt=page_rows, sub=sub,
                ns=max(1, min(num_splits, m_pages)), nb=m_pages, precision=precision, unpack="magic",
                q_exact=kf.scale != "channel" and jnp.dtype(q_dtype) == jnp.dtype(op_k), dup=dup, kblock=kblock)
     qk, qs, names, arrays = dk._launch_operands(q4, qs, reg, dup, mp)
