@@ -162,7 +162,7 @@ def decode_attention(q: jax.Array, scheme, layer_state, lengths: jax.Array, k_ne
     what = f"{regions[0].k.fmt}/{regions[0].v.fmt}"
     # a refused fused kernel is recorded once, with the path that served the layer instead (not as "reference"
     # when the region kernel serves it)
-    what, before = (refused[0], refused[1] + "; ") if refused else (what, "")
+    what, refusal = refused if refused else (what, "")
     if impl == "auto":
         plat = platform()
         why = (f"no region kernel on {plat}" if plat not in ("gpu", "tpu")
@@ -170,9 +170,9 @@ def decode_attention(q: jax.Array, scheme, layer_state, lengths: jax.Array, k_ne
                                               compiled_gpu=plat == "gpu" and not interpret))
         impl = "reference" if why else "kernel"
         if why:
-            _served("reference", what, q, before + why)
+            _served("reference", what, q, "; ".join(x for x in (refusal, why) if x))
     if impl == "kernel":
-        _served("pallas_decode_v1", what, q, before.rstrip("; "))
+        _served("pallas_decode_v1", what, q, refusal)
     if impl == "reference":
         return decode_attention_jnp(q, regions, k_new=k_new, v_new=v_new, sm_scale=sm_scale, out_dtype=out_dtype)
     return kernel.decode_attention(q, regions, k_new=k_new, v_new=v_new, sm_scale=sm_scale, backend=backend,
