@@ -45,6 +45,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from kvquant_jax.cache.registry import make_scheme  # noqa: E402
+from kvquant_jax.quant.dtypes import storage_name  # noqa: E402
 from kvquant_jax.serving import engine as E  # noqa: E402
 from kvquant_jax.serving.engine_cli import page_bytes, pages_for_budget, serve_bench  # noqa: E402
 from kvquant_jax.serving.generate import generate  # noqa: E402
@@ -56,8 +57,8 @@ def load(name: str, dtype: str):
     if name == "llama3-8b-shaped":
         cfg = BS.llama3_8b_shaped()
         return BS.random_params(cfg, dtype=jnp.dtype(dtype)), cfg
-    if name == "smollm2":
-        cfg, params = BS.load_smollm2(dtype)
+    if name == "smollm2":       # the real model: cast_params takes a storage name ("bf16"), not "bfloat16"
+        cfg, params = BS.load_smollm2(storage_name(dtype))
         return params, cfg
     cfg = BS.tiny()
     return BS.random_params(cfg, dtype=jnp.dtype(dtype)), cfg

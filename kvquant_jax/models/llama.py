@@ -38,7 +38,7 @@ from kvquant_jax.attention.dispatch import decode_attention
 from kvquant_jax.attention.sharded import local_layer
 from kvquant_jax.cache.interface import KVCache
 from kvquant_jax.cache.ops import publish
-from kvquant_jax.quant.dtypes import DTYPES
+from kvquant_jax.quant.dtypes import float_dtype
 from kvquant_jax.sharding import active_mesh, constrain_cache
 from kvquant_jax.models.config import LlamaConfig
 from kvquant_jax.models.fixed_order import is_fixed_order, log_softmax as fixed_log_softmax, mean as fixed_mean
@@ -50,7 +50,7 @@ from kvquant_jax.models.rope import apply_rope
 
 def cast_params(params: dict, dtype: str = "fp32") -> dict:
     """NumPy/JAX params -> jnp arrays in ``dtype`` (norm weights stay float32)."""
-    dt = DTYPES[dtype]
+    dt = float_dtype(dtype)
 
     def cast(path, a):
         name = jax.tree_util.keystr(path)
