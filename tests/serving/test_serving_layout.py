@@ -62,7 +62,9 @@ def test_serving_layout_matches_the_scan(spec):
         outs.append((np.asarray(logits), np.asarray(step), leaves))
     for logits, step, leaves in outs[1:]:
         np.testing.assert_allclose(logits, outs[0][0], rtol=1e-5, atol=1e-5)
-        tol = 1e-5 if spec == "fp32" else 2e-4   # a quantized history amplifies rounding-level differences
+        # fp32: the two programs fuse (and so round) differently; 1.2e-5 seen on one CPU (2026-12-03), a layout bug
+        # is O(1). A quantized history amplifies rounding-level differences.
+        tol = 3e-5 if spec == "fp32" else 2e-4
         np.testing.assert_allclose(step, outs[0][1], rtol=tol, atol=tol)
         assert len(leaves) == len(outs[0][2])
         for a, b in zip(leaves, outs[0][2]):
