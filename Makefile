@@ -11,9 +11,10 @@ install-dev:
 	$(PY) -m pip install -q -e ".[test,ref]"
 
 ## Install everything (incl. torch CPU + transformers for parity tests) and run the whole test suite.
-## (--max-worker-restart=0: a crashed worker fails the run at once, naming its test, instead of restarting workers)
+## (--max-worker-restart=0: a crashed worker fails the run at once, naming its test, instead of restarting workers;
+##  --durations=40: the CI log lists the slowest tests, to keep the run under its 30-minute budget)
 test: install-dev
-	$(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=40 $(PYTEST_ARGS)
 
 ## Skip the slow / real-model tests (a quick local loop).
 test-fast: install-dev

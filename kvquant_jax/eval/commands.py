@@ -143,7 +143,8 @@ def _sweep_one(loaded, args, session) -> None:
         # the recorded run's --metrics, unless this command names its own
         metrics = _metrics(args.metrics) if args.metrics else meta.get("metrics")
         print(write_report(Path(args.out), points=loaded.points(), sweep_name=runner.sweep_name(loaded),
-                           baseline=runner.sweep_baseline(loaded), command=meta.get("command"), metrics=metrics))
+                           baseline=runner.sweep_baseline(loaded), command=meta.get("command"), metrics=metrics,
+                           owed=meta.get("owed")))
         return
     t0 = time.perf_counter()
     summary = _run(loaded, args, session)

@@ -56,9 +56,11 @@ def _v(e, metric, *path):
 
 
 def write_report(out_dir: str | Path, *, points: list[Point], sweep_name: str, baseline: SchemeSpec,
-                 command: str | None = None, metrics=None) -> Path:
+                 command: str | None = None, metrics=None, owed: dict | None = None) -> Path:
     """``metrics``: the sweep's ``--metrics`` subset (``sweep.yaml``'s ``metrics``); None = every enabled metric.
-    The task line, the planned row count and the tables cover only those metrics."""
+    The task line, the planned row count and the tables cover only those metrics. ``owed``: ``sweep.yaml``'s
+    ``owed`` record of a committed partial run (``{"points": [label, ...], "reason": str}``, checked by
+    :func:`owed_labels`); the report names those points and the reason instead of the generic "rerun" hint."""
     out = Path(out_dir)
     rows = _load(out / "results.jsonl")
     metrics = tuple(metrics) if metrics else None
@@ -87,7 +89,7 @@ def write_report(out_dir: str | Path, *, points: list[Point], sweep_name: str, b
                   f"- rows computed {dates[0]} … {dates[-1]}; {secs / 60:.1f} min of row wall time (baseline rows "
                   f"not included)",
                   f"- rows: {done} of {planned} planned point rows in `results.jsonl`"
-                  + (" (incomplete: rerun the command to resume)" if done < planned else ""),
+                  + (_incomplete_note(points, owed) if done < planned else ""),
                   f"- baseline (Δ reference): `{baseline}` cache on the same tokens",
                   f"- tasks: {_task_line(cfg, metrics)}", ""]
     lines += _main_table(entries, baseline)
@@ -103,6 +105,27 @@ def write_report(out_dir: str | Path, *, points: list[Point], sweep_name: str, b
     tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+def owed_labels(points: list[Point], owed: dict | None) -> list[str]:
+    """The point labels a committed partial run declares not yet computed (``sweep.yaml``'s ``owed.points``).
+    Raises ValueError when the record has no reason or names a label that is not a point of the config."""
+    if not owed:
+        return []
+    labels, reason = list(owed.get("points") or []), owed.get("reason")
+    if not labels or not isinstance(reason, str) or not reason.strip():
+        raise ValueError(f"sweep.yaml 'owed' needs a non-empty 'points' list and a 'reason': {owed!r}")
+    unknown = sorted(set(labels) - {p.label for p in points})
+    if unknown:
+        raise ValueError(f"sweep.yaml 'owed' names labels that are not points of the config: {unknown}")
+    return labels
+
+
+def _incomplete_note(points: list[Point], owed: dict | None) -> str:
+    labels = owed_labels(points, owed)
+    if not labels:
+        return " (incomplete: rerun the command to resume)"
+    return f" (incomplete: {', '.join(f'`{lb}`' for lb in labels)} not yet run: {owed['reason'].strip()})"
 
 
 def _task_line(cfg: dict, metrics=None) -> str:

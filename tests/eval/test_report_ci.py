@@ -107,5 +107,6 @@ def test_committed_report_is_what_the_generator_writes(folder, tmp_path):
     meta, loaded = _loaded(folder)
     shutil.copy(folder / "results.jsonl", tmp_path / "results.jsonl")
     path = R.write_report(tmp_path, points=loaded.points(), sweep_name=sweep_name(loaded),
-                          baseline=sweep_baseline(loaded), command=meta.get("command"), metrics=meta.get("metrics"))
+                          baseline=sweep_baseline(loaded), command=meta.get("command"), metrics=meta.get("metrics"),
+                          owed=meta.get("owed"))
     assert path.read_text() == (folder / "report.md").read_text()
