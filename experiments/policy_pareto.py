@@ -97,11 +97,13 @@ def main(argv=None) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     kinds = (("uniform", "tab:blue", "uniform", True), ("tuned-dnll", "tab:gray", "tuned, cost Δ NLL only", False),
+             ("tuned-cal4", "tab:purple", "tuned, 4 × 512 calibration tokens", True),
              ("tuned", "tab:red", "tuned (cost max(Δ NLL, KL))", True),
              ("full_precision", "tab:green", "mixed layers (KIVI-2 R=32, fp32 ends)", False),
              ("local", "tab:green", "by layer type (local / global)", True))
     for kind, color, label, annotate in kinds:
-        sel = [p for p in points if p["point"].startswith(kind) and not (kind == "tuned" and "dnll" in p["point"])]
+        sel = [p for p in points if p["point"].startswith(kind)
+               and not (kind == "tuned" and ("dnll" in p["point"] or "cal4" in p["point"]))]
         if not sel:
             continue
         x = np.array([p["bits"] for p in sel])
