@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -41,14 +42,14 @@ def baseline_row(results: Path) -> dict:
 
 
 def sweep_keys(lengths, depths, trials: int, digits: int, seed: int) -> list[list[list[str]]]:
-    """keys[length][depth][trial] in the order passkey_accuracy draws them."""
+    """keys[length][depth][trial], drawn as passkey_accuracy draws them (``eval.passkey.draw_trials``)."""
+    from kvquant_jax.eval.passkey import draw_trials
+
     rng = np.random.default_rng(seed)
-    lo, hi = 10 ** (digits - 1), 10 ** digits
     out = []
     for _ in lengths:
-        cells = [(di, str(rng.integers(lo, hi))) for di in range(len(depths)) for _ in range(trials)]
         per = [[] for _ in depths]
-        for di, key in cells:
+        for di, key in draw_trials(rng, len(depths), trials, digits):
             per[di].append(key)
         out.append(per)
     return out
@@ -107,7 +108,7 @@ def main(argv=None):
            "gguf": p.name, "transformers": transformers.__version__, "torch": torch.__version__,
            "platform": platform.platform(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "commands": commands + ["python experiments/passkey_hf_crosscheck.py "
-                                   + " ".join(argv or __import__("sys").argv[1:])],
+                                   + " ".join(argv or sys.argv[1:])],
            "cells": cells,
            "agree": sum(c["transformers_correct"] == c["ours_correct"] for c in cells), "n": len(cells)}
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")

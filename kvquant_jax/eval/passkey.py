@@ -41,6 +41,13 @@ def make_prompt(tokenizer, length: int, depth: float, key: str) -> list[int]:
     return intro + fill[:cut] + needle + fill[cut:] + question
 
 
+def draw_trials(rng: np.random.Generator, num_depths: int, trials: int, digits: int) -> list[tuple[int, str]]:
+    """One length's trials ``[(depth index, key), ...]``, depth-major then trial, each key a random
+    ``digits``-digit number drawn from ``rng`` (the order :func:`passkey_accuracy` consumes the stream in)."""
+    lo, hi = 10 ** (digits - 1), 10 ** digits
+    return [(di, str(rng.integers(lo, hi))) for di in range(num_depths) for _ in range(trials)]
+
+
 def first_number(text: str) -> str:
     m = re.search(r"\d+", text)
     return m.group(0) if m else ""
@@ -52,14 +59,13 @@ def passkey_accuracy(params, cfg, tokenizer, policy, *, lengths, depths, trials:
 
     Returns dict(lengths, depths, accuracy [len][depth], mean, answers [len][depth][trial] (generated text))."""
     rng = np.random.default_rng(seed)
-    lo, hi = 10 ** (digits - 1), 10 ** digits
     acc = np.zeros((len(lengths), len(depths)))
     answers = [[[] for _ in depths] for _ in lengths]
     for li, n in enumerate(lengths):
         if n + max_new_tokens > cfg.max_position:
             raise ValueError(f"passkey length {n} + {max_new_tokens} new tokens exceeds the model's context "
                              f"{cfg.max_position}")
-        cells = [(di, str(rng.integers(lo, hi))) for di in range(len(depths)) for _ in range(trials)]
+        cells = draw_trials(rng, len(depths), trials, digits)
         for s in range(0, len(cells), batch_size):
             batch = cells[s:s + batch_size]
             prompts = np.asarray([make_prompt(tokenizer, n, depths[di], key) for di, key in batch], np.int32)

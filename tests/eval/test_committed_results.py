@@ -38,7 +38,7 @@ def test_committed_rows_cover_the_current_config(folder):
                 f"{folder.name}: sweep.yaml owes {p.label!r} but its rows are all in results.jsonl (remove the record)")
 
 
-def test_owed_records_are_checked(tmp_path):
+def test_owed_records_are_checked():
     """The ``owed`` record itself is validated: a reason is required and every label must be a config point."""
     folder = REPO / "docs" / "results" / "gpu" / "passkey"
     meta = yaml.safe_load((folder / "sweep.yaml").read_text())
