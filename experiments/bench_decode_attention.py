@@ -356,19 +356,26 @@ def check_oracle(args, results, log):
             kn = jnp.asarray(rng.standard_normal((b, hkv, d)).astype(np.float32))
             vn = jnp.asarray(rng.standard_normal((b, hkv, d)).astype(np.float32))
             ref = decode_attention_reference(q.astype(jnp.float32), [reg], k_new=kn, v_new=vn)
-            cands = [None] if qdt == jnp.float32 else [None, (128, 4, 4, 3, "magic", "bf16")]
+            # 128-token blocks need 340 KB of shared memory at D 256 (the H200 refused it, 2026-12-04): 64 there
+            bt = 128 if d <= 128 else 64
+            cands = [None] if qdt == jnp.float32 else [None, (bt, 4, 4, 3, "magic", "bf16")]
             if kf.is_int and qdt != jnp.float32:
-                cands.append((128, 4, 4, 3, "asm", "bf16x2"))
+                cands.append((bt, 4, 4, 3, "asm", "bf16x2"))
             for cand in cands:
                 cfg = None if cand is None else as_config(cand)
                 try:
                     out = jax.jit(lambda q, r, kn, vn, cfg=cfg: decode_attention(
                         q, [r], k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32))(q, reg, kn, vn)
                     err = rel_err(out.astype(jnp.float32), ref)
-                    ok = bool(np.isfinite(err) and err < 1e-3)
+                    # 1e-3 with exact tensor-core operands; 4e-3 where the kernel rounds p to bf16 before p x V
+                    # (precision "bf16": bf16's unit roundoff 2^-9 per rounded operand; the same rule as
+                    # check_mgpu_decode.parity_tol; the H200 rows read 1.0-3.0e-3 at D 64 / 256, 2026-12-04)
+                    tol = 4e-3 if cand is not None and cand[5] == "bf16" else 1e-3
+                    ok = bool(np.isfinite(err) and err < tol)
                     log(f"check {name:7s} q={jnp.dtype(qdt).name:8s} {str(cand):40s} rel err {err:.2e} "
-                        f"{'OK' if ok else 'HIGH'}")
-                    results["check"].append(dict(format=name, q_dtype=jnp.dtype(qdt).name, config=cand, rel_err=err))
+                        f"{'OK' if ok else 'HIGH'} (tol {tol:.0e})")
+                    results["check"].append(dict(format=name, q_dtype=jnp.dtype(qdt).name, config=cand, rel_err=err,
+                                                 tol=tol, ok=ok))
                 except Exception as e:  # noqa: BLE001
                     log(f"check {name:7s} {cand} FAILED {type(e).__name__}: {str(e)[:600]}")
                     results["check"].append(dict(format=name, config=cand, error=f"{type(e).__name__}: {str(e)[:600]}"))

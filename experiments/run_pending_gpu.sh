@@ -14,10 +14,12 @@
 #   engine_kivi2   M: the KIVI-2 and int8 engines on the same trace, one process each (2026-12-02: KIVI-2 met the
 #                  allocator limit after int8 in one process; int8 ran once); ALONE
 #   engine_smollm2 M: the same kind of trace on SmolLM2 (prompts 512-7168: its context is 8192) at a 1 GiB KV
-#                  budget, bf16 / int4 / int8 / KIVI-2, with the static loop; ALONE (not run yet)
+#                  budget, bf16 / int4 / int8 / KIVI-2, with the static loop; ALONE (all four ran once by
+#                  2026-12-04, one process each; KIVI-2 needs > 275 s: its engine compile is 117 s)
 #   engine_probe   M: one engine step split into its forwards and host part, bf16 / int8 / int4 / KIVI-2, 64
 #                  slots x 1K prompts (the bf16 pool holds them), the engine's 8 x 512 chunking (the int8 engine's
-#                  ITL p50 was 3x int4's on 2026-12-02: is its paged decode forward slow?); ALONE
+#                  ITL p50 was 3x int4's on 2026-12-02: is its paged decode forward slow?); ALONE (int4 / KIVI-2
+#                  ran 2026-12-04 with --trace, summed by experiments/trace_kernels.py; int8 not yet)
 #   tv_check       J: the transposed-V caches through the dispatcher and the tuning table (2026-12-02: 20/20)
 #   gemma_passkey  L: Gemma-3-270M passkey (every cell measured by 2026-12-02 07:34 UTC; the script resumes the
 #                  committed file, so this recomputes nothing unless a policy or the protocol is added)
@@ -28,9 +30,11 @@
 #                  engine's KIVI groups (all right, 2026-12-02 07:18 UTC; rerun only to repeat it)
 #   fixed_order    N: what the fixed-order (mesh- and batch-invariant) numerics cost against the fast path
 #   decode_shapes  J: the decode kernels at SmolLM2's shape (B 64, Hq 9, Hkv 3, D 64) and Gemma-3's (B 8, Hq 4,
-#                  Hkv 1, D 256) at T = 8K / 32K against cuDNN (never measured); ALONE
+#                  Hkv 1, D 256) at T = 8K / 32K against cuDNN (SmolLM2's ran 2026-12-04; Gemma-3's --check ran out
+#                  of a 130 s limit before its timing: give it >= 300 s); ALONE
 #   kivi_block     J: KIVI-2/4 with the opt-in whole-block update (`kivi_update=block`, one softmax update + one
-#                  PV per block) against today's per-group path and cuDNN at 32K (never timed); ALONE
+#                  PV per block) against today's per-group path and cuDNN at 32K (timed twice, 2026-12-03 / 04:
+#                  no gain; rerun only to repeat it); ALONE
 #   ws             J: the warp-specialized Mosaic kernel vs v1 and cuDNN, parity first, variants at 4K and 32K
 #   decode         J: the packed decode kernels against cuDNN at 32K / 128K (the baseline table of issue J)
 #   ncu            J: Nsight Compute counters of one launch per decode kernel at T = 32K (v1, ws, the tuned route,
@@ -131,7 +135,8 @@ for job in $JOBS; do
         --formats kivi2,kivi2:kivi_update=block,kivi2:kivi_update=block:block_t=128,kivi4,kivi4:kivi_update=block,kivi4:kivi_update=block:block_t=128 \
         --out docs/results/decode_attention/pending-kivi-block ;;
     ws)
-      # variants at 4K too (the 4K target: int8_vt read 0.87x cuDNN there on 2026-12-02), defaults re-timed 3x;
+      # variants at 4K too (the 4K target: int8_vt read 0.87x cuDNN there on 2026-12-02), defaults re-timed 3x at
+      # every T (the table compares a variant only when timed as often as v1; 32K alone ran 2026-12-04, 245 s);
       # then `check_mgpu_decode.py --tune-from <its json> --tune pallas_kernels/tuning/decode_h200.json` here
       start_job ws 0.10 $PY experiments/check_mgpu_decode.py --ws --quick --T 4096,32768 --formats bf16,int8,int4 \
         --impls mgpu --reps 8 --ws-probe-timeout 90 --variants --variants-at 4096,32768 --repeat 3 \

@@ -201,3 +201,21 @@ def test_shipped_table_is_the_committed_results_tuned(bench, tmp_path):
     assert why == "table decode_h200.json: ws c4 bt64 291.8 µs vs v1 455.7 µs at T=32768"
     assert dt.choose("NVIDIA H200", "int4", 128, 4, 65536)[0] == "mgpu_ws"
     assert dt.choose("NVIDIA H200", "int4", 128, 4, 8192)[0] == "mgpu"      # T = 4096 bucket: v1 won there
+
+
+def test_a_variant_timed_fewer_times_than_v1_is_not_compared(bench, tmp_path):
+    """v1 default timed twice (median 55 µs): a ws variant timed once at 40 µs is not compared (noise alone can
+    make one of many once-timed variants the fastest); timed twice (40, 45 µs), it wins."""
+    res = _synthetic_results()
+    rows = [r for r in res["rows"] if not (r["format"] == "int4" and r["impl"] == "mgpu_ws")]
+    once = rows + [_row("mgpu_ws", "int4", "ws", 40.0)]
+    twice = once + [_row("mgpu_ws", "int4", "ws (rep 2)", 45.0)]
+    picked = {}
+    for name, rs in (("once", once), ("twice", twice)):
+        src, out = tmp_path / f"{name}.json", tmp_path / f"decode_{name}.json"
+        src.write_text(json.dumps(dict(res, rows=rs)))
+        bench.main(["--tune-from", str(src), "--tune", str(out)])
+        picked[name] = next(e for e in dt.load_table(str(out)).entries if e.format == "int4")
+    assert (picked["once"].impl, picked["once"].us, picked["once"].candidates) == ("mgpu", 55.0, 1)
+    assert (picked["twice"].impl, picked["twice"].variant, picked["twice"].us) == ("mgpu_ws", "ws", 42.5)
+    assert picked["twice"].v1_us == 55.0 and picked["twice"].candidates == 2
