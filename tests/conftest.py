@@ -113,10 +113,13 @@ def _release_compiled_executables():
         )
 
 
-# Longest files first.  `make test` runs `--dist loadfile`: each xdist worker takes whole files in collection order,
-# so the heavy files that sort last alphabetically (tests/sharding/*: ~860 s of a ~4,400 s suite) ran at the end
-# while the other worker idled.  Collected first, they overlap and the many small files fill in behind them
-# (longest-processing-time-first).  Files of >= 16 s in a full 2-worker run, 2026-12-02 07:35 (fixture setup included;
+# Longest files first.  `make test` runs `--dist loadfile --no-loadscope-reorder`: each xdist worker takes whole
+# files in collection order, so the heavy files that sort last alphabetically (tests/sharding/*: ~860 s of a
+# ~4,400 s suite) ran at the end while the other worker idled.  Collected first, they overlap and the many small
+# files fill in behind them (longest-processing-time-first).  Without --no-loadscope-reorder (pytest-xdist >= 3.8)
+# xdist re-sorts the files by their number of tests (its default since 3.5) and this order is only a tie-break:
+# until 2026-12-04 it was, and the slowest files, which hold one to nine tests each (test_cache_state_machine.py,
+# test_kernel_path.py, test_sharded_smollm2.py: places 84-93 of 95), ran last.  Files of >= 16 s in a full 2-worker run, 2026-12-02 07:35 (fixture setup included;
 # 2,602 s of tests in 23:12 of wall time);
 # a file not listed keeps its place after these.  The order of tests inside a file is unchanged.
 _LONGEST_FIRST = (
