@@ -14,7 +14,7 @@ install-dev:
 ## (--max-worker-restart=0: a crashed worker fails the run at once, naming its test, instead of restarting workers;
 ##  --durations=40: the CI log lists the slowest tests, to keep the run under its 30-minute budget;
 ##  --no-loadscope-reorder: xdist hands out files in tests/conftest.py's longest-first order instead of re-sorting
-##  them by test count, which ran the slowest files -- one to nine tests each -- last, one worker idle)
+##  them by test count, which ran the slowest files -- one to three tests each -- last, one worker idle)
 test: install-dev
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 --durations=40 $(PYTEST_ARGS)
 

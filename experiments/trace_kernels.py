@@ -27,17 +27,17 @@ def summarize(path: str, top: int) -> dict:
     tname = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
     device = {pid for pid, n in pname.items() if "/device:GPU" in n or "/device:TPU" in n}
+    timed = [(tname.get((e["pid"], e.get("tid")), ""), e) for e in events
+             if e.get("ph") == "X" and e.get("pid") in device and "dur" in e]
     lines = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in device and "dur" in e:
-            lines[tname.get((e["pid"], e.get("tid")), "")] += float(e["dur"])
+    for line, e in timed:
+        lines[line] += float(e["dur"])
     # kernels run on the stream lines; other device lines (modules, ops) would count them twice
     streams = {n for n in lines if n.startswith("Stream")} or set(lines)
     us = collections.Counter()
     count = collections.Counter()
-    for e in events:
-        if (e.get("ph") == "X" and e.get("pid") in device and "dur" in e
-                and tname.get((e["pid"], e.get("tid")), "") in streams):
+    for line, e in timed:
+        if line in streams:
             us[e["name"]] += float(e["dur"])
             count[e["name"]] += 1
     total = sum(us.values())
@@ -58,10 +58,9 @@ def main(argv=None):
     if not paths:
         raise SystemExit(f"no perfetto_trace.json.gz under {a.dir}")
     out = [summarize(p, a.top) for p in paths]
-    for s, p in zip(out, paths):
-        if not s["device_processes"]:
-            print(f"{p}: no device process (a CPU trace?)")
     for s in out:
+        if not s["device_processes"]:
+            print(f"{s['trace']}: no device process (a CPU trace?)")
         print(f"{s['trace']}: {s['device_us'] / 1e3:.1f} ms device time ({', '.join(s['device_processes'])})")
         for r in s["kernels"]:
             print(f"  {r['us'] / 1e3:9.2f} ms {100 * r['share']:5.1f}% x{r['count']:<5d} {r['name'][:110]}")

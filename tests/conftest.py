@@ -118,9 +118,9 @@ def _release_compiled_executables():
 # ~4,400 s suite) ran at the end while the other worker idled.  Collected first, they overlap and the many small
 # files fill in behind them (longest-processing-time-first).  Without --no-loadscope-reorder (pytest-xdist >= 3.8)
 # xdist re-sorts the files by their number of tests (its default since 3.5) and this order is only a tie-break:
-# until 2026-12-04 it was, and the slowest files, which hold one to nine tests each (test_cache_state_machine.py,
-# test_kernel_path.py, test_sharded_smollm2.py: places 84-93 of 95), ran last.  Files of >= 16 s in a full 2-worker run, 2026-12-02 07:35 (fixture setup included;
-# 2,602 s of tests in 23:12 of wall time);
+# until 2026-12-04 it was, and the slowest files, which hold one to three tests each (test_cache_state_machine.py,
+# test_kernel_path.py, test_sharded_smollm2.py: places 84-93 of 95), ran last.  Files of >= 16 s in a full
+# 2-worker run, 2026-12-02 07:35 (fixture setup included; 2,602 s of tests in 23:12 of wall time);
 # a file not listed keeps its place after these.  The order of tests inside a file is unchanged.
 _LONGEST_FIRST = (
     "tests/sharding/test_sharded_smollm2.py", "tests/models/test_gemma3.py", "tests/sharding/test_sharded_model.py",
