@@ -40,7 +40,7 @@ from kvquant_jax.abi.reference import decode_attention_jnp, decode_attention_ref
 from kvquant_jax.abi.regions import KVFormat, KVOperand, Region  # noqa: E402
 from kvquant_jax.attention.synthetic import PRESETS, kivi_formats, random_region  # noqa: E402
 from pallas_kernels.decode_attention import KernelConfig, decode_attention  # noqa: E402
-from experiments.timing import copy_tbps  # noqa: E402
+from experiments.timing import copy_tbps, device_seconds, read_tbps  # noqa: E402
 
 FORMATS = {
     "bf16": PRESETS["bf16"], "e4m3": PRESETS["e4m3"], "int8": PRESETS["int8"], "int4": PRESETS["int4"],
@@ -131,8 +131,22 @@ def n_sets_for(set_bytes: int) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # timing
 # ---------------------------------------------------------------------------------------------------------------
+# "device" (default): a row's us / us_min / us_max are the kernels' device busy time per call from a profiler trace
+# (timing.device_seconds; host wall where the trace has no device events, e.g. CPU); "host": host wall per call
+# (what every run before 2026-12-04 13:30 UTC reported: it includes ~100-900 us of dispatch, launch gap and sync
+# per call on the H200 host, experiments/probe_timing_gap.py).  --clock sets it.
+CLOCK = {"clock": "device"}
+LAST_TIMING: dict = {}
+
+
+def timing_fields() -> dict:
+    """The clock of the last :func:`time_program` and its other readings (host wall, device span, top kernels)."""
+    return dict(LAST_TIMING)
+
+
 def time_program(fn, q, sets, reps):
-    """Median seconds per call of ``fn(q, set)`` over ``len(sets)`` distinct sets run in one jitted program."""
+    """Median seconds per call of ``fn(q, set)`` over ``len(sets)`` distinct sets run in one jitted program:
+    ``(median, min, max, first_output)`` by :data:`CLOCK` (the other readings in :func:`timing_fields`)."""
     prog = jax.jit(lambda q, sets: [fn(q, s) for s in sets])
     first = jax.block_until_ready(prog(q, sets))[0]  # compile + warm-up
     jax.block_until_ready(prog(q, sets))
@@ -141,7 +155,18 @@ def time_program(fn, q, sets, reps):
         t0 = time.perf_counter()
         jax.block_until_ready(prog(q, sets))
         samples.append((time.perf_counter() - t0) / len(sets))
-    return statistics.median(samples), min(samples), max(samples), first
+    host = (statistics.median(samples), min(samples), max(samples))
+    LAST_TIMING.clear()
+    LAST_TIMING.update(clock="host", host_us=host[0] * 1e6, host_us_min=host[1] * 1e6, host_us_max=host[2] * 1e6)
+    if CLOCK["clock"] == "device":
+        dt = device_seconds(prog, q, sets, reps=reps, calls=len(sets))
+        if dt is not None:
+            per = reps * len(sets)
+            top = sorted(dt.kernels.items(), key=lambda kv: -kv[1])[:4]
+            LAST_TIMING.update(clock="device", span_us=statistics.median(dt.span) * 1e6,
+                               kernels_us={n: round(us / per, 2) for n, us in top})
+            return statistics.median(dt.busy), min(dt.busy), max(dt.busy), first
+    return host[0], host[1], host[2], first
 
 
 def rel_err(out, ref):
@@ -151,7 +176,11 @@ def rel_err(out, ref):
 
 
 def hbm_copy_tbps(reps=20):
-    return copy_tbps(reps)
+    return copy_tbps(reps, clock=CLOCK["clock"])
+
+
+def hbm_read_tbps(reps=20):
+    return read_tbps(reps, clock=CLOCK["clock"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -196,7 +225,7 @@ def measure_row(args, t, impl, name, fn, ref_fn, q, sets, read, cfg, base, rows,
     err = rel_err(out, np.asarray(jax.jit(ref_fn)(q, sets[0]))) if t <= args.check_t else None
     row = dict(T=t, impl=impl, format=name, us=med * 1e6, us_min=lo * 1e6, us_max=hi * 1e6, bytes=read,
                tbps=read / med / 1e12, sets=len(sets), rel_err_vs_f32_ref=err,
-               config=dataclasses.asdict(cfg) if cfg else None)
+               config=dataclasses.asdict(cfg) if cfg else None, **timing_fields())
     if "cudnn" in base:
         row["speedup_vs_cudnn"] = base["cudnn"] / med
     rows.append(row)
@@ -225,7 +254,7 @@ def run_size(args, t, names, configs, results, log):
             med, lo, hi, _ = time_program(fn, q, sets, args.reps)
             base[bname] = med
             rows.append(dict(T=t, impl=bname, format="bf16", us=med * 1e6, us_min=lo * 1e6, us_max=hi * 1e6,
-                             bytes=bf16_bytes, tbps=bf16_bytes / med / 1e12, sets=n))
+                             bytes=bf16_bytes, tbps=bf16_bytes / med / 1e12, sets=n, **timing_fields()))
             log(f"T={t:6d} {bname:16s} {med * 1e6:9.1f} us  {bf16_bytes / med / 1e12:5.2f} TB/s  (sets {n})")
             del sets
         except Exception as e:  # noqa: BLE001
@@ -393,7 +422,8 @@ def flush(args, results):
 def markdown(results) -> str:
     lines = [f"Device: {results['device']}; JAX {results['jax']}; {results['date']}; "
              f"B={results['shape']['B']} Hq={results['shape']['hq']} Hkv={results['shape']['hkv']} "
-             f"D={results['shape']['d']}; HBM copy {results.get('hbm_copy_tbps', float('nan')):.2f} TB/s", "",
+             f"D={results['shape']['d']}; HBM copy {results.get('hbm_copy_tbps', float('nan')):.2f} TB/s, read-only "
+             f"{results.get('hbm_read_tbps', float('nan')):.2f} TB/s; clock: {results.get('clock', 'host')}", "",
              "| T | impl | format | median µs | bytes read (MB) | TB/s | % of copy BW | × vs cuDNN | rel err |",
              "|---|---|---|---|---|---|---|---|---|"]
     copy = results.get("hbm_copy_tbps") or float("nan")
@@ -421,6 +451,12 @@ def add_shape_args(ap, default_t: str) -> None:
     ap.add_argument("--T", default=default_t)
 
 
+def add_clock_arg(ap) -> None:
+    ap.add_argument("--clock", choices=("device", "host"), default="device",
+                    help="device: kernel busy time per call from a profiler trace (host wall where there is none); "
+                    "host: host wall per call (dispatch + launch gaps + sync included)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_args(ap, "4096,16384,32768,131072")
@@ -439,10 +475,12 @@ def main(argv=None):
     ap.add_argument("--check-d", type=int, default=128)
     ap.add_argument("--check-n", type=int, default=1024)
     ap.add_argument("--max-sets", type=int, default=64)
+    add_clock_arg(ap)
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     global MAX_SETS
     MAX_SETS = args.max_sets
+    CLOCK["clock"] = args.clock
     args.baselines = [x for x in args.baselines.split(",") if x]
     names = [x for x in args.formats.split(",") if x]
     dev = jax.devices()[0]
@@ -458,8 +496,11 @@ def main(argv=None):
         check_oracle(args, results, log)
         if args.check_only:
             return results
+    results["clock"] = args.clock
     results["hbm_copy_tbps"] = hbm_copy_tbps()
-    log(f"HBM copy (read+write) {results['hbm_copy_tbps']:.2f} TB/s")
+    results["hbm_read_tbps"] = hbm_read_tbps()
+    log(f"HBM copy (read+write) {results['hbm_copy_tbps']:.2f} TB/s, read-only {results['hbm_read_tbps']:.2f} TB/s "
+        f"({args.clock} clock)")
     configs = {k: KernelConfig(**v) for k, v in (json.loads(args.configs) if args.configs else {}).items()}
     if args.tune:
         best = tune(args, names, results, log)

@@ -54,8 +54,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_decode_attention as bench  # noqa: E402
-from bench_decode_attention import (baseline_fns, device_region, hbm_copy_tbps, n_sets_for, rel_err,  # noqa: E402
-                                    time_program)
+from bench_decode_attention import (CLOCK, add_clock_arg, baseline_fns, device_region, hbm_copy_tbps,  # noqa: E402
+                                    hbm_read_tbps, n_sets_for, rel_err, time_program, timing_fields)
 from kvquant_jax.abi.reference import decode_attention_jnp, decode_attention_reference  # noqa: E402
 from kvquant_jax.attention.synthetic import PRESETS, random_region  # noqa: E402
 from pallas_kernels import decode_tuning  # noqa: E402
@@ -303,6 +303,8 @@ def ws_passed_in_process(args, results) -> set:
 # (b) timing
 # ---------------------------------------------------------------------------------------------------------------
 def _row(results, args, **row):
+    if row.get("us") is not None:            # a timed row: the clock it was timed by and the other readings
+        row = {**row, **timing_fields()}
     results["rows"].append(row)
     flush(args, results)
     us = row.get("us")
@@ -578,7 +580,8 @@ def markdown(results) -> str:
     copy = results.get("hbm_copy_tbps") or float("nan")
     lines = [f"Device: {results.get('device')}; JAX {results.get('jax')}; {results['date']}; "
              f"B={results['shape']['B']} Hq={results['shape']['hq']} Hkv={results['shape']['hkv']} "
-             f"D={results['shape']['d']}; HBM copy probe {copy:.2f} TB/s", ""]
+             f"D={results['shape']['d']}; HBM copy probe {copy:.2f} TB/s, read-only "
+             f"{results.get('hbm_read_tbps', float('nan')):.2f} TB/s; clock: {results.get('clock', 'host')}", ""]
     if results["check"]:
         lines += ["| case | impl | format | q | precision | rel err vs f64 | ok |", "|---|---|---|---|---|---|---|"]
         for r in results["check"]:
@@ -614,6 +617,7 @@ def main(argv=None):
     ap.add_argument("--traceback", action="store_true")
     ap.add_argument("--max-sets", type=int, default=8, help="rotating input sets per program (>= 4x L2 anyway)")
     ap.add_argument("--repeat", type=int, default=1, help="re-time the defaults at every T this many times in all")
+    add_clock_arg(ap)
     ap.add_argument("--out", default="")
     ap.add_argument("--ws", action="store_true", help="add the warp-specialized kernel (parity + timing)")
     ap.add_argument("--ws-child", action="store_true", help=argparse.SUPPRESS)   # the isolated ws parity run
@@ -626,6 +630,7 @@ def main(argv=None):
     ap.add_argument("--tune-from", default="", metavar="RESULTS_JSON",
                     help="with --tune: build the table from an existing check_mgpu_decode.json (no GPU, no runs)")
     args = ap.parse_args(argv)
+    CLOCK["clock"] = args.clock
     command = "python experiments/check_mgpu_decode.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.tune_from:
         if not args.tune:
@@ -658,8 +663,11 @@ def main(argv=None):
     if args.ws and not args.ws_child:
         log(f"ws parity groups passed: {sorted(args.ws_passed)}")
     if not args.check_only:
+        results["clock"] = args.clock
         results["hbm_copy_tbps"] = hbm_copy_tbps()
-        log(f"HBM copy probe (read+write) {results['hbm_copy_tbps']:.2f} TB/s")
+        results["hbm_read_tbps"] = hbm_read_tbps()
+        log(f"HBM copy probe (read+write) {results['hbm_copy_tbps']:.2f} TB/s, read-only "
+            f"{results['hbm_read_tbps']:.2f} TB/s ({args.clock} clock)")
         bench.MAX_SETS = args.max_sets
         variants_at = {int(x) for x in args.variants_at.split(",") if x} or {max(args.T)}
         for t in args.T:

@@ -102,6 +102,8 @@ KERNEL_REGEX = {"v1": "mosaic_gpu", "ws": "mosaic_gpu", "triton": "decode_attent
 IMPLS = ("v1", "ws", "triton", "cudnn")
 DRIVER_IMPLS = IMPLS + ("tuned",)
 FORMATS = ("bf16", "int8", "int4")
+# formats only the Pallas Triton kernel reads (no Mosaic GPU path): profiled with impl "triton" only
+TRITON_ONLY_FORMATS = ("int2", "qserve", "kivi2", "kivi4")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -324,7 +326,9 @@ def child(a) -> dict:
         fn, arg = jax.jit(bench.baseline_fns()["cudnn"]), cmd.cudnn_sets(key, b, hkv, t, d, 1)[0]
         info["read_bytes"] = 2 * b * hkv * t * d * 2 + q.size * 2
     else:
-        kf, vf = PRESETS[a.format]
+        kf, vf = bench.FORMATS[a.format] if a.format in bench.FORMATS else PRESETS[a.format]
+        if a.format in TRITON_ONLY_FORMATS and a.impl != "triton":
+            raise SystemExit(f"{a.format}: the Triton kernel only (no Mosaic GPU path)")
         regs, set_bytes = bench.region_sets(key, kf, vf, b, hkv, t, d)
         if a.impl == "triton":
             fn, arg = jax.jit(cmd.triton_fn()), regs[0]
@@ -378,6 +382,8 @@ def tuned_cases(formats, ts, d, g, device_kind) -> list[dict]:
 
     out = []
     for fmt in formats:
+        if fmt in TRITON_ONLY_FORMATS:
+            continue
         kf = PRESETS[fmt][0]
         for t in ts:
             impl, fields, why = decode_tuning.choose(device_kind, kf.payload, d, g, t)
@@ -402,7 +408,7 @@ def build_cases(a) -> list[dict]:
             cases.append(dict(impl="cudnn", format="bf16", T=t, variant="", config=""))
         for fmt in a.formats:
             for impl in ("v1", "ws", "triton"):
-                if impl in a.impls:
+                if impl in a.impls and (impl == "triton" or fmt not in TRITON_ONLY_FORMATS):
                     cases.append(dict(impl=impl, format=fmt, T=t, variant="default", config=""))
     if "tuned" in a.impls:
         cases += tuned_cases(a.formats, a.T, a.d, a.hq // a.hkv, a.device_kind)
@@ -583,7 +589,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", action="store_true", help="one case (what ncu runs)")
     p.add_argument("--impl", choices=IMPLS, default="v1", help="--child: the kernel")
-    p.add_argument("--format", choices=FORMATS + ("e4m3",), default="int4", help="--child: the KV format")
+    p.add_argument("--format", choices=FORMATS + ("e4m3",) + TRITON_ONLY_FORMATS, default="int4", help="--child: the KV format")
     p.add_argument("--config", default="", help="--child: JSON fields over the v1 / ws default config")
     p.add_argument("--sets", type=int, default=1, help="--child: input sets built (the first is called)")
     p.add_argument("--info-out", default="", help="--child: write the case's info (bytes, config) here")
@@ -619,7 +625,7 @@ def main(argv=None):
     a.T = [int(x) for x in a.T.split(",") if x]
     a.formats = [x for x in a.formats.split(",") if x]
     a.impls = [x for x in a.impls.split(",") if x]
-    bad = sorted(set(a.impls) - set(DRIVER_IMPLS)) + sorted(set(a.formats) - set(FORMATS))
+    bad = sorted(set(a.impls) - set(DRIVER_IMPLS)) + sorted(set(a.formats) - set(FORMATS) - set(TRITON_ONLY_FORMATS))
     if bad:
         p.error(f"unknown impls / formats {bad}")
     regex = dict(KERNEL_REGEX)

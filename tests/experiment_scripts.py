@@ -11,6 +11,7 @@ def load_experiment(name: str):
     (scripts import their siblings, e.g. ``bench_decode_attention``)."""
     spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod              # dataclasses (and pickling) look the defining module up by name
     sys.path.insert(0, str(EXPERIMENTS))
     try:
         spec.loader.exec_module(mod)
