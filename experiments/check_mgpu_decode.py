@@ -563,6 +563,31 @@ def tune_table(results, command: str, source: str) -> dict:
                 shape={k: int(v) for k, v in shape.items()}, entries=entries)
 
 
+def merge_runs(runs: list) -> dict:
+    """Several runs' results as one (``--tune-from A.json,B.json``): the rows and parity rows of all, each row
+    tagged with its run's index; a ws parity group passes only if it passed in every run that ran it; the runs
+    must agree on device, shape and clock (ValueError otherwise); the date is the latest."""
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    for r in runs[1:]:
+        for k in ("device", "shape"):
+            if r.get(k) != first.get(k):
+                raise ValueError(f"--tune-from: runs differ in {k}: {first.get(k)} vs {r.get(k)}")
+        if r.get("clock", "host") != first.get("clock", "host"):
+            raise ValueError(f"--tune-from: runs differ in clock: {first.get('clock', 'host')} vs "
+                             f"{r.get('clock', 'host')} (host wall and device time are not comparable)")
+    ws_child: dict = {}
+    for r in runs:
+        for group, v in (r.get("ws_child") or {}).items():
+            if group not in ws_child or not v.get("ok"):
+                ws_child[group] = v
+    return dict(first, date=max(str(r["date"]) for r in runs), jax=str(first.get("jax")),
+                rows=[dict(row, run=i) for i, r in enumerate(runs) for row in r.get("rows", [])],
+                check=[dict(row, run=i) for i, r in enumerate(runs) for row in r.get("check", [])],
+                ws_child=ws_child)
+
+
 def write_tune(path: str, results, command: str, source: str) -> dict:
     """Build, validate (:func:`pallas_kernels.decode_tuning.validate_table`) and write the table to ``path``."""
     table = tune_table(results, command, source)
@@ -627,17 +652,20 @@ def main(argv=None):
     ap.add_argument("--ws-groups", default=",".join(WS_GROUPS), help="ws parity groups (comma separated)")
     ap.add_argument("--tune", default="", metavar="PATH",
                     help="after timing, write the dispatcher's decode tuning table (pallas_kernels/decode_tuning.py)")
-    ap.add_argument("--tune-from", default="", metavar="RESULTS_JSON",
-                    help="with --tune: build the table from an existing check_mgpu_decode.json (no GPU, no runs)")
+    ap.add_argument("--tune-from", default="", metavar="RESULTS_JSON[,RESULTS_JSON...]",
+                    help="with --tune: build the table from existing check_mgpu_decode.json files (no GPU, no runs; "
+                    "several runs: their rows pooled, a variant's time the median of its medians)")
     args = ap.parse_args(argv)
     CLOCK["clock"] = args.clock
     command = "python experiments/check_mgpu_decode.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.tune_from:
         if not args.tune:
             ap.error("--tune-from needs --tune PATH")
-        with open(args.tune_from) as f:
-            results = json.load(f)
-        return write_tune(args.tune, results, command, args.tune_from)
+        runs = []
+        for path in [x for x in args.tune_from.split(",") if x]:
+            with open(path) as f:
+                runs.append(json.load(f))
+        return write_tune(args.tune, merge_runs(runs), command, args.tune_from)
     if args.tune and args.check_only:
         ap.error("--tune needs the timing (drop --check-only)")
     args.T = [int(x) for x in args.T.split(",") if x]

@@ -38,8 +38,9 @@
 #   ws             J: the warp-specialized Mosaic kernel vs v1 and cuDNN, parity first, variants at 4K and 32K
 #   decode         J: the packed decode kernels against cuDNN at 32K / 128K (the baseline table of issue J)
 #   ncu            J: Nsight Compute counters of one launch per decode kernel at T = 32K (v1, ws, the tuned route,
-#                  Triton: bf16 / int8 / int4; cuDNN bf16): experiments/ncu_decode.py, ~11 ncu runs of up to
-#                  300 s each (not run yet); ALONE (ncu serializes the kernels and replays them; a job beside it
+#                  Triton: bf16 / int8 / int4 and the Triton-only int2 / qserve / kivi2; cuDNN bf16):
+#                  experiments/ncu_decode.py, ~55-60 s per case (first run 2026-12-04, 9 cases in 541 s:
+#                  docs/results/decode_mgpu/2026-12-04-ncu/); ALONE (ncu serializes the kernels and replays them; a job beside it
 #                  would disturb the counters, and it the job beside it); not in the default list
 # Needs SmolLM2 and Gemma-3 in $KVQ_CACHE_DIR (kvq fetch-model; to the device: experiments/device_carry.py),
 # WikiText-2 in $KVQ_DATA_DIR, gguf importable.

@@ -22,10 +22,10 @@ Schema (every field required; :func:`validate_table` raises ``ValueError`` namin
          "head_dim": 128, "group": 4,             # D and query heads per KV head of the timed shape
          "T": 32768,                              # timed rows (tokens per sequence): the bucket key
          "impl": "mgpu_ws",                       # "mgpu" (v1) or "mgpu_ws" (warp-specialized)
-         "variant": "ws c4 bt64",                 # the benchmark's variant label of the winner
-         "config": {"block_t": 64, ...},          # fields of MgpuConfig ("mgpu") / MgpuWsConfig ("mgpu_ws")
-         "us": 291.8,                             # the winner's median µs
-         "v1_us": 455.7,                          # Mosaic v1 default's median µs at the same point
+         "variant": "ws late-v",                  # the benchmark's variant label of the winner
+         "config": {"block_t": 128, ...},          # fields of MgpuConfig ("mgpu") / MgpuWsConfig ("mgpu_ws")
+         "us": 158.2,                             # the winner's median µs (the run's clock: device time)
+         "v1_us": 169.2,                          # Mosaic v1 default's median µs at the same point
          "candidates": 9}                         # parity-passing candidates timed there
       ]
     }

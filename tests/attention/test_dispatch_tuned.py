@@ -50,13 +50,14 @@ def _serve(bits, cap, d=128, g=4, impl="auto"):
     return key, dispatch.SERVED[key]
 
 
-def test_table_picks_ws_c4_for_int8_at_32k_and_logs_why(calls, caplog):
+def test_table_picks_ws_late_v_for_int8_at_32k_and_logs_why(calls, caplog):
     with caplog.at_level(logging.INFO, logger="kvquant_jax.attention"):
         key, why = _serve(8, 32768)
     [(entry, cfg)] = calls
     assert entry == "decode_attention_transposed_v_ws" and key[0] == entry and "C=32768" in key[1]
-    assert isinstance(cfg, ws.MgpuWsConfig) and (cfg.compute_wgs, cfg.block_t, cfg.max_concurrent_steps) == (4, 64, 8)
-    assert why == "table decode_h200.json: ws c4 bt64 291.8 µs vs v1 455.7 µs at T=32768"
+    assert isinstance(cfg, ws.MgpuWsConfig) and (cfg.compute_wgs, cfg.block_t, cfg.max_concurrent_steps) == (2, 128, 4)
+    assert cfg.v_first is False
+    assert why == "table decode_h200.json: ws late-v 158.2 µs vs v1 169.2 µs at T=32768"
     [msg] = [r.getMessage() for r in caplog.records if "served" in r.getMessage()]
     assert why in msg and all(r.levelno == logging.INFO for r in caplog.records)
 
@@ -65,7 +66,7 @@ def test_table_picks_ws_default_for_int4_above_the_largest_bucket(calls):
     _, why = _serve(4, 65536, impl="kernel")                  # "kernel" on a GPU consults the table too
     [(entry, cfg)] = calls
     assert entry == "decode_attention_transposed_v_ws" and (cfg.compute_wgs, cfg.block_t) == (2, 128)
-    assert why == "table decode_h200.json: ws 226.8 µs vs v1 268.2 µs at T=32768 (capacity 65536)"
+    assert why == "table decode_h200.json: ws 131.3 µs vs v1 133.9 µs at T=32768 (capacity 65536)"
 
 
 def test_table_keeps_v1_where_v1_was_faster(calls):
@@ -73,7 +74,7 @@ def test_table_keeps_v1_where_v1_was_faster(calls):
     [(entry, cfg)] = calls
     assert entry == "decode_attention_transposed_v" and isinstance(cfg, mg.MgpuConfig)
     assert (cfg.block_t, cfg.max_concurrent_steps) == (128, 3)
-    assert "v1 default 76.1 µs, fastest of 3 measured at T=4096 (capacity 8192)" in why
+    assert "v1 default 29.7 µs, fastest of 3 measured at T=4096 (capacity 8192)" in why
 
 
 @pytest.mark.parametrize("bits,d,g,kind", [(4, 64, 4, "NVIDIA H200"), (8, 128, 8, "NVIDIA H200"),
@@ -86,9 +87,9 @@ def test_no_table_entry_is_v1_default(calls, monkeypatch, bits, d, g, kind):
 
 
 def test_ws_config_that_does_not_fit_the_layer_falls_back_to_v1(calls):
-    _, why = _serve(8, 32768 + 128)                        # 514 blocks of 64: not a multiple of 4 warpgroups
+    _, why = _serve(8, 32768 + 128)                        # 257 blocks of 128: not a multiple of 2 warpgroups
     assert calls == [("decode_attention_transposed_v", None)]
-    assert why.startswith("table decode_h200.json: ws c4 bt64 291.8 µs vs v1 455.7 µs at T=32768")
+    assert why.startswith("table decode_h200.json: ws late-v 158.2 µs vs v1 169.2 µs at T=32768")
     assert "does not fit this layer" in why and "v1 default" in why
 
 

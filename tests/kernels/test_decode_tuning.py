@@ -13,7 +13,9 @@ from pallas_kernels import decode_tuning as dt
 from experiment_scripts import load_experiment
 
 REPO = Path(__file__).resolve().parents[2]
-RESULTS = "docs/results/decode_mgpu/2026-12-02-ws-timed/check_mgpu_decode.json"
+# the shipped table's source: two device-clock runs of 2026-12-04 (pooled by --tune-from A,B)
+RESULTS = ("docs/results/decode_mgpu/2026-12-04-device-clock/run1/check_mgpu_decode.json,"
+           "docs/results/decode_mgpu/2026-12-04-device-clock/run2/check_mgpu_decode.json")
 WS = {"block_t": 128, "num_splits": None, "max_concurrent_steps": 6, "precision": "bf16x2", "compute_wgs": 2}
 V1 = {"block_t": 128, "num_splits": None, "max_concurrent_steps": 3, "precision": "bf16x2", "upcast": False}
 
@@ -189,7 +191,7 @@ def test_shipped_table_is_the_committed_results_tuned(bench, tmp_path):
     """pallas_kernels/tuning/decode_h200.json == what --tune-from builds from the committed H200 results."""
     shipped = json.loads((REPO / "pallas_kernels" / "tuning" / "decode_h200.json").read_text())
     out = tmp_path / "decode_h200.json"
-    bench.main(["--tune-from", str(REPO / RESULTS), "--tune", str(out)])
+    bench.main(["--tune-from", ",".join(str(REPO / p) for p in RESULTS.split(",")), "--tune", str(out)])
     built = json.loads(out.read_text())
     assert {k: v for k, v in built.items() if k not in ("command", "source")} == \
            {k: v for k, v in shipped.items() if k not in ("command", "source")}
@@ -197,8 +199,8 @@ def test_shipped_table_is_the_committed_results_tuned(bench, tmp_path):
     table = dt.table_for("NVIDIA H200")
     assert table is not None and table.name == "decode_h200.json"
     impl, fields, why = dt.choose("NVIDIA H200", "int8", 128, 4, 32768)
-    assert impl == "mgpu_ws" and fields["compute_wgs"] == 4 and fields["block_t"] == 64
-    assert why == "table decode_h200.json: ws c4 bt64 291.8 µs vs v1 455.7 µs at T=32768"
+    assert impl == "mgpu_ws" and fields["compute_wgs"] == 2 and fields["v_first"] is False
+    assert why == "table decode_h200.json: ws late-v 158.2 µs vs v1 169.2 µs at T=32768"
     assert dt.choose("NVIDIA H200", "int4", 128, 4, 65536)[0] == "mgpu_ws"
     assert dt.choose("NVIDIA H200", "int4", 128, 4, 8192)[0] == "mgpu"      # T = 4096 bucket: v1 won there
 
@@ -219,3 +221,29 @@ def test_a_variant_timed_fewer_times_than_v1_is_not_compared(bench, tmp_path):
     assert (picked["once"].impl, picked["once"].us, picked["once"].candidates) == ("mgpu", 55.0, 1)
     assert (picked["twice"].impl, picked["twice"].variant, picked["twice"].us) == ("mgpu_ws", "ws", 42.5)
     assert picked["twice"].v1_us == 55.0 and picked["twice"].candidates == 2
+
+
+def test_tune_from_several_runs_pools_their_rows(bench, tmp_path):
+    """Two runs: a variant timed in both is compared with v1's median over both; a ws group that failed in either
+    run refuses its variants; runs timed by different clocks are refused."""
+    a, b = _synthetic_results(), _synthetic_results()
+    for r in (a, b):
+        r["clock"] = "device"
+        r["rows"] = [x for x in r["rows"] if x.get("format") == "int8" and x.get("variant") in ("default", "ws")]
+    a["rows"][0]["us"], b["rows"][0]["us"] = 100.0, 60.0           # v1: median of medians 80
+    a["rows"][1]["us"], b["rows"][1]["us"] = 70.0, 70.0            # ws: 70
+    pa, pb, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "decode_test.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    bench.main(["--tune-from", f"{pa},{pb}", "--tune", str(out)])
+    (e8,) = dt.load_table(str(out)).entries
+    assert (e8.impl, e8.variant, e8.us, e8.v1_us) == ("mgpu_ws", "ws", 70.0, 80.0)
+    b["ws_child"]["ws"] = dict(ok=False, why="timed out")           # the ws group failed in run b
+    pb.write_text(json.dumps(b))
+    bench.main(["--tune-from", f"{pa},{pb}", "--tune", str(out)])
+    (e8,) = dt.load_table(str(out)).entries
+    assert (e8.impl, e8.variant, e8.us) == ("mgpu", "default", 80.0)
+    b["clock"] = "host"
+    pb.write_text(json.dumps(b))
+    with pytest.raises(ValueError, match="differ in clock"):
+        bench.main(["--tune-from", f"{pa},{pb}", "--tune", str(out)])

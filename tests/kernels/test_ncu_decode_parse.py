@@ -246,3 +246,10 @@ def test_default_patterns_match_lowered_names(nd, rng, monkeypatch):
             assert "body_mosaic_gpu" in names        # the host function; ncu shows its outlined device kernel
         else:
             assert "decode_attention_int4_int4" in names
+
+
+def test_triton_only_formats_are_profiled_with_the_triton_kernel_only(nd):
+    import types
+    a = types.SimpleNamespace(T=[32768], formats=["int4", "kivi2"], impls=["v1", "ws", "triton", "cudnn"])
+    got = [(c["impl"], c["format"]) for c in nd.build_cases(a)]
+    assert got == [("v1", "int4"), ("ws", "int4"), ("triton", "int4"), ("triton", "kivi2")]
