@@ -144,29 +144,39 @@ def timing_fields() -> dict:
     return dict(LAST_TIMING)
 
 
-def time_program(fn, q, sets, reps):
-    """Median seconds per call of ``fn(q, set)`` over ``len(sets)`` distinct sets run in one jitted program:
-    ``(median, min, max, first_output)`` by :data:`CLOCK` (the other readings in :func:`timing_fields`)."""
-    prog = jax.jit(lambda q, sets: [fn(q, s) for s in sets])
-    first = jax.block_until_ready(prog(q, sets))[0]  # compile + warm-up
+def _spread(samples) -> tuple:
+    """``(median, min, max)`` of ``samples``."""
+    return statistics.median(samples), min(samples), max(samples)
+
+
+def _host_samples(prog, q, sets, reps) -> list:
+    """Host wall seconds per call of ``reps`` synchronized ``prog(q, sets)`` runs, after one warm-up run."""
     jax.block_until_ready(prog(q, sets))
     samples = []
     for _ in range(reps):
         t0 = time.perf_counter()
         jax.block_until_ready(prog(q, sets))
         samples.append((time.perf_counter() - t0) / len(sets))
-    host = (statistics.median(samples), min(samples), max(samples))
+    return samples
+
+
+def time_program(fn, q, sets, reps):
+    """Median seconds per call of ``fn(q, set)`` over ``len(sets)`` distinct sets run in one jitted program:
+    ``(median, min, max, first_output)`` by :data:`CLOCK` (the other readings in :func:`timing_fields`; on the
+    device clock ``host_us*`` are the host walls of the traced repetitions, no untraced loop is run)."""
+    prog = jax.jit(lambda q, sets: [fn(q, s) for s in sets])
+    first = jax.block_until_ready(prog(q, sets))[0]  # compile + warm-up
     LAST_TIMING.clear()
+    dt = device_seconds(prog, q, sets, reps=reps, calls=len(sets)) if CLOCK["clock"] == "device" else None
+    host = _spread(dt.host if dt is not None else _host_samples(prog, q, sets, reps))
     LAST_TIMING.update(clock="host", host_us=host[0] * 1e6, host_us_min=host[1] * 1e6, host_us_max=host[2] * 1e6)
-    if CLOCK["clock"] == "device":
-        dt = device_seconds(prog, q, sets, reps=reps, calls=len(sets))
-        if dt is not None:
-            per = reps * len(sets)
-            top = sorted(dt.kernels.items(), key=lambda kv: -kv[1])[:4]
-            LAST_TIMING.update(clock="device", span_us=statistics.median(dt.span) * 1e6,
-                               kernels_us={n: round(us / per, 2) for n, us in top})
-            return statistics.median(dt.busy), min(dt.busy), max(dt.busy), first
-    return host[0], host[1], host[2], first
+    if dt is None:
+        return host[0], host[1], host[2], first
+    per = reps * len(sets)
+    top = sorted(dt.kernels.items(), key=lambda kv: -kv[1])[:4]
+    LAST_TIMING.update(clock="device", span_us=statistics.median(dt.span) * 1e6,
+                       kernels_us={n: round(us / per, 2) for n, us in top})
+    return (*_spread(dt.busy), first)
 
 
 def rel_err(out, ref):

@@ -7,7 +7,8 @@ the same programs four ways in one process, per kernel (cuDNN bf16, Mosaic v1 bf
   harness   ``time_program`` as the benchmarks use it (host wall per call, one call per jitted program, synced)
   chained   ``--chain`` calls inside ONE jitted program on distinct outputs (host wall / chain)
   trace     the device time of each kernel in a ``jax.profiler`` trace of ``--trace-calls`` harness calls
-            (``trace_kernels.summarize``), per call: what the GPU spent, separated by kernel name
+            (``timing.device_seconds``, its trace kept under ``--out``; ``trace_kernels.summarize``), per call:
+            what the GPU spent, separated by kernel name, and the busy time (union of the kernel intervals)
   ncu       (not here: ``ncu_decode.py``)
 
 and records ``nvidia-smi`` (clocks, throttle reasons, other processes) before and after.
@@ -56,6 +57,7 @@ def main(argv=None):
     import bench_decode_attention as bench
     import check_mgpu_decode as cmd
     import trace_kernels
+    from timing import device_seconds, read_tbps, trace_files
     from kvquant_jax.attention.synthetic import PRESETS
     from pallas_kernels.decode_attention_mgpu import default_mgpu_config
 
@@ -65,7 +67,6 @@ def main(argv=None):
     b, hq, hkv, d, t = a.B, a.hq, a.hkv, a.d, a.T
     key, q = cmd.timing_query(t, b, hq, d)
     res["copy_tbps"] = bench.hbm_copy_tbps()
-    from timing import read_tbps
     res["read_tbps"] = read_tbps()
     print(f"copy {res['copy_tbps']:.2f} TB/s, read {res['read_tbps']:.2f} TB/s", flush=True)
 
@@ -91,19 +92,16 @@ def main(argv=None):
             jax.block_until_ready(chained(q, arg))
             cw.append((time.perf_counter() - t0) / a.chain)
         tdir = os.path.join(a.out, f"trace_{name}")
-        prog = jax.jit(lambda q, s: fn(q, s))
-        jax.block_until_ready(prog(q, arg))
-        with jax.profiler.trace(tdir, create_perfetto_trace=True):
-            for _ in range(a.trace_calls):
-                jax.block_until_ready(prog(q, arg))
-        import glob
+        dt = device_seconds(jax.jit(lambda q, s: fn(q, s)), q, arg, reps=a.trace_calls, keep_dir=tdir)
         kern = []
-        for p in glob.glob(os.path.join(tdir, "**", "perfetto_trace.json.gz"), recursive=True):
-            s = trace_kernels.summarize(p, 10)
+        paths = trace_files(tdir)
+        if paths:
+            s = trace_kernels.summarize(paths[-1], 10)
             kern = [dict(k, us_per_call=k["us"] / a.trace_calls) for k in s["kernels"]]
         row = dict(kernel=name, bytes=nbytes, harness_us=med * 1e6, harness_min_us=lo * 1e6,
                    harness_max_us=hi * 1e6, chained_us=statistics.median(cw) * 1e6, trace_kernels=kern,
-                   trace_device_us_per_call=sum(k["us_per_call"] for k in kern))
+                   trace_device_us_per_call=sum(k["us_per_call"] for k in kern),
+                   trace_busy_us_per_call=None if dt is None else dt.median * 1e6)
         res["rows"].append(row)
         print(f"{name:10s} harness {row['harness_us']:8.1f} us [{lo * 1e6:.1f}, {hi * 1e6:.1f}]  chained "
               f"{row['chained_us']:8.1f}  trace device {row['trace_device_us_per_call']:8.1f} us/call  "

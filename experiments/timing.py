@@ -2,10 +2,12 @@
 
 ``median_seconds(fn, *args, reps)``: compile + one warm-up call, then the median of ``reps`` timed calls, each
 synchronized with ``block_until_ready`` (host wall: it includes dispatch, launch gaps and the sync).
-``device_seconds(fn, *args, reps, calls)``: the same calls under a ``jax.profiler`` trace, each inside a host
-annotation ``kvq_rep_<i>``; per call the union of the device kernel intervals that fall in its annotation ("busy",
+``device_seconds(fn, *args, reps, calls, keep_dir)``: the same calls under a ``jax.profiler`` trace, each inside a
+host annotation ``kvq_rep_<i>``; per call the union of the device kernel intervals that fall in its annotation ("busy",
 what ncu's ``gpu__time_duration`` sums) and their first-start-to-last-end span.  ``None`` where the trace has no
-device events (CPU).
+device events (CPU); ``keep_dir`` keeps the trace there (else a temporary directory, removed).
+``read_trace(path)`` (``trace_events`` / ``device_events`` / ``stream_kernels``): the one parser of those traces,
+also ``trace_kernels.py``'s and ``probe_timing_gap.py``'s.
 ``copy_tbps()`` / ``read_tbps()``: the same run's bandwidth probes, an elementwise pass over a 2 GiB bf16 buffer
 (bytes read + written) and a column sum over 4 GiB (bytes read); ``clock="device"`` times their kernels.
 
@@ -75,31 +77,56 @@ def _union_length(intervals) -> float:
     return total
 
 
-def read_trace(path: str) -> tuple[list, list]:
-    """``(annotations, kernels)`` of one ``perfetto_trace.json.gz``: host events named ``kvq_rep_<i>`` as
-    ``(i, ts_us, end_us)`` and the device stream events as ``(name, ts_us, end_us)``."""
+def trace_files(directory: str) -> list:
+    """The ``perfetto_trace.json.gz`` files under ``directory`` (any depth), sorted (the newest run's last)."""
+    return sorted(glob.glob(os.path.join(directory, "**", "perfetto_trace.json.gz"), recursive=True))
+
+
+def trace_events(path: str) -> list:
+    """The events of one ``perfetto_trace.json.gz`` (its ``traceEvents``, or the bare list)."""
     with gzip.open(path, "rt") as f:
         data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def device_events(events) -> tuple[dict, list]:
+    """``(processes, dev)``: the device processes' names by pid (``/device:GPU:0`` ...) and their complete events
+    (``ph == "X"``) in trace order, each as ``(line, name, ts_us, end_us)`` (``line``: its thread line's name)."""
     pname = {e["pid"]: e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     tname = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    device = {pid for pid, n in pname.items() if "/device:GPU" in n or "/device:TPU" in n}
-    dev = [e for e in events if e.get("ph") == "X" and e.get("pid") in device and "dur" in e]
-    streams = {tname.get((e["pid"], e.get("tid")), "") for e in dev}
-    stream_lines = {n for n in streams if n.startswith("Stream")} or streams
-    kernels = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in dev
-               if tname.get((e["pid"], e.get("tid")), "") in stream_lines]
+    processes = {pid: n for pid, n in pname.items() if "/device:GPU" in n or "/device:TPU" in n}
+    dev = [(tname.get((e["pid"], e.get("tid")), ""), e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+           for e in events if e.get("ph") == "X" and e.get("pid") in processes and "dur" in e]
+    return processes, dev
+
+
+def stream_kernels(dev) -> list:
+    """The kernels ``(name, ts_us, end_us)`` of :func:`device_events`, in trace order: the events of the
+    ``Stream...`` lines (of every line where none is so named); the other device lines (modules, XLA ops) would
+    count them twice."""
+    lines = {line for line, _, _, _ in dev}
+    streams = {n for n in lines if n.startswith("Stream")} or lines
+    return [(name, a, b) for line, name, a, b in dev if line in streams]
+
+
+def read_trace(path: str) -> tuple[list, list]:
+    """``(annotations, kernels)`` of one ``perfetto_trace.json.gz``: host events named ``kvq_rep_<i>`` as
+    ``(i, ts_us, end_us)`` and the device stream events as ``(name, ts_us, end_us)`` (:func:`stream_kernels`)."""
+    events = trace_events(path)
+    processes, dev = device_events(events)
     reps = [(int(e["name"][len(REP_PREFIX):]), float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
-            if e.get("ph") == "X" and e.get("pid") not in device and "dur" in e
+            if e.get("ph") == "X" and e.get("pid") not in processes and "dur" in e
             and str(e.get("name", "")).startswith(REP_PREFIX) and e["name"][len(REP_PREFIX):].isdigit()]
-    return sorted(reps), kernels
+    return sorted(reps), stream_kernels(dev)
 
 
 def split_by_rep(reps, kernels, calls: int = 1) -> Optional[DeviceTiming]:
     """Assign each kernel to the repetition whose host annotation contains its start; per-call times (seconds).
-    None when a repetition has no kernel (no device events: CPU)."""
+    None when there is no repetition, or a repetition has no kernel (no device events: CPU)."""
+    if not reps:
+        return None
     busy, span, host, per_name = [], [], [], {}
     for _, t0, t1 in reps:
         mine = [(a, b) for _, a, b in kernels if t0 <= a <= t1]
@@ -111,15 +138,14 @@ def split_by_rep(reps, kernels, calls: int = 1) -> Optional[DeviceTiming]:
     for name, a, b in kernels:
         if any(t0 <= a <= t1 for _, t0, t1 in reps):
             per_name[name] = per_name.get(name, 0.0) + (b - a)
-    if not reps:
-        return None
     return DeviceTiming(busy=tuple(busy), span=tuple(span), host=tuple(host), kernels=per_name)
 
 
 def device_seconds(fn, *args, reps: int = 20, calls: int = 1, keep_dir: Optional[str] = None) -> Optional[DeviceTiming]:
     """Device time per call of the jitted ``fn(*args)`` (which makes ``calls`` calls of the timed function):
     compile + one warm-up call untraced, then ``reps`` synchronized calls under a profiler trace.  None where
-    the trace has no device kernels (CPU)."""
+    the trace has no device kernels (CPU).  ``keep_dir``: the directory the trace is written to and left in (else a
+    temporary one, removed)."""
     jax.block_until_ready(fn(*args))
     tdir = keep_dir or tempfile.mkdtemp(prefix="kvq_trace_")
     try:
@@ -127,7 +153,7 @@ def device_seconds(fn, *args, reps: int = 20, calls: int = 1, keep_dir: Optional
             for i in range(reps):
                 with jax.profiler.TraceAnnotation(f"{REP_PREFIX}{i}"):
                     jax.block_until_ready(fn(*args))
-        paths = sorted(glob.glob(os.path.join(tdir, "**", "perfetto_trace.json.gz"), recursive=True))
+        paths = trace_files(tdir)
         if not paths:
             return None
         reps_, kernels = read_trace(paths[-1])

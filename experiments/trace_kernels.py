@@ -3,7 +3,8 @@
 Reads every ``perfetto_trace.json.gz`` under DIR (as written by ``jax.profiler.trace(..., create_perfetto_trace=True)``,
 e.g. ``probe_engine_step.py --trace DIR``), keeps complete events (``ph == "X"``) of the processes whose name names a
 device (``/device:GPU:0`` ...), and prints, per trace, the total microseconds and share of each kernel name, largest
-first, with the count of launches.  Host-side (TraceMe) events are left out.
+first, with the count of launches.  Host-side (TraceMe) events are left out.  The parsing is ``timing.py``'s
+(``device_events`` / ``stream_kernels``, what ``timing.read_trace`` gives the device clock).
 
     python experiments/trace_kernels.py /tmp/probe-trace --top 30 --json /tmp/kernels.json
 """
@@ -11,39 +12,33 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
-import os
+
+import timing  # experiments/timing.py: the one trace parser (run as a script, experiments/ is on sys.path)
+
+
+def kernel_rows(kernels, top: int) -> tuple[float, list]:
+    """``(total_us, rows)`` of ``(name, ts_us, end_us)`` kernels (:func:`timing.read_trace`'s list): the device
+    microseconds summed by kernel name, the ``top`` largest as ``{"name", "us", "share", "count"}``."""
+    us = collections.Counter()
+    count = collections.Counter()
+    for name, a, b in kernels:
+        us[name] += b - a
+        count[name] += 1
+    total = sum(us.values())
+    rows = [{"name": n, "us": round(t, 1), "share": round(t / total, 4) if total else 0.0, "count": count[n]}
+            for n, t in us.most_common(top)]
+    return total, rows
 
 
 def summarize(path: str, top: int) -> dict:
     """Return ``{"trace": path, "device_us": float, "device_lines_us": {line: us}, "kernels": [{"name", "us", "share", "count"}...]}``."""
-    with gzip.open(path, "rt") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    pname = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    tname = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    device = {pid for pid, n in pname.items() if "/device:GPU" in n or "/device:TPU" in n}
-    timed = [(tname.get((e["pid"], e.get("tid")), ""), e) for e in events
-             if e.get("ph") == "X" and e.get("pid") in device and "dur" in e]
+    processes, dev = timing.device_events(timing.trace_events(path))
     lines = collections.Counter()
-    for line, e in timed:
-        lines[line] += float(e["dur"])
-    # kernels run on the stream lines; other device lines (modules, ops) would count them twice
-    streams = {n for n in lines if n.startswith("Stream")} or set(lines)
-    us = collections.Counter()
-    count = collections.Counter()
-    for line, e in timed:
-        if line in streams:
-            us[e["name"]] += float(e["dur"])
-            count[e["name"]] += 1
-    total = sum(us.values())
-    rows = [{"name": n, "us": round(t, 1), "share": round(t / total, 4) if total else 0.0, "count": count[n]}
-            for n, t in us.most_common(top)]
-    return {"trace": path, "device_us": round(total, 1), "device_processes": sorted(pname[p] for p in device),
+    for line, _, a, b in dev:
+        lines[line] += b - a
+    total, rows = kernel_rows(timing.stream_kernels(dev), top)
+    return {"trace": path, "device_us": round(total, 1), "device_processes": sorted(processes.values()),
             "device_lines_us": {n: round(t, 1) for n, t in lines.most_common()},
             "kernels": rows}
 
@@ -54,7 +49,7 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    paths = sorted(glob.glob(os.path.join(a.dir, "**", "perfetto_trace.json.gz"), recursive=True))
+    paths = timing.trace_files(a.dir)
     if not paths:
         raise SystemExit(f"no perfetto_trace.json.gz under {a.dir}")
     out = [summarize(p, a.top) for p in paths]

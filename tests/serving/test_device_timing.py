@@ -1,11 +1,9 @@
 """``experiments/timing.py``'s device clock: kernels of a Perfetto trace assigned to the host annotation of their
 repetition, busy = union of their intervals (overlaps once), span = first start to last end, per call."""
-import gzip
-import json
-
 import pytest
 
 from experiment_scripts import load_experiment
+from perfetto_traces import complete, write_trace
 
 
 @pytest.fixture(scope="module")
@@ -13,29 +11,16 @@ def timing():
     return load_experiment("timing")
 
 
-def _write(path, events):
-    meta = [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0")),
-            dict(ph="M", name="process_name", pid=2, args=dict(name="/host:CPU")),
-            dict(ph="M", name="thread_name", pid=1, tid=10, args=dict(name="Stream #14(Compute)")),
-            dict(ph="M", name="thread_name", pid=1, tid=11, args=dict(name="XLA Ops")),
-            dict(ph="M", name="thread_name", pid=2, tid=20, args=dict(name="python3"))]
-    with gzip.open(path, "wt") as f:
-        json.dump(dict(traceEvents=meta + events), f)
-
-
-def _x(pid, tid, name, ts, dur):
-    return dict(ph="X", pid=pid, tid=tid, name=name, ts=ts, dur=dur)
-
-
 def test_kernels_go_to_their_repetition_and_overlaps_count_once(timing, tmp_path):
     p = tmp_path / "perfetto_trace.json.gz"
-    _write(p, [
-        _x(2, 20, "kvq_rep_0", 0.0, 1000.0), _x(2, 20, "kvq_rep_1", 1000.0, 2000.0),
-        _x(2, 20, "PjitFunction(f)", 10.0, 900.0),                     # host, not a repetition marker
-        _x(1, 10, "decode", 700.0, 240.0), _x(1, 10, "combine", 950.0, 10.0),      # rep 0: busy 250, span 260
-        _x(1, 10, "decode", 1500.0, 200.0), _x(1, 10, "combine", 1600.0, 150.0),  # rep 1: overlap -> busy 250
-        _x(1, 11, "decode", 1500.0, 200.0),                            # the ops line: not counted again
-        _x(1, 10, "warmup", 5000.0, 99.0)])                            # outside every repetition
+    x = complete
+    write_trace(p, [
+        x(2, 20, "kvq_rep_0", 0.0, 1000.0), x(2, 20, "kvq_rep_1", 1000.0, 2000.0),
+        x(2, 20, "PjitFunction(f)", 10.0, 900.0),                    # host, not a repetition marker
+        x(1, 10, "decode", 700.0, 240.0), x(1, 10, "combine", 950.0, 10.0),      # rep 0: busy 250, span 260
+        x(1, 10, "decode", 1500.0, 200.0), x(1, 10, "combine", 1600.0, 150.0),  # rep 1: overlap -> busy 250
+        x(1, 11, "decode", 1500.0, 200.0),                           # the ops line: not counted again
+        x(1, 10, "warmup", 5000.0, 99.0)])                           # outside every repetition
     reps, kernels = timing.read_trace(str(p))
     assert [r[0] for r in reps] == [0, 1]
     assert len(kernels) == 5
@@ -49,8 +34,8 @@ def test_kernels_go_to_their_repetition_and_overlaps_count_once(timing, tmp_path
 
 def test_a_repetition_without_kernels_gives_none(timing, tmp_path):
     p = tmp_path / "perfetto_trace.json.gz"
-    _write(p, [_x(2, 20, "kvq_rep_0", 0.0, 100.0), _x(2, 20, "kvq_rep_1", 200.0, 100.0),
-               _x(1, 10, "decode", 50.0, 10.0)])
+    write_trace(p, [complete(2, 20, "kvq_rep_0", 0.0, 100.0), complete(2, 20, "kvq_rep_1", 200.0, 100.0),
+                    complete(1, 10, "decode", 50.0, 10.0)])
     assert timing.split_by_rep(*timing.read_trace(str(p))) is None
 
 
