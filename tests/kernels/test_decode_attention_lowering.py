@@ -156,3 +156,20 @@ def test_kivi_block_update_lowers_for_target(rng, monkeypatch, platform, bits, b
     text = jax.jit(fn).trace(q, reg).lower(lowering_platforms=(platform,)).as_text()
     assert "decode_attention" in text
     assert traced and set(traced) == {block_t}
+
+
+# pallas_kernels/decode_attention_mgpu_kivi.py (KIVI on Mosaic GPU): the shapes experiments/check_mgpu_kivi.py checked
+# on the H200 (2026-12-04); lowering checks the 8-bit ops allowed (AND only), the N-stacked wgmma shapes, the
+# column slices of the accumulators and the TMA tile sizes (>= 128 bytes) on CPU.
+@pytest.mark.parametrize("bits,kg,vg,d,g,precision", [(2, 32, 32, 128, 4, "bf16x2"), (2, 32, 32, 128, 4, "bf16"),
+                                                      (4, 32, 32, 128, 4, "bf16x2"), (2, 16, 0, 64, 3, "bf16x2"),
+                                                      (4, 64, 16, 64, 1, "bf16")])
+def test_mgpu_kivi_kernel_lowers_for_cuda(rng, bits, kg, vg, d, g, precision):
+    from pallas_kernels import decode_attention_mgpu_kivi as mk
+
+    kf, vf = kivi_formats(bits, kg, vg)
+    reg = random_region(rng, kf, vf, 2, 2, 1024, d, [0, 0], [300, 1024], poison=False, qparam_dtype=jnp.float16)
+    q = jnp.asarray(rng.standard_normal((2, 2 * g, d)).astype(np.float32)).astype(jnp.bfloat16)
+    cfg = mk.KiviMgpuConfig(num_splits=2, precision=precision)
+    text = _lower_cuda(lambda q, r: mk.decode_attention_mgpu_kivi(q, r, config=cfg), q, reg)
+    assert "mosaic_gpu" in text

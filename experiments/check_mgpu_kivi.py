@@ -1,0 +1,211 @@
+"""Mosaic GPU KIVI decode attention (issue J): float64-oracle parity + timing against cuDNN and the Triton kernel.
+
+    python experiments/check_mgpu_kivi.py --out $OUT/kivi                 # (a) parity, (b) timing at 4K, 32K
+    python experiments/check_mgpu_kivi.py --check-only
+    python experiments/check_mgpu_kivi.py --T 32768 --variants --repeat 3
+
+(a) Small ragged cases (B=3, Hkv=2, T=512, poisoned dead rows: NaN qparams of dead K groups / V rows, the current
+    token ``k_new / v_new`` in the same softmax) against the float64 NumPy oracle: KIVI-2 / KIVI-4, K groups 16 / 32
+    / 64, V groups 16 / 32 / D, D 64 / 128 / 256, GQA 1 / 3 / 4 / 8, bf16 and float32 queries, both precisions.
+    Bounds: ``bf16x2`` 5e-5 relative (max-abs / max-abs), ``bf16`` 4e-3.
+(b) B=8, Hq=32, Hkv=8, D=128 at each --T: cuDNN bf16, the Triton kernel on the layout-v1 region and the Mosaic
+    kernel on the prepared (kivi mgpu layout) operands -- converted outside the timed program, as a cache would
+    store them -- in ONE process, with ``experiments/bench_decode_attention.py``'s rotating input sets and device
+    clock (``--clock``).  Bytes = the prepared arrays (codes, scales, mins) + the query; ``x`` = speed vs cuDNN.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_decode_attention as bench  # noqa: E402
+from bench_decode_attention import (CLOCK, add_clock_arg, baseline_fns, hbm_copy_tbps, hbm_read_tbps,  # noqa: E402
+                                    n_sets_for, rel_err, time_program, timing_fields)
+from check_mgpu_decode import cudnn_sets, nbytes, timing_query, triton_fn  # noqa: E402
+from kvquant_jax.abi.reference import decode_attention_jnp  # noqa: E402
+from kvquant_jax.attention.synthetic import kivi_formats, random_region  # noqa: E402
+from pallas_kernels import decode_attention_mgpu_kivi as mk  # noqa: E402
+
+#: (bits, K group, V group, D, GQA group) of the parity cases
+PARITY_CASES = [(2, 32, 32, 128, 4), (4, 32, 32, 128, 4), (2, 16, 0, 64, 3), (2, 64, 64, 256, 8),
+                (4, 64, 16, 64, 1), (2, 32, 128, 128, 4)]
+BOUND = {"bf16x2": 5e-5, "bf16": 4e-3}
+LOG: list[str] = []
+
+
+def log(msg: str) -> None:
+    msg = f"[{datetime.datetime.now(datetime.timezone.utc):%H:%M:%S}] {msg}"
+    print(msg, flush=True)
+    LOG.append(msg)
+
+
+def flush(args, results) -> None:
+    if not args.out:
+        return
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    with open(os.path.join(args.out, "log.txt"), "w") as f:
+        f.write("\n".join(LOG) + "\n")
+
+
+def parity(args, results) -> bool:
+    rng = np.random.default_rng(0)
+    ok_all = True
+    for ci, (bits, kg, vg, d, g) in enumerate(PARITY_CASES):
+        if args.cases is not None and ci not in args.cases:
+            continue
+        kf, vf = kivi_formats(bits, kg, vg)
+        t, hkv = 512, 2
+        reg = random_region(rng, kf, vf, 3, hkv, t, d, [0, 5, 130], [300, 512, 131], poison=True,
+                            qparam_dtype=jnp.float16)
+        kn = jnp.asarray(rng.standard_normal((3, hkv, d)).astype(np.float32))
+        vn = jnp.asarray(rng.standard_normal((3, hkv, d)).astype(np.float32))
+        q32 = jnp.asarray(rng.standard_normal((3, hkv * g, d)).astype(np.float32))
+        for qname, q in (("f32", q32), ("bf16", q32.astype(jnp.bfloat16))):
+            ref = mk.decode_attention_mgpu_kivi_reference_f64(q, reg, k_new=kn, v_new=vn)
+            for prec in ("bf16x2", "bf16"):
+                cfg = mk.KiviMgpuConfig(precision=prec, num_splits=2)
+                row = dict(kind="parity", case=ci, bits=bits, k_group=kg, v_group=vg, d=d, g=g, q=qname,
+                           precision=prec)
+                try:
+                    interp = jax.devices()[0].platform != "gpu"      # CPU: the plain-JAX twin
+                    out = jax.jit(lambda q, r, kn, vn, cfg=cfg: mk.decode_attention_mgpu_kivi(
+                        q, r, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32, interpret=interp))(
+                        q, reg, kn, vn)
+                    out = np.asarray(out, np.float64)
+                    err = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+                    row.update(rel_err=err, ok=bool(np.isfinite(out).all() and err <= BOUND[prec]))
+                except Exception as e:  # noqa: BLE001
+                    row.update(ok=False, error=f"{type(e).__name__}: {e}"[:1500])
+                    traceback.print_exc()
+                ok_all &= row["ok"]
+                results["rows"].append(row)
+                log(f"parity case {ci} bits={bits} G={kg} Gv={vg} D={d} g={g} q={qname} {prec}: "
+                    + (f"rel err {row['rel_err']:.2e} {'OK' if row['ok'] else 'FAIL'}" if "rel_err" in row
+                       else f"FAILED {row['error'][:300]}"))
+                flush(args, results)
+    return ok_all
+
+
+def _row(results, args, **row):
+    if row.get("us") is not None:
+        row = {**row, **timing_fields()}
+    results["rows"].append(row)
+    flush(args, results)
+    us = row.get("us")
+    log(f"T={row['T']:6d} {row['impl']:8s} {row['format']:6s} {row.get('variant', ''):14s} "
+        + (f"{us:9.1f} us {row['tbps']:5.2f} TB/s x{row.get('speedup_vs_cudnn', float('nan')):.2f} "
+           f"err {row.get('rel_err')}" if us else f"FAILED {row.get('error', '')[:800]}"))
+
+
+def timing(args, results, t, rep: int):
+    b, hq, hkv, d = args.B, args.hq, args.hkv, args.d
+    key, q = timing_query(t, b, hq, d)
+    tag = f" r{rep}" if args.repeat > 1 else ""
+    base = {}
+    bf16_bytes = 2 * b * hkv * t * d * 2
+    try:
+        sets = cudnn_sets(key, b, hkv, t, d, n_sets_for(bf16_bytes))
+        med, lo, hi, _ = time_program(baseline_fns()["cudnn"], q, sets, args.reps)
+        base["cudnn"] = med
+        _row(results, args, T=t, impl="cudnn", format="bf16", variant=tag, us=med * 1e6, us_min=lo * 1e6,
+             us_max=hi * 1e6, bytes=bf16_bytes, tbps=bf16_bytes / med / 1e12, speedup_vs_cudnn=1.0)
+        del sets
+    except Exception as e:  # noqa: BLE001
+        _row(results, args, T=t, impl="cudnn", format="bf16", error=f"{type(e).__name__}: {e}"[:800])
+    for name in args.formats:
+        bits = int(name[len("kivi"):])
+        kf, vf = kivi_formats(bits, 32, 32)
+        regs, set_bytes = bench.region_sets(key, kf, vf, b, hkv, t, d)
+        ref = np.asarray(jax.jit(lambda q, r: decode_attention_jnp(q.astype(jnp.float32), [r]))(q, regs[0]))
+        if "triton" in args.impls:
+            try:
+                med, lo, hi, out = time_program(triton_fn(), q, regs, args.reps)
+                read = set_bytes + q.size * 2
+                _row(results, args, T=t, impl="triton", format=name, variant=tag, us=med * 1e6, us_min=lo * 1e6,
+                     us_max=hi * 1e6, bytes=read, tbps=read / med / 1e12, rel_err=rel_err(out, ref),
+                     speedup_vs_cudnn=base.get("cudnn", float("nan")) / med)
+            except Exception as e:  # noqa: BLE001
+                _row(results, args, T=t, impl="triton", format=name, error=f"{type(e).__name__}: {e}"[:800])
+        sets = [jax.block_until_ready(jax.jit(mk.prepare_kivi_region)(r)) for r in regs]
+        del regs
+        read = nbytes(sets[0]) - 2 * b * 4 + q.size * 2
+        dflt = mk.KiviMgpuConfig()
+        s0 = mk._spec_for(sets[0], hq // hkv, dflt).ns
+        variants = {"default": dflt}
+        if args.variants and rep == 0:
+            variants.update({"stages 3": dataclasses.replace(dflt, max_concurrent_steps=3),
+                             "stages 4": dataclasses.replace(dflt, max_concurrent_steps=4),
+                             "splits x2": dataclasses.replace(dflt, num_splits=2 * s0),
+                             "splits /2": dataclasses.replace(dflt, num_splits=max(1, s0 // 2)),
+                             "prec bf16": dataclasses.replace(dflt, precision="bf16")})
+        for vname, cfg in variants.items():
+            try:
+                fn = lambda q, o, cfg=cfg: mk.decode_attention_mgpu_kivi_prepared(  # noqa: E731
+                    q, o, config=cfg, out_dtype=jnp.float32)
+                med, lo, hi, out = time_program(fn, q, sets, args.reps)
+                _row(results, args, T=t, impl="mgpu", format=name, variant=vname + tag, us=med * 1e6,
+                     us_min=lo * 1e6, us_max=hi * 1e6, bytes=read, tbps=read / med / 1e12,
+                     rel_err=rel_err(out, ref), speedup_vs_cudnn=base.get("cudnn", float("nan")) / med,
+                     config=dataclasses.asdict(cfg))
+            except Exception as e:  # noqa: BLE001
+                _row(results, args, T=t, impl="mgpu", format=name, variant=vname,
+                     error=f"{type(e).__name__}: {e}"[:1500])
+        del sets
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--T", default="4096,32768")
+    ap.add_argument("--B", type=int, default=8)
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--hkv", type=int, default=8)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--formats", default="kivi2,kivi4")
+    ap.add_argument("--impls", default="triton,mgpu")
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=1, help="time every T this many times (keep every run)")
+    ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--cases", default=None, help="parity case indices to run (comma list; default all)")
+    ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    add_clock_arg(ap)
+    args = ap.parse_args(argv)
+    args.formats = [f for f in args.formats.split(",") if f]
+    args.impls = set(args.impls.split(","))
+    args.cases = None if args.cases is None else {int(c) for c in args.cases.split(",")}
+    CLOCK["clock"] = args.clock
+    results = {"argv": sys.argv, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
+               "device": str(jax.devices()[0].device_kind), "clock": args.clock, "rows": []}
+    log(f"{results['date']} jax {jax.__version__} on {results['device']}, clock {args.clock}")
+    if not args.skip_check:
+        ok = parity(args, results)
+        log(f"parity: {'ALL OK' if ok else 'FAILURES'}")
+        if args.check_only:
+            return 0 if ok else 1
+    results["copy_tbps"] = hbm_copy_tbps()
+    results["read_tbps"] = hbm_read_tbps()
+    log(f"copy probe {results['copy_tbps']:.2f} TB/s, read probe {results['read_tbps']:.2f} TB/s")
+    for rep in range(args.repeat):
+        for t in [int(x) for x in args.T.split(",")]:
+            timing(args, results, t, rep)
+    flush(args, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,611 @@
+"""Mosaic GPU (Hopper) decode attention over one KIVI region: per-channel K groups folded into the query in SMEM.
+
+Issue J.  KIVI stores K per channel over groups of ``G`` tokens (``k = u * s[g, d] + mn[g, d]``) and V per token
+in groups of ``Gv`` channels (``v = u * sv[t, c] + mv[t, c]``), 2- or 4-bit codes ``u``, fp16 qparams.  The Pallas
+Triton kernel (:mod:`pallas_kernels.decode_attention`) runs it at 0.16x cuDNN on the H200 (255 registers, 3 % of
+DRAM bandwidth); this kernel keeps the swap-AB structure of :mod:`pallas_kernels.decode_attention_mgpu` (KV
+tokens = wgmma M, the query-head group = N, one warpgroup, split-K partials merged by the Triton module's
+``_combine``) and moves every per-group factor out of the per-code work.
+
+Where the qparams go (per program: one ``(sequence, KV head)``, one split)
+-------------------------------------------------------------------------
+With ``q' = q * sm_scale * log2(e)`` (float32, outside the kernel)::
+
+    logit_t / ln 2 = sum_d u[t, d] * (q'[d] s[g, d])  +  c[g]          c[g] = sum_d q'[d] mn[g, d]
+    o[d]           = sum_t u[t, d] * (p_t sv[t, c(d)]) + z[c(d)]       z[c] = sum_t p_t mv[t, c]
+
+* ``B_g = q' * s_g`` (``[D, N]``) is built per token group in registers and stored to SMEM as the wgmma B operand
+  (bf16 hi + lo parts with ``precision="bf16x2"``: two wgmmas on the same code registers, ~1e-5 relative).
+* ``c[g]`` (one scalar per group and query column) is ``q' . mn_g``: an einsum in the wrapper (float32, reads
+  ``mn`` once, writes ``T/G x N`` floats; the kernel reads that instead of ``mn``).
+* ``p * sv[:, c]`` is the PV B operand, one per V channel group (hi/lo in the duplicated query columns, the v1
+  kernel's "dup" trick); the V min term ``z`` is accumulated elementwise beside the softmax denominator (per-row
+  partial sums ``[64, N]`` rescaled with it) and reduced once per split; the wrapper adds it to its channels.
+* Codes stay exact integers in bf16; accumulation is float32.
+
+Rows of one wgmma M tile (64 tokens, or 64 channels for the PV product) that belong to different groups take
+different B operands: with ``G = 32`` the tile's two groups each get a wgmma (N = 8 each: free) and the rows pick
+their group's result (warps 0-1 hold rows 0-31, warps 2-3 rows 32-63), so no scale is ever broadcast per row
+group in registers.
+
+Pack-time layout ("kivi mgpu layout": :func:`prepare_kivi_region`)
+-----------------------------------------------------------------
+Codes are packed along TOKENS, planar within a block of ``BT = 64 * P`` tokens (``P = 8 / bits`` codes per byte:
+BT = 256 for 2-bit, 128 for 4-bit): byte ``i`` of block ``b`` holds tokens ``b*BT + 64*r + i`` at bits
+``[bits*r, bits*(r+1))``, ``r < P``.  One loaded byte tile is then ``P`` wgmma M tiles (one shift + mask each)::
+
+    k        int8 [BH, T/P, D]     K codes (byte rows = 64 token slots per block)
+    v        int8 [BH, D, T/P]     V codes transposed (tokens contiguous: the PV A operand is V^T)
+    k_scale  [BH, T/G, D]          s (the region's dtype: fp16 in a serving cache, f32 in tests)
+    k_min    [BH, T/G, D]          mn (read by the wrapper's einsum, not by the kernel)
+    v_scale, v_min  [BH, C, T]     sv, mv transposed (C = D / Gv channel groups; tokens contiguous for TMA)
+
+Requirements: K ``KVFormat(int2|int4, "channel", "min", G)`` with ``16 <= G <= 64`` a power of two; V
+``KVFormat(same bits, "token", "min", Gv)`` with ``Gv`` (0 = D) a power of two >= 16 dividing D; D a multiple of
+64; T a multiple of BT.  :func:`kivi_mgpu_unsupported` says why not; the caller keeps the Triton kernel then.
+
+Measured (H200, JAX 0.11.2, 2026-12-04, one run, docs/benchmarks_decode.md "2026-12-04 (evening)"): parity vs the
+float64 oracle 2.8e-6 at worst (``bf16x2``) over 24 cases; B 8 Hq 32 Hkv 8 D 128, G = Gv = 32: KIVI-2 63.6 us at 4K
+(0.61x cuDNN) and 397 us at 32K (0.62x), KIVI-4 56.0 us at 4K (0.69x), against the Triton kernel's 226 / 1554 us.
+At 0.56 TB/s the kernel is bound neither by bytes nor by its instruction count; not yet profiled.
+
+Interpret mode runs :func:`_partials_jnp` (the same arithmetic on the prepared operands, plain JAX); only the H200
+runs the kernel (``experiments/check_mgpu_kivi.py``: parity against the float64 oracle + timing).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kvquant_jax.abi.reference import decode_attention_reference as _oracle_f64
+from kvquant_jax.abi.reference import unpack_codes
+from kvquant_jax.abi.regions import KVFormat, Region, check_query
+from pallas_kernels.decode_attention_mgpu import _auto_splits, _tile_transforms, _with_current_token
+
+__all__ = ["KiviMgpuConfig", "KiviMgpuOperands", "kivi_mgpu_unsupported", "prepare_kivi_region",
+           "pack_token_planar", "decode_attention_mgpu_kivi", "decode_attention_mgpu_kivi_prepared",
+           "decode_attention_mgpu_kivi_partials", "decode_attention_mgpu_kivi_reference",
+           "decode_attention_mgpu_kivi_reference_f64"]
+
+_F32 = jnp.float32
+_NEG = -1e30
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+_M = 64                                  # wgmma M tile (tokens of a plane, channels of a PV tile)
+
+
+@dataclasses.dataclass(frozen=True)
+class KiviMgpuConfig:
+    """Static knobs.
+
+    num_splits: split-K programs per (sequence, KV head); None -> ~2 CTAs per SM.
+    max_concurrent_steps: TMA pipeline depth (stages in SMEM).
+    precision: "bf16x2" (hi + lo parts of q*s and of p*sv, ~1e-5 relative) or "bf16" (rounded once, ~1e-3).
+    """
+
+    num_splits: Optional[int] = None
+    max_concurrent_steps: int = 2
+    precision: str = "bf16x2"
+
+
+@struct.dataclass
+class KiviMgpuOperands:
+    """One KIVI region in the kivi mgpu layout (module docstring); shapes in the field comments."""
+
+    k: jax.Array          # int8 [BH, T/P, D] token-planar K codes
+    v: jax.Array          # int8 [BH, D, T/P] token-planar V^T codes
+    k_scale: jax.Array    # [BH, T/G, D]
+    k_min: jax.Array      # [BH, T/G, D]
+    v_scale: jax.Array    # [BH, C, T]
+    v_min: jax.Array      # [BH, C, T]
+    start: jax.Array      # int32 [B]
+    end: jax.Array        # int32 [B]
+    bits: int = struct.field(pytree_node=False, default=2)
+    k_group: int = struct.field(pytree_node=False, default=32)   # G tokens per K scale row
+    v_group: int = struct.field(pytree_node=False, default=32)   # Gv channels per V scale
+    num_kv_heads: int = struct.field(pytree_node=False, default=1)
+
+    @property
+    def planes(self) -> int:
+        return 8 // self.bits
+
+    @property
+    def block_t(self) -> int:
+        return _M * self.planes
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1] * self.planes
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[2]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Support matrix and pack-time layout (CPU-checkable)
+# --------------------------------------------------------------------------------------------------------------
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def kivi_formats_unsupported(kf: KVFormat, vf: KVFormat, head_dim: int, rows: int) -> Optional[str]:
+    """Why this kernel cannot read a K/V format pair of this shape (None when it can)."""
+    if kf.payload not in ("int2", "int4") or (kf.scale, kf.zero) != ("channel", "min"):
+        return f"K {kf}: the KIVI kernel reads 2/4-bit per-channel min/scale keys (KVFormat(intN, 'channel', 'min'))"
+    if vf.payload != kf.payload or (vf.scale, vf.zero) != ("token", "min"):
+        return f"V {vf}: the KIVI kernel reads per-token min/scale values of K's bit width ({kf.payload})"
+    bt = _M * (8 // kf.bits)
+    if head_dim % 64:
+        return f"head_dim {head_dim} is not a multiple of 64"
+    if not (_pow2(kf.group) and 16 <= kf.group <= _M):
+        return (f"K group {kf.group} must be a power of two in [16, 64] (a group lies inside one 64-token plane "
+                "of the block)")
+    gv = vf.group or head_dim
+    if not (_pow2(gv) and gv >= 16 and head_dim % gv == 0):
+        return f"V group {vf.group} must be 0 or a power of two >= 16 dividing head_dim {head_dim}"
+    if rows % bt:
+        return f"{rows} rows is not a multiple of the {kf.bits}-bit block of {bt} tokens"
+    return None
+
+
+def kivi_mgpu_unsupported(reg: Region, head_dim: int, config: KiviMgpuConfig | None = None) -> Optional[str]:
+    """Why this kernel cannot take the region (None when it can)."""
+    why = kivi_formats_unsupported(reg.k.fmt, reg.v.fmt, head_dim, reg.k.data.shape[2])
+    if why:
+        return why
+    cfg = config or KiviMgpuConfig()
+    if cfg.precision not in ("bf16x2", "bf16"):
+        return f"precision must be 'bf16x2' or 'bf16', got {cfg.precision!r}"
+    return None
+
+
+def pack_token_planar(u, bits: int, xp=jnp):
+    """Unsigned codes ``[..., T, X]`` (values < 2^bits) -> token-planar bytes ``[..., T/P, X]`` (int8): byte row
+    ``b*64 + i`` holds tokens ``b*64P + 64r + i`` at bits ``bits*r`` (``P = 8 / bits``); the top plane's codes
+    are stored re-centred (``u XOR 2^(bits-1)``: its masked byte read as signed is ``(u - 2^(bits-1)) << bits*r``).
+    """
+    p = 8 // bits
+    *lead, t, x = u.shape
+    u32 = np.uint32
+    w = u.astype(u32).reshape(*lead, t // (_M * p), p, _M, x)
+    top = (np.arange(p) == p - 1).astype(u32).reshape(p, 1, 1) * u32(2 ** (bits - 1))
+    shifts = (np.arange(p, dtype=u32) * bits).reshape(p, 1, 1)
+    byte = ((w ^ xp.asarray(top)) << xp.asarray(shifts)).sum(axis=-3).astype(np.uint8).reshape(*lead, t // p, x)
+    return lax.bitcast_convert_type(byte, jnp.int8) if xp is jnp else byte.view(np.int8)
+
+
+def unpack_token_planar(packed, bits: int, xp=np):
+    """Inverse of :func:`pack_token_planar`: ``[..., T/P, X]`` int8 -> ``[..., T, X]`` int32 codes."""
+    p = 8 // bits
+    bt = xp.asarray(packed).astype(np.int32) & 0xFF
+    *lead, tp, x = bt.shape
+    bt = bt.reshape(*lead, tp // _M, 1, _M, x)
+    shifts = (np.arange(p, dtype=np.int32) * bits).reshape(p, 1, 1)
+    top = (np.arange(p) == p - 1).astype(np.int32).reshape(p, 1, 1) * 2 ** (bits - 1)
+    u = ((bt >> xp.asarray(shifts)) & (2 ** bits - 1)) ^ xp.asarray(top)
+    return u.reshape(*lead, tp * p, x)
+
+
+def _top_plane_rows(t: int, bits: int, group: int = 1):
+    """bool ``[T / group]``: which rows (or row groups of ``group`` <= 64 tokens) lie in a block's top plane."""
+    p = 8 // bits
+    rows = np.arange(0, t, group) % (_M * p)
+    return rows >= _M * (p - 1)
+
+
+def prepare_kivi_region(reg: Region, num_kv_heads: int | None = None) -> KiviMgpuOperands:
+    """layout_version-1 KIVI region -> :class:`KiviMgpuOperands` (jit-able; one pass over the codes).
+
+    ``reg.k.data``: ``[B, Hkv, T, D*bits/8]`` uint8 (offset-binary codes packed along D), ``reg.k.scale /
+    reg.k.zero``: ``[B, Hkv, T/G, D]``; ``reg.v.data`` the same code layout, ``reg.v.scale / reg.v.zero``:
+    ``[B, Hkv, T, C]``.
+    """
+    kf, vf = reg.k.fmt, reg.v.fmt
+    b, hkv, t = reg.k.data.shape[:3]
+    d = reg.k.data.shape[3] * 8 // kf.bits
+    why = kivi_formats_unsupported(kf, vf, d, t)
+    if why:
+        raise NotImplementedError(f"decode_attention_mgpu_kivi: {why}")
+    bh = b * hkv
+    uk = unpack_codes(reg.k.data, kf.bits, jnp).reshape(bh, t, d)
+    uv = unpack_codes(reg.v.data, vf.bits, jnp).reshape(bh, t, d)
+    k = pack_token_planar(uk, kf.bits)                                   # [BH, T/P, D]
+    v = jnp.swapaxes(pack_token_planar(uv, vf.bits), 1, 2)               # [BH, D, T/P]
+    c = reg.v.scale.shape[-1]
+    return KiviMgpuOperands(
+        k=k, v=v, k_scale=reg.k.scale.reshape(bh, t // kf.group, d), k_min=reg.k.zero.reshape(bh, t // kf.group, d),
+        v_scale=jnp.swapaxes(reg.v.scale.reshape(bh, t, c), 1, 2),
+        v_min=jnp.swapaxes(reg.v.zero.reshape(bh, t, c), 1, 2),
+        start=reg.start.astype(jnp.int32), end=reg.end.astype(jnp.int32), bits=kf.bits, k_group=kf.group,
+        v_group=d // c, num_kv_heads=hkv)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The Mosaic GPU kernel
+# --------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _KiviSpec:
+    d: int
+    g: int             # query heads per KV head
+    n: int             # padded wgmma N (2g rounded up to 8 with bf16x2)
+    dup: int           # > 0: columns [dup, 2 dup) carry lo(p * sv)
+    bits: int
+    kg: int            # K group (tokens)
+    vg: int            # V group (channels)
+    ns: int
+    nbs: int           # blocks per split
+    stages: int
+    parts: int         # 2: B = q*s as bf16 hi + lo (two QK wgmmas); 1: rounded once
+    ks_dtype: Any
+    vs_dtype: Any
+
+    @property
+    def planes(self) -> int:
+        return 8 // self.bits
+
+    @property
+    def bt(self) -> int:
+        return _M * self.planes
+
+    @property
+    def kgroups(self) -> int:         # K scale rows per block
+        return self.bt // self.kg
+
+    @property
+    def vgroups(self) -> int:         # V channel groups
+        return self.d // self.vg
+
+
+def _plane_mask(r: int, bits: int) -> int:
+    """The int8 mask of plane ``r``: ``(2^bits - 1) << bits*r`` as a signed byte."""
+    m = (2 ** bits - 1) << (bits * r)
+    return m - 256 if m >= 128 else m
+
+
+def _plane(x, r: int, bits: int):
+    """Plane ``r`` of token-planar int8 bytes -> ``code * 2^(bits*r)`` as bf16 (exact), one AND + the signed
+    int8 -> bf16 conversion (Mosaic GPU has no 8-bit shifts; the top plane comes out sign-extended, which the
+    pack-time re-centring of its codes turns into ``(u - 2^(bits-1)) * 2^(bits*r)``)."""
+    return (x & jnp.full(x.shape, _plane_mask(r, bits), x.dtype)).astype(jnp.bfloat16)
+
+
+def _tile_groups(start: int, group: int) -> list[tuple[int, int]]:
+    """Groups of ``group`` rows met by the 64-row tile starting at row ``start``: ``[(group index, first row of
+    it inside the tile)]``."""
+    if group >= _M:
+        return [(start // group, 0)]
+    return [((start + o) // group, o) for o in range(0, _M, group)]
+
+
+def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
+    """Launch.  ``start, end``: int32 [BH]; ``qt``: f32 [BH, D, N] (q' transposed, dup'd, padded); ``c``: f32 [BH,
+    T/G, N]; ``k``: int8 [BH, T/P, D]; ``v``: int8 [BH, D, T/P]; ``ks``: [BH, T/G, D]; ``vs, vm``: [BH, C, T].
+    Returns ``o [BH, S, D, N], z [BH, S, C, N], m [BH, S, N] (log2), l [BH, S, N]`` float32."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bh = qt.shape[0]
+    d, n, bt, ns, nbs, pln = sp.d, sp.n, sp.bt, sp.ns, sp.nbs, sp.planes
+    nkg, nvg, parts = sp.kgroups, sp.vgroups, sp.parts
+    bf16 = jnp.bfloat16
+    wg = plgpu.Layout.WGMMA
+    k_tf = _tile_transforms(jnp.int8, d)
+    v_tf = _tile_transforms(jnp.int8, _M)
+    b_tf = _tile_transforms(bf16, 64)
+    dch = d // 64                     # 64-wide chunks of D (QK contraction; PV M tiles)
+    kslots = [_tile_groups(r * _M, sp.kg) for r in range(pln)]     # K groups met by each plane's 64 tokens
+    vslots = [_tile_groups(j * _M, sp.vg) for j in range(dch)]     # V channel groups met by each d-tile
+    nsl, nvs = len(kslots[0]), len(vslots[0])
+    nq = parts * nsl * n                                           # QK wgmma N
+
+    def body(start_ref, end_ref, qt_ref, c_ref, k_ref, v_ref, ks_ref, vs_ref, vm_ref, o_ref, z_ref, m_ref, l_ref):
+        pid = lax.axis_index("bh")
+        sid = lax.axis_index("split")
+        lo = start_ref[pid]
+        hi = end_ref[pid]
+        base = sid * nbs
+
+        def scoped(qt_smem, b_smem, p_smem, a_smem, o_smem, z_smem, m_smem, l_smem, q_bar):
+            plgpu.copy_gmem_to_smem(qt_ref.at[pid], qt_smem, q_bar)
+            plgpu.barrier_wait(q_bar)
+            qt = plgpu.load(qt_smem, (), layout=wg, optimized=False)          # q'^T [D, N] f32
+
+            def step(indices, k_smem, v_smem, ks_smem, c_smem, vs_smem, vm_smem, carry):
+                (i,) = indices
+                accs, m_i, l_i, zs = carry
+                row0 = (base + i) * bt
+                # 1. B = q' * s_g of the groups each plane meets, stacked along N (hi parts, then lo parts):
+                #    b_smem[r, j] rows [(pi * nsl + si) * n, +n) = part pi of slot si's group, D chunk j
+                for r in range(pln):
+                    for si, (gidx, _) in enumerate(kslots[r]):
+                        sg = plgpu.load(ks_smem.at[gidx], (), layout=wg.reduce(1), optimized=False).astype(_F32)
+                        bg = qt * lax.broadcast_in_dim(sg, (d, n), [0])
+                        hi16 = bg.astype(bf16)
+                        halves = [hi16] if parts == 1 else [hi16, (bg - hi16.astype(_F32)).astype(bf16)]
+                        for pi, h in enumerate(halves):
+                            off = (pi * nsl + si) * n
+                            for j in range(dch):
+                                b_smem.at[r, j, pl.ds(off, n)].T[...] = plgpu.layout_cast(
+                                    h[j * 64:(j + 1) * 64], plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.commit_smem()
+
+                # 2. S^T per plane: ONE wgmma per D chunk (N = parts * slots * n), rows pick their group's columns
+                def qk(*acc_refs):
+                    kbytes = k_smem[...]                                         # [64, D] int8, P planes
+                    for r in range(pln):
+                        kr = _plane(kbytes, r, sp.bits)                          # [64, D] bf16 codes
+                        for j in range(dch):
+                            plgpu.wgmma(acc_refs[r], kr[:, j * 64:(j + 1) * 64], b_smem.at[r, j].T)
+                    return [a_[...] for a_ in acc_refs]
+
+                raw = pl.run_scoped(qk, *[plgpu.ACC((_M, nq), _F32) for _ in range(pln)])
+                rows_t = plgpu.broadcasted_iota(jnp.int32, (_M, n), 0, layout=wg)
+                ss, valids = [], []
+                for r in range(pln):
+                    s = None
+                    for si, (gidx, off) in enumerate(kslots[r]):
+                        sg = sum(raw[r][:, (pi * nsl + si) * n:(pi * nsl + si + 1) * n] for pi in range(parts))
+                        cg = plgpu.load(c_smem.at[gidx, pl.ds(0, n)], (), layout=wg.reduce(0), optimized=False)
+                        sg = sg * (2.0 ** (-sp.bits * r)) + lax.broadcast_in_dim(cg, (_M, n), [1])
+                        s = sg if s is None else jnp.where(rows_t >= off, sg, s)
+                    rows = rows_t + (row0 + r * _M)
+                    valid = (rows >= lo) & (rows < hi)
+                    ss.append(jnp.where(valid, s, _NEG))
+                    valids.append(valid)
+
+                # 3. online softmax: ONE cross-warp max for the block
+                smax = ss[0]
+                for s in ss[1:]:
+                    smax = jnp.maximum(smax, s)
+                m_new = jnp.maximum(m_i, smax.max(axis=0))
+                alpha = jnp.exp2(m_i - m_new)
+                alpha_t = lax.broadcast_in_dim(alpha, (_M, n), [1])
+                l_i = l_i * alpha_t
+                zs = [z * alpha_t for z in zs]
+                cols = plgpu.broadcasted_iota(jnp.int32, (_M, n), 1, layout=wg)
+                for r in range(pln):
+                    p = jnp.where(valids[r], jnp.exp2(ss[r] - lax.broadcast_in_dim(m_new, (_M, n), [1])), 0.0)
+                    l_i = l_i + p
+                    pvs = {}
+                    for ci in range(nvg):
+                        sv = plgpu.load(vs_smem.at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1),
+                                        optimized=False).astype(_F32)
+                        mv = plgpu.load(vm_smem.at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1),
+                                        optimized=False).astype(_F32)
+                        if r == pln - 1:        # re-centred top-plane codes: v = (u - 2^(b-1)) sv + (mv + 2^(b-1) sv)
+                            mv = mv + (2.0 ** (sp.bits - 1)) * sv
+                        sv = sv * (2.0 ** (-sp.bits * r))   # the plane's codes come out times 2^(bits*r)
+                        zs[ci] = zs[ci] + jnp.where(valids[r], p * lax.broadcast_in_dim(mv, (_M, n), [0]), 0.0)
+                        pv = jnp.where(valids[r], p * lax.broadcast_in_dim(sv, (_M, n), [0]), 0.0)
+                        if sp.dup:
+                            pv = jnp.where(cols < sp.dup, pv, pv - pv.astype(bf16).astype(_F32))
+                        pvs[ci] = plgpu.layout_cast(pv.astype(bf16), plgpu.Layout.WGMMA_TRANSPOSED)
+                    for j in range(dch):
+                        for si, (ci, _) in enumerate(vslots[j]):
+                            p_smem.at[r, j, pl.ds(si * n, n)].T[...] = pvs[ci]
+                if nvs > 1:             # alpha tiled over the PV slots (no concatenate in Mosaic GPU): via SMEM
+                    for si in range(nvs):
+                        a_smem.at[pl.ds(si * n, n)][...] = alpha
+                plgpu.commit_smem()     # (a fence + warpgroup barrier)
+                alpha_w = alpha if nvs == 1 else plgpu.load(a_smem, (), layout=wg.reduce(0), optimized=False)
+
+                # 4. O^T[d-tile j] += V^T plane r [64, 64] @ P chunk (r, j): ONE wgmma per (plane, d-tile),
+                #    N = the tile's channel-group slots * n
+                accs = [a_ * lax.broadcast_in_dim(alpha_w, a_.shape, [1]) for a_ in accs]
+
+                def pv_fn(acc_refs):
+                    for j in range(dch):
+                        vbytes = v_smem[pl.ds(j * _M, _M), :]
+                        for r in range(pln):
+                            plgpu.wgmma(acc_refs[j], _plane(vbytes, r, sp.bits), p_smem.at[r, j].T)
+
+                accs = list(pl.run_state(pv_fn)([plgpu.ACC.init(a_) for a_ in accs]))
+                return accs, m_new, l_i, zs
+
+            ks_blk = (nkg, d)
+            specs = [plgpu.BlockSpec((_M, d), lambda i: (base + i, 0), transforms=k_tf),
+                     plgpu.BlockSpec((d, _M), lambda i: (0, base + i), transforms=v_tf),
+                     plgpu.BlockSpec(ks_blk, lambda i: (base + i, 0)),
+                     plgpu.BlockSpec((nkg, c.shape[-1]), lambda i: (base + i, 0)),
+                     plgpu.BlockSpec((nvg, bt), lambda i: (0, base + i)),
+                     plgpu.BlockSpec((nvg, bt), lambda i: (0, base + i))]
+            refs = [k_ref.at[pid], v_ref.at[pid], ks_ref.at[pid], c_ref.at[pid], vs_ref.at[pid], vm_ref.at[pid]]
+            zero_t = lambda w=n: plgpu.layout_cast(jnp.full((_M, w), 0.0, _F32), wg)  # noqa: E731
+            accs0 = [zero_t(nvs * n) for _ in range(dch)]
+            m0 = plgpu.layout_cast(jnp.full((n,), _NEG, _F32), wg.reduce(0))
+            carry0 = (accs0, m0, zero_t(), [zero_t() for _ in range(nvg)])
+            accs, m_i, l_i, zs = plgpu.emit_pipeline(
+                step, grid=(nbs,), in_specs=specs, max_concurrent_steps=min(sp.stages, nbs),
+                init_carry=carry0)(*refs)
+            rows_t = plgpu.broadcasted_iota(jnp.int32, (_M, n), 0, layout=wg)
+            for j in range(dch):
+                o = None
+                for si, (_, off) in enumerate(vslots[j]):
+                    a = accs[j][:, si * n:(si + 1) * n]
+                    o = a if o is None else jnp.where(rows_t >= off, a, o)
+                o_smem.at[pl.ds(j * _M, _M)][...] = o
+            for ci in range(nvg):
+                z_smem.at[ci][...] = zs[ci].sum(axis=0)
+            m_smem[...] = m_i
+            l_smem[...] = l_i.sum(axis=0)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pid, sid])
+            plgpu.copy_smem_to_gmem(z_smem, z_ref.at[pid, sid])
+            plgpu.copy_smem_to_gmem(m_smem, m_ref.at[pid, sid])
+            plgpu.copy_smem_to_gmem(l_smem, l_ref.at[pid, sid])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(
+            scoped,
+            plgpu.SMEM((d, n), _F32),
+            plgpu.SMEM((pln, dch, nq, 64), bf16, transforms=b_tf),
+            plgpu.SMEM((pln, dch, nvs * n, 64), bf16, transforms=b_tf),
+            plgpu.SMEM((nvs * n,), _F32),
+            plgpu.SMEM((d, n), _F32),
+            plgpu.SMEM((nvg, n), _F32),
+            plgpu.SMEM((n,), _F32),
+            plgpu.SMEM((n,), _F32),
+            plgpu.Barrier(num_arrivals=1),
+        )
+
+    out_type = (jax.ShapeDtypeStruct((bh, ns, d, n), _F32), jax.ShapeDtypeStruct((bh, ns, nvg, n), _F32),
+                jax.ShapeDtypeStruct((bh, ns, n), _F32), jax.ShapeDtypeStruct((bh, ns, n), _F32))
+    fn = plgpu.kernel(body, out_type=out_type, grid=(bh, ns), grid_names=("bh", "split"),
+                      compiler_params=plgpu.CompilerParams(approx_math=True))
+    return fn(start, end, qt, c, k, v, ks, vs, vm)
+
+
+def _spec_for(ops: KiviMgpuOperands, g: int, cfg: KiviMgpuConfig | None) -> _KiviSpec:
+    cfg = cfg or KiviMgpuConfig()
+    if cfg.precision not in ("bf16x2", "bf16"):
+        raise ValueError(f"precision must be 'bf16x2' or 'bf16', got {cfg.precision!r}")
+    dup = g if cfg.precision == "bf16x2" else 0
+    n = max(8, -(-(2 * g if dup else g) // 8) * 8)
+    bt = ops.block_t
+    if ops.rows % bt:
+        raise ValueError(f"{ops.rows} rows is not a multiple of the {ops.bits}-bit block of {bt} tokens")
+    nb = ops.rows // bt
+    ns = cfg.num_splits or _auto_splits(ops.k.shape[0], nb)
+    if nb % ns:
+        raise ValueError(f"num_splits={ns} does not divide the {nb} blocks")
+    return _KiviSpec(d=ops.head_dim, g=g, n=n, dup=dup, bits=ops.bits, kg=ops.k_group, vg=ops.v_group, ns=ns,
+                     nbs=nb // ns, stages=cfg.max_concurrent_steps, parts=2 if dup else 1,
+                     ks_dtype=ops.k_scale.dtype, vs_dtype=ops.v_scale.dtype)
+
+
+def _scaled_query_block(q, hkv: int, n: int, dup: int, sm_scale):
+    """``[B, Hq, D]`` -> ``q'`` ``[B*Hkv, N, D]`` float32: times ``sm_scale * log2 e``, rows duplicated for
+    bf16x2, zero-padded to N."""
+    b, hq, d = q.shape
+    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
+    q4 = q.astype(_F32).reshape(b, hkv, hq // hkv, d) * (scale * _LOG2E)
+    if dup:
+        q4 = jnp.concatenate([q4, q4], axis=2)
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, n - q4.shape[2]), (0, 0)))
+    return q4.reshape(b * hkv, n, d)
+
+
+def decode_attention_mgpu_kivi_partials(q, ops: KiviMgpuOperands, *, sm_scale: float | None = None,
+                                        config: KiviMgpuConfig | None = None, interpret: Any = False):
+    """Split-K partials of one prepared KIVI region.  ``q``: ``[B, Hq, D]``.  Returns ``acc [B, Hkv, S, G, D], m,
+    l [B, Hkv, S, G]`` float32 (natural-log ``m``), the format of ``decode_attention._combine``'s inputs."""
+    if interpret:
+        return _partials_jnp(q, ops, sm_scale)
+    b, hq, d = q.shape
+    hkv = ops.num_kv_heads
+    g = hq // hkv
+    sp = _spec_for(ops, g, config)
+    qb = _scaled_query_block(q, hkv, sp.n, sp.dup, sm_scale)                       # [BH, N, D]
+    c = _group_offsets(qb, ops)
+    cn = max(sp.n, 128 // (4 * sp.kgroups))         # a TMA tile of >= 128 bytes (one per thread of the warpgroup)
+    c = jnp.pad(c, ((0, 0), (0, 0), (0, cn - sp.n)))
+    rows = ops.rows
+    start = jnp.repeat(jnp.clip(ops.start, 0, rows), hkv)
+    end = jnp.repeat(jnp.clip(ops.end, 0, rows), hkv)
+    o, z, m, l = _kivi_call(start, end, jnp.swapaxes(qb, 1, 2), c, ops.k, ops.v, ops.k_scale, ops.v_scale,
+                            ops.v_min, sp)
+    ns = o.shape[1]
+    z_cols = jnp.arange(sp.n) < (sp.dup or sp.n)                                  # z once (not in lo columns)
+    o = o + jnp.where(z_cols, jnp.repeat(z, sp.vg, axis=2), 0.0)
+    o = jnp.swapaxes(o, 2, 3).reshape(b, hkv, ns, sp.n, d)
+    acc = o[:, :, :, :g] + (o[:, :, :, g:2 * g] if sp.dup else 0.0)
+    return acc, (m.reshape(b, hkv, ns, sp.n) * _LN2)[..., :g], l.reshape(b, hkv, ns, sp.n)[..., :g]
+
+
+def _group_offsets(qb, ops: KiviMgpuOperands):
+    """``c [BH, T/G, N]`` float32: per K group and query column, ``q' . mn_g``, plus ``2^(bits-1) q' . s_g`` for the
+    groups of a block's top plane (their codes are re-centred).  ``qb``: ``q' [BH, N, D]`` float32."""
+    hp = lax.Precision.HIGHEST
+    c = jnp.einsum("xnd,xgd->xgn", qb, ops.k_min.astype(_F32), precision=hp)
+    top = _top_plane_rows(ops.rows, ops.bits, ops.k_group)
+    s_top = ops.k_scale[:, top].astype(_F32)                                         # [BH, T/G/P, D]
+    c_top = jnp.einsum("xnd,xgd->xgn", qb, s_top, precision=hp) * (2.0 ** (ops.bits - 1))
+    return c.at[:, top].add(c_top)
+
+
+def _planes_as_kernel(packed, bits: int):
+    """The kernel's reading of token-planar bytes ``[BH, T/P, X]``: per plane ``(byte & mask)`` as a signed byte,
+    times ``2^(-bits*r)`` -> ``[BH, T, X]`` float32 (``u``, or ``u - 2^(bits-1)`` on the top plane)."""
+    p = 8 // bits
+    bh, tp, x = packed.shape
+    b = packed.reshape(bh, tp // _M, 1, _M, x)
+    masks = jnp.asarray([_plane_mask(r, bits) for r in range(p)], jnp.int8).reshape(p, 1, 1)
+    scale = jnp.asarray([2.0 ** (-bits * r) for r in range(p)], _F32).reshape(p, 1, 1)
+    return ((b & masks).astype(_F32) * scale).reshape(bh, tp * p, x)
+
+
+def _partials_jnp(q, ops: KiviMgpuOperands, sm_scale):
+    """Plain-JAX partials (one split) in the kernel's algebra, from the prepared operands: the planes read as the
+    kernel reads them, the logit offsets ``c`` of :func:`_group_offsets`, ``p * sv`` and the V min term with the
+    top plane's shifted min, all float32."""
+    b, hq, d = q.shape
+    hkv = ops.num_kv_heads
+    g = hq // hkv
+    t, bits = ops.rows, ops.bits
+    hp = lax.Precision.HIGHEST
+    qb = _scaled_query_block(q, hkv, g, 0, sm_scale)                                 # [BH, G, D] (log2 units)
+    uk = _planes_as_kernel(ops.k, bits)                                              # [BH, T, D]
+    uv = _planes_as_kernel(jnp.swapaxes(ops.v, 1, 2), bits)                          # [BH, T, D]
+    ks = jnp.repeat(ops.k_scale.astype(_F32), ops.k_group, 1)                        # [BH, T, D]
+    c = jnp.repeat(_group_offsets(qb, ops), ops.k_group, 1)                          # [BH, T, G]
+    s = jnp.einsum("xgd,xtd->xgt", qb, uk * ks, precision=hp) + jnp.swapaxes(c, 1, 2)
+    top = jnp.asarray(_top_plane_rows(t, bits))[None, :, None]
+    sv = jnp.repeat(jnp.swapaxes(ops.v_scale.astype(_F32), 1, 2), ops.v_group, 2)   # [BH, T, D]
+    mv = jnp.repeat(jnp.swapaxes(ops.v_min.astype(_F32), 1, 2), ops.v_group, 2)
+    mv = jnp.where(top, mv + (2.0 ** (bits - 1)) * sv, mv)
+    rows = jnp.arange(t, dtype=jnp.int32)[None, :]
+    valid = jnp.repeat((rows >= ops.start[:, None]) & (rows < ops.end[:, None]), hkv, 0)[:, None, :]
+    s = jnp.where(valid, s, _NEG)
+    m = jnp.max(s, axis=-1)                                                          # [BH, G]
+    p = jnp.where(valid, jnp.exp2(s - m[..., None]), 0.0)
+    live = valid[:, 0, :, None]
+    acc = (jnp.einsum("xgt,xtd->xgd", p, jnp.where(live, uv * sv, 0.0), precision=hp)
+           + jnp.einsum("xgt,xtd->xgd", p, jnp.where(live, mv, 0.0), precision=hp))
+    sh = (b, hkv, 1, g)
+    return acc.reshape(sh + (d,)), (m * _LN2).reshape(sh), jnp.sum(p, axis=-1).reshape(sh)
+
+
+def decode_attention_mgpu_kivi_prepared(q, ops: KiviMgpuOperands, *, k_new=None, v_new=None,
+                                        sm_scale: float | None = None, config: KiviMgpuConfig | None = None,
+                                        interpret: Any = False, out_dtype=None):
+    """Attention of the new token over one prepared KIVI region (+ the exact current token), ONE softmax.
+    ``q [B, Hq, D]``; ``k_new, v_new`` optional ``[B, Hkv, D]``; returns ``[B, Hq, D]`` (``out_dtype``, default
+    ``q.dtype``)."""
+    part = decode_attention_mgpu_kivi_partials(q, ops, sm_scale=sm_scale, config=config, interpret=interpret)
+    return _with_current_token(q, part, ops.num_kv_heads, k_new, v_new, sm_scale, out_dtype)
+
+
+def decode_attention_mgpu_kivi(q, region: Region, *, k_new=None, v_new=None, sm_scale: float | None = None,
+                               config: KiviMgpuConfig | None = None, interpret: Any = False, out_dtype=None):
+    """Layout-v1 entry point: :func:`prepare_kivi_region` (a pass over the codes) then the kernel."""
+    check_query(q, [region], k_new, v_new)
+    why = kivi_mgpu_unsupported(region, q.shape[-1], config)
+    if why:
+        raise NotImplementedError(f"decode_attention_mgpu_kivi: {why}")
+    ops = prepare_kivi_region(region)
+    return decode_attention_mgpu_kivi_prepared(q, ops, k_new=k_new, v_new=v_new, sm_scale=sm_scale, config=config,
+                                               interpret=interpret, out_dtype=out_dtype)
+
+
+def decode_attention_mgpu_kivi_reference(q, region: Region, *, k_new=None, v_new=None,
+                                         sm_scale: float | None = None, config: KiviMgpuConfig | None = None,
+                                         interpret: Any = False, out_dtype=None):
+    """Plain-JAX float32 twin (kernel-only args ignored): converts to the kivi mgpu layout and runs the same
+    partial arithmetic, so it also checks :func:`prepare_kivi_region`."""
+    del config, interpret
+    return decode_attention_mgpu_kivi(q, region, k_new=k_new, v_new=v_new, sm_scale=sm_scale, interpret=True,
+                                      out_dtype=out_dtype)
+
+
+def decode_attention_mgpu_kivi_reference_f64(q, region: Region, *, k_new=None, v_new=None,
+                                             sm_scale: float | None = None) -> np.ndarray:
+    """The float64 NumPy oracle (``kvquant_jax.abi.reference``) on the same layout-v1 inputs."""
+    return _oracle_f64(q, [region], k_new=k_new, v_new=v_new, sm_scale=sm_scale)

@@ -1,0 +1,246 @@
+"""Mosaic GPU KIVI decode attention (pallas_kernels/decode_attention_mgpu_kivi.py): CPU checks.
+
+* The token-planar pack (``pack_token_planar`` / ``unpack_token_planar``) round-trips, and its bytes match an
+  explicit-loop NumPy construction of the documented layout (top plane stored XOR 2^(bits-1)).
+* The plain-JAX twin of the kernel algebra (``decode_attention_mgpu_kivi_reference``: the prepared operands read as
+  the kernel reads them, the top-plane re-centring folded into the logit offsets and the V mins) matches the
+  float64 oracle on ragged, poisoned regions with the current token in the same softmax.
+* ``interpret=True`` runs that twin; the support matrix says why not; a mutation of the top-plane correction is
+  caught by the oracle comparison (so the parity bound is not vacuous).
+The kernel itself needs an H200 (experiments/check_mgpu_kivi.py); its lowering is checked in
+tests/kernels/test_decode_attention_lowering.py.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvquant_jax.abi.reference import unpack_codes
+from kvquant_jax.attention.synthetic import PRESETS, kivi_formats, random_region
+from pallas_kernels import decode_attention_mgpu_kivi as mk
+
+#: (bits, K group, V group, D, GQA group)
+PARITY_CASES = [(2, 32, 32, 128, 4), (4, 32, 32, 128, 4), (2, 16, 0, 64, 3), (2, 64, 64, 256, 8),
+                (4, 64, 16, 64, 1)]
+BOUND = 2e-6                      # max-abs-err / max-abs-ref vs the float64 oracle
+
+
+def _max_rel(out, ref) -> float:
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+def _case(rng, bits, kg, vg, d, g, *, b=3, hkv=2, t=512, start=(0, 5, 130), end=(300, 512, 131),
+          qparam_dtype=jnp.float32, q_dtype=jnp.float32, poison=True):
+    kf, vf = kivi_formats(bits, kg, vg)
+    reg = random_region(rng, kf, vf, b, hkv, t, d, list(start[:b]), list(end[:b]), poison=poison,
+                        qparam_dtype=qparam_dtype)
+    q = jnp.asarray(rng.standard_normal((b, hkv * g, d)).astype(np.float32)).astype(q_dtype)
+    kn = jnp.asarray(rng.standard_normal((b, hkv, d)).astype(np.float32))
+    vn = jnp.asarray(rng.standard_normal((b, hkv, d)).astype(np.float32))
+    return q, reg, kn, vn
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pack-time layout
+# ---------------------------------------------------------------------------------------------------------------
+def _expected_planar_bytes(u: np.ndarray, bits: int) -> np.ndarray:
+    """Explicit loops over the documented layout: byte row ``b*64 + i`` holds token ``b*64P + 64r + i`` at bits
+    ``bits*r``; the top plane (``r = P-1``) is stored XOR 2^(bits-1).  ``u``: ``[L, T, X]`` -> uint8 ``[L, T/P, X]``."""
+    p = 8 // bits
+    lead, t, x = u.shape
+    out = np.zeros((lead, t // p, x), np.uint8)
+    for lo in range(lead):
+        for blk in range(t // (64 * p)):
+            for i in range(64):
+                for c in range(x):
+                    byte = 0
+                    for r in range(p):
+                        code = int(u[lo, blk * 64 * p + 64 * r + i, c])
+                        if r == p - 1:
+                            code ^= 2 ** (bits - 1)
+                        byte |= code << (bits * r)
+                    out[lo, blk * 64 + i, c] = byte
+    return out
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_pack_token_planar_layout_and_round_trip(rng, bits):
+    p = 8 // bits
+    lead, t, x = 2, 2 * 64 * p, 5
+    u = rng.integers(0, 2 ** bits, (lead, t, x), dtype=np.uint8)
+    want = _expected_planar_bytes(u, bits)
+
+    packed_np = mk.pack_token_planar(u, bits, xp=np)
+    packed_jnp = mk.pack_token_planar(jnp.asarray(u), bits)
+    assert packed_np.dtype == np.int8 and packed_np.shape == (lead, t // p, x)
+    assert packed_jnp.dtype == jnp.int8 and packed_jnp.shape == (lead, t // p, x)
+    np.testing.assert_array_equal(packed_np.view(np.uint8), want)
+    np.testing.assert_array_equal(np.asarray(packed_jnp).view(np.uint8), want)
+
+    for back in (mk.unpack_token_planar(packed_np, bits, xp=np),
+                 np.asarray(mk.unpack_token_planar(packed_jnp, bits, xp=jnp))):
+        assert back.shape == u.shape
+        np.testing.assert_array_equal(back, u.astype(np.int32))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kernel_plane_read_is_recentred_code(rng, bits):
+    """The kernel's read of a plane (``byte & mask`` as a signed byte, times 2^(-bits*r)) is ``u`` on the low
+    planes and ``u - 2^(bits-1)`` on the top plane (what the top-plane corrections assume)."""
+    p = 8 // bits
+    t, x = 64 * p, 3
+    u = rng.integers(0, 2 ** bits, (1, t, x), dtype=np.uint8)
+    got = np.asarray(mk._planes_as_kernel(mk.pack_token_planar(jnp.asarray(u), bits), bits))
+    want = u.astype(np.float64)
+    want[:, 64 * (p - 1):] -= 2 ** (bits - 1)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_prepare_kivi_region_codes_and_qparams(rng):
+    bits, kg, vg, d = 2, 32, 32, 64
+    q, reg, _, _ = _case(rng, bits, kg, vg, d, 2, b=2, t=256, poison=False)
+    ops = mk.prepare_kivi_region(reg)
+    bh, t = 4, 256
+    uk = unpack_codes(np.asarray(reg.k.data), bits).reshape(bh, t, d)
+    uv = unpack_codes(np.asarray(reg.v.data), bits).reshape(bh, t, d)
+    np.testing.assert_array_equal(mk.unpack_token_planar(np.asarray(ops.k), bits), uk)
+    np.testing.assert_array_equal(mk.unpack_token_planar(np.swapaxes(np.asarray(ops.v), 1, 2), bits), uv)
+    np.testing.assert_array_equal(np.asarray(ops.k_scale), np.asarray(reg.k.scale).reshape(bh, t // kg, d))
+    np.testing.assert_array_equal(np.asarray(ops.v_min), np.swapaxes(np.asarray(reg.v.zero).reshape(bh, t, -1), 1, 2))
+    assert (ops.bits, ops.k_group, ops.v_group, ops.num_kv_heads, ops.rows, ops.block_t) == (2, 32, 32, 2, 256, 256)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plain-JAX twin vs the float64 oracle
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits,kg,vg,d,g", PARITY_CASES, ids=lambda v: str(v))
+def test_reference_twin_matches_oracle(rng, bits, kg, vg, d, g):
+    q, reg, kn, vn = _case(rng, bits, kg, vg, d, g)
+    out = mk.decode_attention_mgpu_kivi_reference(q, reg, k_new=kn, v_new=vn, out_dtype=jnp.float32)
+    ref = mk.decode_attention_mgpu_kivi_reference_f64(q, reg, k_new=kn, v_new=vn)
+    out = np.asarray(out)
+    assert out.shape == ref.shape == q.shape
+    assert np.isfinite(out).all()
+    assert np.isfinite(ref).all()
+    err = _max_rel(out, ref)
+    assert err <= BOUND, err
+
+
+def test_reference_twin_fp16_qparams_bf16_query(rng):
+    q, reg, kn, vn = _case(rng, 2, 32, 32, 128, 4, qparam_dtype=jnp.float16, q_dtype=jnp.bfloat16)
+    assert reg.k.scale.dtype == jnp.float16 and q.dtype == jnp.bfloat16
+    out = mk.decode_attention_mgpu_kivi_reference(q, reg, k_new=kn, v_new=vn, out_dtype=jnp.float32)
+    ref = mk.decode_attention_mgpu_kivi_reference_f64(q, reg, k_new=kn, v_new=vn)    # same bf16 query
+    out = np.asarray(out)
+    assert np.isfinite(out).all()
+    err = _max_rel(out, ref)
+    assert err <= BOUND, err
+    # default out_dtype follows the query
+    assert mk.decode_attention_mgpu_kivi_reference(q, reg, k_new=kn, v_new=vn).dtype == jnp.bfloat16
+
+
+def test_interpret_entry_equals_reference(rng):
+    q, reg, kn, vn = _case(rng, 4, 32, 32, 128, 4)
+    ref = np.asarray(mk.decode_attention_mgpu_kivi_reference(q, reg, k_new=kn, v_new=vn, out_dtype=jnp.float32))
+    out = np.asarray(mk.decode_attention_mgpu_kivi(q, reg, k_new=kn, v_new=vn, interpret=True,
+                                                   out_dtype=jnp.float32))
+    np.testing.assert_array_equal(out, ref)
+    ops = mk.prepare_kivi_region(reg)
+    prep = mk.decode_attention_mgpu_kivi_prepared(q, ops, k_new=kn, v_new=vn, interpret=True, out_dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(prep), ref)
+    jitted = jax.jit(lambda q, r, kn, vn: mk.decode_attention_mgpu_kivi(
+        q, r, k_new=kn, v_new=vn, interpret=True, out_dtype=jnp.float32))(q, reg, kn, vn)
+    np.testing.assert_allclose(np.asarray(jitted), ref, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Support matrix
+# ---------------------------------------------------------------------------------------------------------------
+def _region(rng, kf, vf, t=512, d=128):
+    return random_region(rng, kf, vf, 2, 2, t, d, [0, 0], [t, 100], poison=False)
+
+
+def test_supported_region_says_none(rng):
+    for bits, kg, vg, d, _ in PARITY_CASES:
+        kf, vf = kivi_formats(bits, kg, vg)
+        assert mk.kivi_mgpu_unsupported(_region(rng, kf, vf, d=d), d) is None, (bits, kg, vg, d)
+        assert mk.kivi_formats_unsupported(kf, vf, d, 512) is None
+    kf, vf = kivi_formats(2, 32, 32)
+    assert mk.kivi_mgpu_unsupported(_region(rng, kf, vf), 128, mk.KiviMgpuConfig(precision="bf16")) is None
+
+
+@pytest.mark.parametrize("kind", ["not_kivi", "v_bits", "k_group_128", "v_group_8", "rows_320", "head_dim_96"])
+def test_unsupported_region_says_why(rng, kind):
+    kf, vf = kivi_formats(2, 32, 32)
+    t, d = 512, 128
+    if kind == "not_kivi":
+        kf, vf = PRESETS["int4"]
+        needle = "KIVI"
+    elif kind == "v_bits":
+        vf = kivi_formats(4, 32, 32)[1]
+        needle = "bit width"
+    elif kind == "k_group_128":
+        kf = kivi_formats(2, 128, 32)[0]
+        needle = "K group 128"
+    elif kind == "v_group_8":
+        vf = kivi_formats(2, 32, 8)[1]
+        needle = "V group 8"
+    elif kind == "rows_320":
+        t = 320
+        needle = "320 rows"
+    else:
+        d = 96
+        needle = "head_dim 96"
+    reg = _region(rng, kf, vf, t=t, d=d)
+    why = mk.kivi_mgpu_unsupported(reg, d)
+    assert why and needle in why, why
+    assert mk.kivi_formats_unsupported(kf, vf, d, t) == why
+    if kind == "rows_320":
+        assert "256" in why                    # the 2-bit block
+    q = jnp.zeros((2, 8, d), jnp.float32)
+    with pytest.raises(NotImplementedError, match="decode_attention_mgpu_kivi"):
+        mk.decode_attention_mgpu_kivi(q, reg, interpret=True)
+    with pytest.raises(NotImplementedError):
+        mk.prepare_kivi_region(reg)
+
+
+def test_bad_precision_says_why(rng):
+    kf, vf = kivi_formats(2, 32, 32)
+    reg = _region(rng, kf, vf)
+    cfg = mk.KiviMgpuConfig(precision="fp8")
+    why = mk.kivi_mgpu_unsupported(reg, 128, cfg)
+    assert why and "precision" in why and "fp8" in why
+    ops = mk.prepare_kivi_region(reg)
+    with pytest.raises(ValueError, match="precision"):
+        mk._spec_for(ops, 4, cfg)
+    with pytest.raises(NotImplementedError, match="precision"):
+        mk.decode_attention_mgpu_kivi(jnp.zeros((2, 8, 128), jnp.float32), reg, config=cfg)
+    # the spec of the supported configs (swap-AB N: 2g rounded up to 8 with bf16x2, g rounded up to 8 with bf16)
+    assert mk._spec_for(ops, 4, mk.KiviMgpuConfig()).n == 8
+    assert mk._spec_for(ops, 8, mk.KiviMgpuConfig()).n == 16
+    assert mk._spec_for(ops, 4, mk.KiviMgpuConfig(precision="bf16")).n == 8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Mutation: the parity test is sensitive to the top-plane correction
+# ---------------------------------------------------------------------------------------------------------------
+def _offsets_without_top_plane(qb, ops):
+    """``_group_offsets`` with the top-plane term (2^(bits-1) q'.s_g) dropped: only q'.mn."""
+    return jnp.einsum("xnd,xgd->xgn", qb, ops.k_min.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+@pytest.mark.parametrize("mutation", ["drop_top_plane_offset", "no_top_plane_rows"])
+def test_parity_catches_top_plane_mutation(rng, monkeypatch, mutation):
+    q, reg, kn, vn = _case(rng, 2, 32, 32, 128, 4)
+    ref = mk.decode_attention_mgpu_kivi_reference_f64(q, reg, k_new=kn, v_new=vn)
+    good = mk.decode_attention_mgpu_kivi_reference(q, reg, k_new=kn, v_new=vn, out_dtype=jnp.float32)
+    assert _max_rel(good, ref) <= BOUND
+    if mutation == "drop_top_plane_offset":
+        monkeypatch.setattr(mk, "_group_offsets", _offsets_without_top_plane)
+    else:   # forget the re-centring everywhere (K logit offsets and V mins)
+        monkeypatch.setattr(mk, "_top_plane_rows", lambda t, bits, group=1: np.zeros(len(range(0, t, group)), bool))
+    bad = np.asarray(mk.decode_attention_mgpu_kivi_reference(q, reg, k_new=kn, v_new=vn, out_dtype=jnp.float32))
+    err = _max_rel(bad, ref)
+    assert err > 1e-3, err
