@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode_attention as bench  # noqa: E402
 from bench_decode_attention import (CLOCK, add_clock_arg, baseline_fns, hbm_copy_tbps, hbm_read_tbps,  # noqa: E402
                                     n_sets_for, rel_err, time_program, timing_fields)
-from check_mgpu_decode import cudnn_sets, nbytes, timing_query, triton_fn  # noqa: E402
+from check_mgpu_decode import cudnn_sets, mgpu_read_bytes, timing_query, triton_fn  # noqa: E402
 from kvquant_jax.abi.reference import decode_attention_jnp  # noqa: E402
 from kvquant_jax.attention.synthetic import kivi_formats, random_region  # noqa: E402
 from pallas_kernels import decode_attention_mgpu_kivi as mk  # noqa: E402
@@ -142,7 +142,7 @@ def timing(args, results, t, rep: int):
                 _row(results, args, T=t, impl="triton", format=name, error=f"{type(e).__name__}: {e}"[:800])
         sets = [jax.block_until_ready(jax.jit(mk.prepare_kivi_region)(r)) for r in regs]
         del regs
-        read = nbytes(sets[0]) - 2 * b * 4 + q.size * 2
+        read = mgpu_read_bytes(sets[0], q)
         dflt = mk.KiviMgpuConfig()
         s0 = mk._spec_for(sets[0], hq // hkv, dflt).ns
         variants = {"default": dflt}

@@ -245,8 +245,6 @@ class _KiviSpec:
     nbs: int           # blocks per split
     stages: int
     parts: int         # 2: B = q*s as bf16 hi + lo (two QK wgmmas); 1: rounded once
-    ks_dtype: Any
-    vs_dtype: Any
 
     @property
     def planes(self) -> int:
@@ -477,8 +475,7 @@ def _spec_for(ops: KiviMgpuOperands, g: int, cfg: KiviMgpuConfig | None) -> _Kiv
     if nb % ns:
         raise ValueError(f"num_splits={ns} does not divide the {nb} blocks")
     return _KiviSpec(d=ops.head_dim, g=g, n=n, dup=dup, bits=ops.bits, kg=ops.k_group, vg=ops.v_group, ns=ns,
-                     nbs=nb // ns, stages=cfg.max_concurrent_steps, parts=2 if dup else 1,
-                     ks_dtype=ops.k_scale.dtype, vs_dtype=ops.v_scale.dtype)
+                     nbs=nb // ns, stages=cfg.max_concurrent_steps, parts=2 if dup else 1)
 
 
 def _scaled_query_block(q, hkv: int, n: int, dup: int, sm_scale):
