@@ -2,10 +2,14 @@
 
     python3 experiments/ncu_decode.py --out $OUT/ncu                    # driver: every case under ncu, JSON + md
     python3 experiments/ncu_decode.py --T 32768 --formats int4 --impls v1,ws --case-timeout 240
+    python3 experiments/ncu_decode.py --T 32768 --formats kivi2,kivi4 --impls mgpu_kivi,triton   # KIVI: Mosaic + Triton
     python3 experiments/ncu_decode.py --parse ncu_v1_int4_T32768.log    # re-parse one saved ncu log (no GPU)
     python3 experiments/ncu_decode.py --child --impl ws --format int8 --T 32768   # what ncu runs, one case
+    python3 experiments/ncu_decode.py --child --impl mgpu_kivi --format kivi2 --T 512 --B 2 --interpret  # CPU smoke
 
-Driver: per case (impl x format x T; cuDNN only for bf16) it runs, with a timeout,
+Driver: per case (impl x format x T; cuDNN only for bf16, ``mgpu_kivi`` only for kivi2 / kivi4, v1 / ws not for
+the formats only the Triton kernel or the KIVI kernels read: the pairs left out are logged and listed under
+``skipped`` in the JSON) it runs, with a timeout,
 
     ncu --clock-control none --target-processes all --kernel-name regex:<pattern> --launch-skip <warmup>
         --launch-count 1 --csv --print-units base --log-file <case>.log --metrics <METRICS>
@@ -13,23 +17,30 @@ Driver: per case (impl x format x T; cuDNN only for bf16) it runs, with a timeou
 
 and parses the CSV (:func:`parse_ncu_csv`, :func:`case_row`) into one row: kernel name, duration, DRAM bytes read
 (against the bytes the kernel must read), DRAM throughput % of peak, achieved occupancy, registers / thread,
-shared memory / block, shared-memory bank conflicts, the top warp-stall reasons (warps stalled per issued
-instruction).  A pattern that matches no kernel gives a row that says so, with the kernel names ncu saw in a
-second, unfiltered listing pass (``--no-list-on-miss``: skip it); a metric this ncu does not know is dropped and
-the case re-run once (the row names the dropped metrics).  ncu's default ``--cache-control all`` flushes the
-caches before the profiled launch, so DRAM bytes ~ the bytes the kernel reads from a cold L2.
+shared memory / block, shared-memory bank conflicts, local-memory load / store bytes and instructions (register
+spills: 0 when nothing spills; ``l1tex__t_bytes_pipe_lsu_mem_local_op_{ld,st}.sum``, else the ``..._sectors_...``
+counts x 32), the top warp-stall reasons (warps stalled per issued instruction).  A pattern that matches no kernel
+gives a row that says so, with the kernel names ncu saw in a second, unfiltered listing pass
+(``--no-list-on-miss``: skip it); a metric this ncu does not know is dropped and the case re-run (once per batch
+of refused names; the row names the dropped metrics, the later cases do not ask for them).  ncu's default
+``--cache-control all`` flushes the caches before the profiled launch, so DRAM bytes ~ the bytes the kernel reads
+from a cold L2.
 
 Child (``--child``): the inputs of ``check_mgpu_decode.py``'s timing at one T, built by ITS functions
 (:func:`check_mgpu_decode.timing_query`, ``cudnn_sets``, ``bench.region_sets``, ``prepared_sets``, ...; one input
 set: ``--sets``), then ``--warmup`` calls and ``--calls`` calls of the jitted kernel, each ``block_until_ready``.
 Impls: ``v1`` (``decode_attention_mgpu``), ``ws`` (``decode_attention_mgpu_ws``), ``triton`` (the Pallas Triton
-kernel), ``cudnn`` (bf16 only); ``--config JSON`` overrides fields of the v1 / ws default config.  The driver's
-``tuned`` impl is what the dispatcher runs (``pallas_kernels.decode_tuning.choose`` on the shipped table for
-``--device-kind``), profiled only where it differs from the v1 / ws default.
+kernel), ``cudnn`` (bf16 only), ``mgpu_kivi`` (``decode_attention_mgpu_kivi_prepared``, kivi2 / kivi4 only: the
+inputs of ``check_mgpu_kivi.py``'s timing -- ``kivi_formats(bits, 32, 32)``, ``bench.region_sets``,
+``jax.jit(prepare_kivi_region)`` outside the profiled call; bytes = ``check_mgpu_decode.mgpu_read_bytes``);
+``--config JSON`` overrides fields of the v1 / ws / ``KiviMgpuConfig()`` default config.  ``--interpret``
+(mgpu_kivi only, for CPU tests): the kernel module's plain-JAX twin instead of the Mosaic kernel -- not a profile.
+The driver's ``tuned`` impl is what the dispatcher runs (``pallas_kernels.decode_tuning.choose`` on the shipped
+table for ``--device-kind``), profiled only where it differs from the v1 / ws default.
 
 Kernel names (``--kernel-regex impl=PATTERN`` to change): the Mosaic GPU kernels are ``plgpu.kernel(body, ...)``:
 the host function is ``body_mosaic_gpu`` (``_lower_as_gpu_kernel``), the outlined device kernel
-``body_mosaic_gpu_kernel`` -> ``mosaic_gpu``; the Triton kernel is the ``pallas_call`` name
+``body_mosaic_gpu_kernel`` -> ``mosaic_gpu`` (v1, ws, mgpu_kivi); the Triton kernel is the ``pallas_call`` name
 ``decode_attention_<k>_<v>`` -> ``decode_attention``; cuDNN's fused attention kernel (``cudnn_generated_...sdpa...``,
 ``...flash_fprop...``) -> ``sdpa|fmha|flash|cudnn``.  Not checked on a device when written.
 """
@@ -89,21 +100,34 @@ FIELDS = {                                 # metric -> (row field, kind): kind c
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum": ("smem_bank_conflicts_st", "count"),
     "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum": ("smem_wavefronts", "count"),
     "smsp__inst_executed.sum": ("inst_executed", "count"),
+    # local memory (register spills, local arrays): bytes through L1TEX, and the SASS instructions
+    "l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum": ("local_load_bytes", "bytes"),
+    "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum": ("local_store_bytes", "bytes"),
+    "l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum": ("local_load_bytes", "sectors"),    # alternates (32 B each)
+    "l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum": ("local_store_bytes", "sectors"),
+    "smsp__sass_inst_executed_op_local_ld.sum": ("local_load_inst", "count"),
+    "smsp__sass_inst_executed_op_local_st.sum": ("local_store_inst", "count"),
 }
 # a metric ncu refuses is replaced by its alternate (once)
-ALTERNATES = {"dram__bytes_read.sum": "dram__bytes_op_read.sum", "dram__bytes_write.sum": "dram__bytes_op_write.sum"}
+ALTERNATES = {"dram__bytes_read.sum": "dram__bytes_op_read.sum", "dram__bytes_write.sum": "dram__bytes_op_write.sum",
+              "l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum": "l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum",
+              "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum": "l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum"}
 METRICS = tuple(m for m in FIELDS if m not in ALTERNATES.values()) + tuple(STALL_FMT.format(r) for r in STALL_REASONS)
 # the fallback if a re-run without the unknown metrics still fails on metric names
 CORE_METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
                 "sm__warps_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread",
                 "launch__shared_mem_per_block_dynamic")
 
-KERNEL_REGEX = {"v1": "mosaic_gpu", "ws": "mosaic_gpu", "triton": "decode_attention", "cudnn": "sdpa|fmha|flash|cudnn"}
-IMPLS = ("v1", "ws", "triton", "cudnn")
+KERNEL_REGEX = {"v1": "mosaic_gpu", "ws": "mosaic_gpu", "mgpu_kivi": "mosaic_gpu", "triton": "decode_attention",
+                "cudnn": "sdpa|fmha|flash|cudnn"}
+IMPLS = ("v1", "ws", "mgpu_kivi", "triton", "cudnn")
 DRIVER_IMPLS = IMPLS + ("tuned",)
 FORMATS = ("bf16", "int8", "int4")
-# formats only the Pallas Triton kernel reads (no Mosaic GPU path): profiled with impl "triton" only
+# formats the v1 / ws Mosaic kernels do not read: profiled with impl "triton", the KIVI ones also with "mgpu_kivi"
 TRITON_ONLY_FORMATS = ("int2", "qserve", "kivi2", "kivi4")
+# the formats of the Mosaic GPU KIVI kernel (impl "mgpu_kivi"): KIVI-<bits>, K groups of 32 tokens, V of 32 channels
+KIVI_FORMATS = ("kivi2", "kivi4")
+KIVI_GROUPS = (32, 32)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -196,6 +220,10 @@ def _convert(m: dict, kind: str):
         if not m["unit"].startswith("byte"):
             raise ValueError(f"unit {m['raw_unit']!r} is not bytes")
         return v
+    if kind == "sectors":                              # L1TEX / L2 sectors of 32 bytes -> bytes
+        if not m["unit"].startswith("sector"):
+            raise ValueError(f"unit {m['raw_unit']!r} is not sectors")
+        return v * 32
     return v
 
 
@@ -279,8 +307,9 @@ def markdown(results: dict) -> str:
              f"metrics: {len(results.get('metrics', []))}; one launch per case after {results.get('warmup')} "
              "warm-up calls, `--clock-control none`, caches flushed before it (ncu default)", "",
              "| T | impl | format | config | kernel | µs | DRAM read MB (/ expected) | DRAM TB/s | DRAM % peak | "
-             "occupancy % | regs/thr | smem KB/blk | smem bank confl. | top stalls (warps / issued inst) | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "occupancy % | regs/thr | smem KB/blk | smem bank confl. | top stalls (warps / issued inst) | "
+             "local ld / st KB (spills) | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         smem = None
         if r.get("smem_dynamic_bytes") is not None:
@@ -289,6 +318,10 @@ def markdown(results: dict) -> str:
         if read and r.get("dram_read_over_expected"):
             read += f" ({r['dram_read_over_expected']:.2f}x)"
         stalls = ", ".join(f"{k} {v:.2f}" for k, v in r.get("top_stalls", []))
+        local = ""
+        if r.get("local_load_bytes") is not None or r.get("local_store_bytes") is not None:
+            local = (f"{_f(r.get('local_load_bytes') and r['local_load_bytes'] / 1024) or '?'} / "
+                     f"{_f(r.get('local_store_bytes') and r['local_store_bytes'] / 1024) or '?'}")
         kern = (r.get("kernel") or "")[:48]
         status = r.get("status", "")
         if r.get("dropped_metrics"):
@@ -301,34 +334,65 @@ def markdown(results: dict) -> str:
                      f"{_f(r.get('duration_us'))} | {read} | {_f(r.get('dram_read_tbps'), '{:.2f}')} | "
                      f"{_f(r.get('dram_pct_peak'))} | {_f(r.get('achieved_occupancy_pct'))} | "
                      f"{_f(r.get('registers_per_thread'), '{:.0f}')} | {_f(smem)} | "
-                     f"{_f(r.get('smem_bank_conflicts'), '{:.0f}')} | {stalls} | {status} |")
+                     f"{_f(r.get('smem_bank_conflicts'), '{:.0f}')} | {stalls} | {local} | {status} |")
     return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # child: one case, the kernel called --warmup + --calls times (what ncu attaches to)
 # ---------------------------------------------------------------------------------------------------------------
+def pair_refusal(impl: str, fmt: str) -> str | None:
+    """Why ``impl`` does not profile ``fmt`` (None when it does): the driver skips such pairs, the child refuses."""
+    if impl == "cudnn" and fmt != "bf16":
+        return "cudnn: bf16 only"
+    if impl == "mgpu_kivi" and fmt not in KIVI_FORMATS:
+        return f"mgpu_kivi: the Mosaic GPU KIVI kernel reads {', '.join(KIVI_FORMATS)} only"
+    if impl in ("v1", "ws") and fmt in TRITON_ONLY_FORMATS:
+        other = " or the Mosaic GPU KIVI kernel (mgpu_kivi)" if fmt in KIVI_FORMATS else ""
+        return f"{impl}: no {fmt} path (read by the Triton kernel{other})"
+    return None
+
+
 def child(a) -> dict:
     import jax
+    import jax.numpy as jnp
     import bench_decode_attention as bench
     import check_mgpu_decode as cmd
-    from kvquant_jax.attention.synthetic import PRESETS
+    from kvquant_jax.attention.synthetic import PRESETS, kivi_formats
+    from pallas_kernels import decode_attention_mgpu_kivi as mk
     from pallas_kernels.decode_attention_mgpu import default_mgpu_config
     from pallas_kernels.decode_attention_mgpu_ws import default_ws_config
 
+    why = pair_refusal(a.impl, a.format)
+    if why:
+        raise SystemExit(why)
+    if a.interpret and a.impl != "mgpu_kivi":
+        raise SystemExit("--interpret: mgpu_kivi only (the plain-JAX twin of the Mosaic GPU KIVI kernel)")
     b, hq, hkv, d, t = a.B, a.hq, a.hkv, a.d, a.T
     key, q = cmd.timing_query(t, b, hq, d)
     bench.MAX_SETS = a.sets                            # region_sets: the first a.sets of the timing's sets
     info = dict(impl=a.impl, format=a.format, T=t, B=b, hq=hq, hkv=hkv, d=d, device=str(jax.devices()[0]))
     if a.impl == "cudnn":
-        if a.format != "bf16":
-            raise SystemExit("cudnn: bf16 only")
         fn, arg = jax.jit(bench.baseline_fns()["cudnn"]), cmd.cudnn_sets(key, b, hkv, t, d, 1)[0]
         info["read_bytes"] = 2 * b * hkv * t * d * 2 + q.size * 2
+    elif a.impl == "mgpu_kivi":                        # check_mgpu_kivi.timing's inputs and call
+        kf, vf = kivi_formats(int(a.format[len("kivi"):]), *KIVI_GROUPS)
+        regs, _ = bench.region_sets(key, kf, vf, b, hkv, t, d)
+        ops = jax.block_until_ready(jax.jit(mk.prepare_kivi_region)(regs[0]))    # outside the profiled call
+        del regs
+        over = json.loads(a.config) if a.config else {}
+        cfg = dataclasses.replace(mk.KiviMgpuConfig(), **over)
+        interp = bool(a.interpret)
+        fn = jax.jit(lambda q, o: mk.decode_attention_mgpu_kivi_prepared(
+            q, o, config=cfg, out_dtype=jnp.float32, interpret=interp))
+        arg = ops
+        info["config"] = dataclasses.asdict(cfg)
+        info["num_splits"] = mk._spec_for(ops, hq // hkv, cfg).ns      # the resolved split count (grid y)
+        info["read_bytes"] = cmd.mgpu_read_bytes(ops, q)
+        if interp:
+            info["interpret"] = True
     else:
         kf, vf = bench.FORMATS[a.format] if a.format in bench.FORMATS else PRESETS[a.format]
-        if a.format in TRITON_ONLY_FORMATS and a.impl != "triton":
-            raise SystemExit(f"{a.format}: the Triton kernel only (no Mosaic GPU path)")
         regs, set_bytes = bench.region_sets(key, kf, vf, b, hkv, t, d)
         if a.impl == "triton":
             fn, arg = jax.jit(cmd.triton_fn()), regs[0]
@@ -382,7 +446,7 @@ def tuned_cases(formats, ts, d, g, device_kind) -> list[dict]:
 
     out = []
     for fmt in formats:
-        if fmt in TRITON_ONLY_FORMATS:
+        if fmt in TRITON_ONLY_FORMATS:                 # no v1 / ws path (decode_tuning: the v1 / ws table)
             continue
         kf = PRESETS[fmt][0]
         for t in ts:
@@ -402,14 +466,24 @@ def tuned_cases(formats, ts, d, g, device_kind) -> list[dict]:
 
 
 def build_cases(a) -> list[dict]:
-    cases = []
+    """The cases of the driver, in order: per T cuDNN (bf16), then per format v1, ws, mgpu_kivi, triton; then the
+    tuned ones.  A requested (impl, format) pair that makes no sense (:func:`pair_refusal`) is left out and
+    recorded in ``a.skipped`` (``[impl, format, why]``, once per pair)."""
+    cases, skipped = [], []
     for t in a.T:
         if "cudnn" in a.impls and "bf16" in a.formats:
             cases.append(dict(impl="cudnn", format="bf16", T=t, variant="", config=""))
         for fmt in a.formats:
-            for impl in ("v1", "ws", "triton"):
-                if impl in a.impls and (impl == "triton" or fmt not in TRITON_ONLY_FORMATS):
-                    cases.append(dict(impl=impl, format=fmt, T=t, variant="default", config=""))
+            for impl in ("v1", "ws", "mgpu_kivi", "triton"):
+                if impl not in a.impls:
+                    continue
+                why = pair_refusal(impl, fmt)
+                if why:
+                    if [impl, fmt, why] not in skipped:
+                        skipped.append([impl, fmt, why])
+                    continue
+                cases.append(dict(impl=impl, format=fmt, T=t, variant="default", config=""))
+    a.skipped = skipped
     if "tuned" in a.impls:
         cases += tuned_cases(a.formats, a.T, a.d, a.hq // a.hkv, a.device_kind)
     return cases
@@ -478,7 +552,7 @@ def run_case(a, c: dict, out: str, env) -> dict:
     info_out = os.path.join(out, f"{name}.child.json")
     metrics = list(a.metrics)
     dropped: list[str] = []
-    for attempt in range(4):
+    for attempt in range(8):             # one re-run per batch of refused metrics (an ncu may name one at a time)
         log_file = os.path.join(out, f"ncu_{name}.log")
         for stale in (log_file, info_out):
             if os.path.exists(stale):
@@ -572,7 +646,13 @@ def driver(a) -> dict:
     if a.no_command_buffers:                     # plain launches instead of CUDA graphs (ncu profiles both)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
     cases = build_cases(a)
+    results["skipped"] = a.skipped
+    for impl, fmt, why in a.skipped:
+        log(f"skipped {impl} x {fmt}: {why}")
     log(f"{len(cases)} cases: {[_case_name(c) for c in cases]}")
+    if not cases and a.skipped:
+        flush(results, out)
+        raise SystemExit(f"no case to profile: {'; '.join(w for _, _, w in a.skipped)}")
     for c in cases:
         row = run_case(a, c, out, env)
         results["rows"].append(row)
@@ -590,7 +670,9 @@ def main(argv=None):
     p.add_argument("--child", action="store_true", help="one case (what ncu runs)")
     p.add_argument("--impl", choices=IMPLS, default="v1", help="--child: the kernel")
     p.add_argument("--format", choices=FORMATS + ("e4m3",) + TRITON_ONLY_FORMATS, default="int4", help="--child: the KV format")
-    p.add_argument("--config", default="", help="--child: JSON fields over the v1 / ws default config")
+    p.add_argument("--config", default="", help="--child: JSON fields over the v1 / ws / mgpu_kivi default config")
+    p.add_argument("--interpret", action="store_true",
+                   help="--child, mgpu_kivi only: the kernel's plain-JAX twin (CPU tests; not a profile)")
     p.add_argument("--sets", type=int, default=1, help="--child: input sets built (the first is called)")
     p.add_argument("--info-out", default="", help="--child: write the case's info (bytes, config) here")
     p.add_argument("--T", default="32768", help="T (driver: comma separated)")

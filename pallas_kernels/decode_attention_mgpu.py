@@ -714,13 +714,21 @@ def transposed_v_operands(fmt, state, lengths) -> MgpuOperands:
                         num_kv_heads=hkv)
 
 
-def transposed_v_device_unsupported(q) -> Optional[str]:
-    """The device / query conditions every Mosaic GPU kernel over a transposed-V layer shares (v1 and the
-    warp-specialized one): why not (not a Hopper GPU, a float32 query), or None."""
+def hopper_unsupported() -> Optional[str]:
+    """Why the default device cannot run a Mosaic GPU wgmma kernel (None on a Hopper, sm_90, GPU)."""
     dev = jax.devices()[0]
     cc = str(getattr(dev, "compute_capability", ""))
     if dev.platform != "gpu" or not (cc.startswith("9") or any(h in dev.device_kind for h in ("H100", "H200"))):
         return f"the Mosaic GPU swap-AB kernel needs a Hopper (sm_90) GPU, have {dev.device_kind}"
+    return None
+
+
+def transposed_v_device_unsupported(q) -> Optional[str]:
+    """The device / query conditions every Mosaic GPU kernel over a transposed-V layer shares (v1 and the
+    warp-specialized one): why not (not a Hopper GPU, a float32 query), or None."""
+    why = hopper_unsupported()
+    if why:
+        return why
     if jnp.dtype(q.dtype) == jnp.float32:
         return ("float32 query: the kernel rounds q to bf16 (~1e-3 relative); a float32 model keeps float32 parity "
                 "on the reference path")

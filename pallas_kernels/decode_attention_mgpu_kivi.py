@@ -65,12 +65,16 @@ from flax import struct
 from jax import lax
 from jax.experimental import pallas as pl
 
+from kvquant_jax.abi import kivi_planar as kp
 from kvquant_jax.abi.reference import decode_attention_reference as _oracle_f64
 from kvquant_jax.abi.reference import unpack_codes
 from kvquant_jax.abi.regions import KVFormat, Region, check_query
-from pallas_kernels.decode_attention_mgpu import _auto_splits, _tile_transforms, _with_current_token
+from pallas_kernels.backend import default_interpret
+from pallas_kernels.decode_attention import _dense_partial
+from pallas_kernels.decode_attention_mgpu import _auto_splits, _tile_transforms, _with_current_token, hopper_unsupported
 
 __all__ = ["KiviMgpuConfig", "KiviMgpuOperands", "kivi_mgpu_unsupported", "prepare_kivi_region",
+           "kivi_planar_unsupported", "kivi_planar_layout_unsupported", "planar_operands", "decode_attention_kivi_planar",
            "pack_token_planar", "decode_attention_mgpu_kivi", "decode_attention_mgpu_kivi_prepared",
            "decode_attention_mgpu_kivi_partials", "decode_attention_mgpu_kivi_reference",
            "decode_attention_mgpu_kivi_reference_f64"]
@@ -169,30 +173,16 @@ def kivi_mgpu_unsupported(reg: Region, head_dim: int, config: KiviMgpuConfig | N
 
 
 def pack_token_planar(u, bits: int, xp=jnp):
-    """Unsigned codes ``[..., T, X]`` (values < 2^bits) -> token-planar bytes ``[..., T/P, X]`` (int8): byte row
-    ``b*64 + i`` holds tokens ``b*64P + 64r + i`` at bits ``bits*r`` (``P = 8 / bits``); the top plane's codes
-    are stored re-centred (``u XOR 2^(bits-1)``: its masked byte read as signed is ``(u - 2^(bits-1)) << bits*r``).
-    """
-    p = 8 // bits
-    *lead, t, x = u.shape
-    u32 = np.uint32
-    w = u.astype(u32).reshape(*lead, t // (_M * p), p, _M, x)
-    top = (np.arange(p) == p - 1).astype(u32).reshape(p, 1, 1) * u32(2 ** (bits - 1))
-    shifts = (np.arange(p, dtype=u32) * bits).reshape(p, 1, 1)
-    byte = ((w ^ xp.asarray(top)) << xp.asarray(shifts)).sum(axis=-3).astype(np.uint8).reshape(*lead, t // p, x)
+    """Unsigned codes ``[..., T/P * P, X]`` -> the kernel's token-planar bytes ``[..., T/P, X]`` as int8: the
+    layout of :func:`kvquant_jax.abi.kivi_planar.pack_token_planar` with 64-token planes (byte row ``b*64 + i``
+    holds tokens ``b*64P + 64r + i`` at bits ``bits*r``; the top plane's codes re-centred)."""
+    byte = kp.pack_token_planar(u, bits, _M, xp=xp)
     return lax.bitcast_convert_type(byte, jnp.int8) if xp is jnp else byte.view(np.int8)
 
 
 def unpack_token_planar(packed, bits: int, xp=np):
     """Inverse of :func:`pack_token_planar`: ``[..., T/P, X]`` int8 -> ``[..., T, X]`` int32 codes."""
-    p = 8 // bits
-    bt = xp.asarray(packed).astype(np.int32) & 0xFF
-    *lead, tp, x = bt.shape
-    bt = bt.reshape(*lead, tp // _M, 1, _M, x)
-    shifts = (np.arange(p, dtype=np.int32) * bits).reshape(p, 1, 1)
-    top = (np.arange(p) == p - 1).astype(np.int32).reshape(p, 1, 1) * 2 ** (bits - 1)
-    u = ((bt >> xp.asarray(shifts)) & (2 ** bits - 1)) ^ xp.asarray(top)
-    return u.reshape(*lead, tp * p, x)
+    return kp.unpack_token_planar(packed, bits, _M, xp=xp)
 
 
 def _top_plane_rows(t: int, bits: int, group: int = 1):
@@ -578,6 +568,68 @@ def decode_attention_mgpu_kivi_prepared(q, ops: KiviMgpuOperands, *, k_new=None,
     ``q.dtype``)."""
     part = decode_attention_mgpu_kivi_partials(q, ops, sm_scale=sm_scale, config=config, interpret=interpret)
     return _with_current_token(q, part, ops.num_kv_heads, k_new, v_new, sm_scale, out_dtype)
+
+
+def kivi_planar_unsupported(q, fmt: kp.KiviPlanarFormat, operand: kp.KiviPlanarOperand) -> Optional[str]:
+    """Why this kernel cannot read a token-planar KIVI cache layer in place on this device (None when it can): the
+    dispatcher's refusal check (``attention.dispatch.FUSED_KERNELS``): not a Hopper GPU, or
+    :func:`kivi_planar_layout_unsupported` (float32 queries are fine: ``bf16x2`` keeps ~1e-5)."""
+    return hopper_unsupported() or kivi_planar_layout_unsupported(q, fmt, operand)
+
+
+def kivi_planar_layout_unsupported(q, fmt: kp.KiviPlanarFormat, operand: kp.KiviPlanarOperand) -> Optional[str]:
+    """Why the kernel cannot read this token-planar layer's shapes (any device; None when it can)."""
+    if fmt.plane_rows != _M:
+        return f"plane_rows {fmt.plane_rows}: the kernel reads 64-token planes (one wgmma M tile)"
+    kf = KVFormat(f"int{fmt.bits}", "channel", "min", fmt.group)
+    vf = KVFormat(f"int{fmt.bits}", "token", "min", fmt.v_group)
+    return kivi_formats_unsupported(kf, vf, q.shape[-1], operand.k_codes.shape[2] * fmt.planes)
+
+
+def planar_operands(fmt: kp.KiviPlanarFormat, operand: kp.KiviPlanarOperand) -> KiviMgpuOperands:
+    """A token-planar cache layer as the kernel's operands, with no pass over the codes (reshapes and a uint8 ->
+    int8 bitcast of the stored arrays): the cache stores exactly the kivi mgpu layout, ``[B, Hkv, ...]`` ->
+    ``[B*Hkv, ...]``; the region is ``[0, operand.end)``."""
+    b, hkv, nr, d = operand.k_codes.shape
+    bh = b * hkv
+    as_i8 = lambda a, shape: lax.bitcast_convert_type(a.reshape(shape), jnp.int8)  # noqa: E731
+    c, rows = operand.v_scale.shape[2:]
+    return KiviMgpuOperands(
+        k=as_i8(operand.k_codes, (bh, nr, d)), v=as_i8(operand.v_codes, (bh, d, nr)),
+        k_scale=operand.k_scale.reshape(bh, -1, d), k_min=operand.k_min.reshape(bh, -1, d),
+        v_scale=operand.v_scale.reshape(bh, c, rows), v_min=operand.v_min.reshape(bh, c, rows),
+        start=jnp.zeros_like(operand.end), end=operand.end.astype(jnp.int32), bits=fmt.bits, k_group=fmt.group,
+        v_group=d // c, num_kv_heads=hkv)
+
+
+def decode_attention_kivi_planar(q, fmt: kp.KiviPlanarFormat, operand: kp.KiviPlanarOperand, lengths=None,
+                                 k_new=None, v_new=None, *, sm_scale: float | None = None,
+                                 config: KiviMgpuConfig | None = None, interpret: Any = None, out_dtype=None):
+    """Decode attention over one token-planar KIVI cache layer read in place (the dispatcher's fused-kernel entry
+    for :class:`~kvquant_jax.abi.kivi_planar.KiviPlanarFormat`): the kernel over the quantized rows ``[0,
+    operand.end)``, the dense tail (``operand.tail_k / tail_v``, ``tail_len`` rows) and the exact current token
+    (``k_new, v_new [B, Hkv, D]``) in ONE softmax.  ``q [B, Hq, D]``; returns ``[B, Hq, D]`` in ``out_dtype``,
+    default float32 (not ``q.dtype``: the dispatcher casts to what its caller asked for, so a bf16 query with a
+    float32 ``out_dtype`` is not rounded to bf16 on the way).  ``lengths`` is not read (the operand's bounds come
+    from them already).  ``interpret`` (None: off on a GPU only) runs the plain-JAX partials (CPU tests)."""
+    del lengths
+    interpret = bool(interpret) if interpret is not None else default_interpret()
+    why = kivi_planar_layout_unsupported(q, fmt, operand)
+    if why:
+        raise NotImplementedError(f"decode_attention_kivi_planar: {why}")
+    ops = planar_operands(fmt, operand)
+    part = decode_attention_mgpu_kivi_partials(q, ops, sm_scale=sm_scale, config=config, interpret=interpret)
+    b, hq, d = q.shape
+    hkv = ops.num_kv_heads
+    nt = operand.tail_k.shape[2]
+    if nt:
+        scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
+        q4 = q.astype(_F32).reshape(b, hkv, hq // hkv, d)
+        live = jnp.arange(nt, dtype=jnp.int32)[None, :] < operand.tail_len[:, None]
+        tail = _dense_partial(q4, jnp.full((b, hkv, hq // hkv), scale, _F32), operand.tail_k.astype(_F32),
+                              operand.tail_v.astype(_F32), live)
+        part = tuple(jnp.concatenate([x, y], axis=2) for x, y in zip(part, tail))
+    return _with_current_token(q, part, hkv, k_new, v_new, sm_scale, out_dtype or _F32)
 
 
 def decode_attention_mgpu_kivi(q, region: Region, *, k_new=None, v_new=None, sm_scale: float | None = None,

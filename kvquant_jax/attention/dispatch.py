@@ -6,7 +6,8 @@ layer state is read in place (docs/architecture.md, "Physical layouts"): every s
 ``lengths`` with the scheme's own frontier functions; the default is the materialize view as one dense region).
 A scheme whose format has its own fused kernel also answers ``fused_decode_operand(state) -> (format, arrays)``;
 this module routes by the format's type (:data:`FUSED_KERNELS`: KVQuant's LUT + sparse + in-kernel RoPE kernel; the
-Mosaic GPU swap-AB kernel for per-token INT8/INT4 stored in its transposed-V layout).
+Mosaic GPU swap-AB kernel for per-token INT8/INT4 stored in its transposed-V layout; the Mosaic GPU KIVI kernel for
+KIVI-2/4 stored token-planar, ``kivi2_planar`` / ``kivi4_planar``).
 
 Which path served each layer is logged once per (path, format, shape) on the ``kvquant_jax.attention`` logger at
 trace time (INFO; a WARNING when a GPU falls back to the float materialize path) and kept in :data:`SERVED`.
@@ -33,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kvquant_jax.abi.kivi_planar import KiviPlanarFormat
 from kvquant_jax.abi.kvquant import KVQuantFormat
 from kvquant_jax.abi.reference import decode_attention_jnp
 from kvquant_jax.abi.regions import Region
@@ -40,6 +42,7 @@ from kvquant_jax.abi.transposed_v import TransposedVFormat
 from pallas_kernels import decode_attention as kernel
 from pallas_kernels import decode_attention_kvquant as kvquant_kernel
 from pallas_kernels import decode_attention_mgpu as mgpu_kernel
+from pallas_kernels import decode_attention_mgpu_kivi as mgpu_kivi_kernel
 from pallas_kernels import decode_attention_mgpu_ws as ws_kernel
 from pallas_kernels import decode_tuning
 from pallas_kernels.backend import platform
@@ -55,6 +58,8 @@ _log = logging.getLogger("kvquant_jax.attention")
 FUSED_KERNELS: dict[type, tuple[Any, tuple[str, ...], Any]] = {
     KVQuantFormat: (kvquant_kernel.decode_attention_kvquant, ("gpu",), None),
     TransposedVFormat: (mgpu_kernel.decode_attention_transposed_v, ("gpu",), mgpu_kernel.transposed_v_unsupported),
+    KiviPlanarFormat: (mgpu_kivi_kernel.decode_attention_kivi_planar, ("gpu",),
+                       mgpu_kivi_kernel.kivi_planar_unsupported),
 }
 
 #: ``(path, format description, q shape) -> reason`` for every decode-attention trace so far (what served what)
@@ -118,7 +123,7 @@ def _fused(q, scheme, layer_state, lengths, k_new, v_new, impl, interpret, sm_sc
     """The fused-kernel path: ``(out, None)``; ``(None, None)`` when the scheme has no fused operand or the
     reference is wanted; ``(None, (format, reason))`` when ``impl="auto"`` and the fused kernel refuses this layer
     (the region path then serves it and records the refusal beside the path that did)."""
-    operand = scheme.fused_decode_operand(layer_state) if impl != "reference" else None
+    operand = scheme.fused_decode_operand(layer_state, lengths.astype(jnp.int32)) if impl != "reference" else None
     if operand is None:
         return None, None
     fmt, arrays = operand

@@ -79,7 +79,7 @@ def layer_pool_regions(scheme, layout: tuple, pool_state, view_state, lengths: j
     pool_regs, _ = scheme.decode_regions(pool_state.replace(**fields), jnp.zeros((n_pool,), jnp.int32))
     r0 = pool_regs[0]
     in_place = any(r0.k.data is a for a in pooled) and any(r0.v.data is a for a in pooled)
-    if not in_place or scheme.fused_decode_operand(view_state) is not None:
+    if not in_place or scheme.fused_decode_operand(view_state, lengths) is not None:
         return None, view_regs[1:], view_regs, tail
     return (dataclasses.replace(r0, start=view_regs[0].start, end=view_regs[0].end), view_regs[1:], view_regs,
             tail)

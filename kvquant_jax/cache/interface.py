@@ -224,11 +224,12 @@ class CacheScheme(abc.ABC):
         k, v, _ = self.materialize_layer(state, lengths)
         return [region(dense_operand(k), dense_operand(v), lengths)], 0
 
-    def fused_decode_operand(self, state: LayerState) -> tuple[Any, Any] | None:
+    def fused_decode_operand(self, state: LayerState, lengths: jax.Array) -> tuple[Any, Any] | None:
         """``(static_format, arrays)`` for a format-specific fused decode kernel (``attention.dispatch`` routes by
-        the format's type, e.g. :class:`~kvquant_jax.abi.kvquant.KVQuantFormat`), or None (default): the layer
-        is served through :meth:`decode_regions`."""
-        del state
+        the format's type, e.g. :class:`~kvquant_jax.abi.kvquant.KVQuantFormat`) at committed ``lengths`` (int32
+        ``[B]``; a scheme whose operand depends on them derives its bounds here, as ``decode_regions`` does), or
+        None (default): the layer is served through :meth:`decode_regions`."""
+        del state, lengths
         return None
 
     def ledger_layer(self, batch: int, heads: int, head_dim: int, rows: int, *, logical: bool,

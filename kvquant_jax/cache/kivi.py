@@ -197,7 +197,6 @@ class KIVIScheme(SchemeBase):
         j = _rows.arange_rows(width)[None, :]
         row_keep = j < n_rows[:, None]
         row = base - row0
-        codes = _rows.write_rows(codes, pack_bits(q.codes, bits, axis=-1), row[:, None] + j, row_keep)
         if per_channel:
             g = self.group_size
             gj = _rows.arange_rows(width // g)[None, :]
@@ -205,9 +204,17 @@ class KIVIScheme(SchemeBase):
             gidx = row[:, None] // g + gj
         else:
             keep, gidx = row_keep, row[:, None] + j
-        scale = _rows.write_rows(scale, q_scale, gidx, keep)
-        mn = _rows.write_rows(mn, q.zero_or_min, gidx, keep)
+        codes, scale, mn = self._write_closed(codes, scale, mn, q.codes, q_scale, q.zero_or_min,
+                                              row[:, None] + j, row_keep, gidx, keep, bits, per_channel)
         return codes, scale, mn, _rows.any_bad_rows(hard, keep)
+
+    def _write_closed(self, codes, scale, mn, u, q_scale, q_min, rows, row_keep, gidx, keep, bits, per_channel):
+        """Store closed rows (the layout hook): codes ``u [B, H, W, D]`` at rows ``rows [B, W]`` (where
+        ``row_keep``), qparams at rows ``gidx`` (where ``keep``): K groups ``[B, H, W/G, D]`` or V rows
+        ``[B, H, W, D/Gv]``.  Layout 1: codes packed along D, qparams row-major."""
+        del per_channel
+        codes = _rows.write_rows(codes, pack_bits(u, bits, axis=-1), rows, row_keep)
+        return codes, _rows.write_rows(scale, q_scale, gidx, keep), _rows.write_rows(mn, q_min, gidx, keep)
 
     def append_layer_with_status(self, state, lengths, k, v, num_new):
         return self.append_window_with_status(state, lengths, k, v, num_new, jnp.zeros_like(lengths))
@@ -266,15 +273,28 @@ class KIVIScheme(SchemeBase):
         if ks.shape[2] < n_groups:                                  # capacity % G: the tail never closes
             pad = [(0, 0)] * 2 + [(0, n_groups - ks.shape[2]), (0, 0)]
             ks, km = jnp.pad(ks, pad, constant_values=1), jnp.pad(km, pad)
-        k_u = unpack_bits(state.k_codes, self.k_bits, axis=-1, count=head_dim)
-        v_u = unpack_bits(state.v_codes, self.v_bits, axis=-1, count=head_dim)
+        k_u, v_u, vs, vm = self._unpacked(state, head_dim)
         kq = dequantize_affine(k_u, ks, km, axis=2, group_size=g, zero="min")
-        vq = dequantize_affine(v_u, state.v_scale, state.v_min, axis=3, group_size=self._v_group(head_dim),
-                               zero="min")
+        vq = dequantize_affine(v_u, vs, vm, axis=3, group_size=self._v_group(head_dim), zero="min")
         return kq, vq
 
+    def _unpacked(self, state, head_dim):
+        """The layout hook of the readers: unsigned codes ``k_u, v_u [B, H, C, D]`` and the V qparams
+        ``[B, H, C, D/Gv]`` (layout 1: as stored)."""
+        k_u = unpack_bits(state.k_codes, self.k_bits, axis=-1, count=head_dim)
+        v_u = unpack_bits(state.v_codes, self.v_bits, axis=-1, count=head_dim)
+        return (k_u, v_u) + self._v_qparams(state)
+
+    def _v_qparams(self, state):
+        """The layout hook of the V qparams: ``(v_scale, v_min) [B, H, C, D/Gv]`` (layout 1: as stored)."""
+        return state.v_scale, state.v_min
+
+    def _capacity(self, state) -> int:
+        """Row capacity ``C`` of a layer state (the layout hook)."""
+        return state.k_codes.shape[2]
+
     def materialize_layer(self, state, lengths):
-        capacity = state.k_codes.shape[2]
+        capacity = self._capacity(state)
         head_dim = state.k_res.shape[-1]
         kq, vq = self._dequant(state, capacity, head_dim)
         fk, fv = self.frontiers(lengths)
@@ -317,8 +337,9 @@ class KIVIScheme(SchemeBase):
         fk, fv = self.frontiers(lengths)
         checks.positive_normal("kivi K scale", state.k_scale, lengths, frontier=fk // self.group_size)
         checks.finite_rows("kivi K min", state.k_min, lengths, frontier=fk // self.group_size)
-        checks.positive_normal("kivi V scale", state.v_scale, lengths, frontier=fv)
-        checks.finite_rows("kivi V min", state.v_min, lengths, frontier=fv)
+        v_scale, v_min = self._v_qparams(state)
+        checks.positive_normal("kivi V scale", v_scale, lengths, frontier=fv)
+        checks.finite_rows("kivi V min", v_min, lengths, frontier=fv)
         checks.ring_finite("kivi K residual", state.k_res, fk, lengths)
         checks.ring_finite("kivi V residual", state.v_res, fv, lengths)
 
@@ -355,8 +376,6 @@ class KIVIScheme(SchemeBase):
         the official rule), decoded from the K codes.  The tail is attended in plain JAX, same softmax."""
         st, g = state, self.group_size
         cap = st.k_codes.shape[2]
-        d = st.k_res.shape[-1]
-        s_k, s_v = self.ring_sizes
         fk, fv = self.frontiers(lengths)
         lo = jnp.minimum(fk, fv)
         kq = KVFormat(f"int{self.k_bits}", "channel", "min", g)
@@ -369,21 +388,38 @@ class KIVIScheme(SchemeBase):
         main = Region(k=KVOperand(k_codes, st.k_scale, st.k_min, kq), v=KVOperand(v_codes, v_scale, v_min, vq),
                       start=jnp.zeros_like(lo), end=lo)
 
+        k_t, v_t, nt = self._tail(st, lo, fk, fv)
+        tail = region(dense_operand(k_t), dense_operand(v_t), lengths - lo)
+        return [main, tail], nt
+
+    def _tail(self, state, lo, fk, fv):
+        """The dense tail of positions ``[lo, lo + Nt)`` (``Nt = max(S_k, S_v, 1)``, static): ``k_t, v_t float32
+        [B, H, Nt, D]`` and ``Nt``.  A position past a frontier reads its ring slot; below it, its decoded codes
+        (``[fv, fk)`` under the official rule: K closed, V still in the rolling window).  Rows past the length are
+        garbage, masked by the reader."""
+        st, g = state, self.group_size
+        s_k, s_v = self.ring_sizes
         nt = max(s_k, s_v, 1)
         pos = lo[:, None] + _rows.arange_rows(nt)[None, :]                                # [B, Nt]
-        row = jnp.minimum(pos, cap - 1)
+        row = jnp.minimum(pos, self._capacity(st) - 1)
         grp = jnp.minimum(pos // g, st.k_scale.shape[2] - 1)
-        k_codes_t = KVOperand(_rows.take_rows(st.k_codes, row), _rows.take_rows(st.k_scale, grp),
-                              _rows.take_rows(st.k_min, grp), KVFormat(kq.payload, "channel", "min", 1))
-        v_codes_t = KVOperand(_rows.take_rows(st.v_codes, row), _rows.take_rows(st.v_scale, row),
-                              _rows.take_rows(st.v_min, row), vq)
-        k_t = dequantize_operand(k_codes_t, d, jnp, jnp.float32)
-        v_t = dequantize_operand(v_codes_t, d, jnp, jnp.float32)
+        k_t, v_t = self._decoded_rows(st, row, grp)
         if s_k:
             k_t = jnp.where((pos >= fk[:, None])[:, None, :, None],
                             _rows.take_rows(st.k_res, pos % s_k).astype(jnp.float32), k_t)
         if s_v:
             v_t = jnp.where((pos >= fv[:, None])[:, None, :, None],
                             _rows.take_rows(st.v_res, pos % s_v).astype(jnp.float32), v_t)
-        tail = region(dense_operand(k_t), dense_operand(v_t), lengths - lo)
-        return [main, tail], nt
+        return k_t, v_t, nt
+
+    def _decoded_rows(self, state, row, grp):
+        """The layout hook of the tail: dequantized ``k, v float32 [B, H, W, D]`` of code rows ``row [B, W]`` (K
+        qparams of groups ``grp [B, W]``), whatever their frontier."""
+        st, d = state, state.k_res.shape[-1]
+        kq = KVFormat(f"int{self.k_bits}", "channel", "min", 1)
+        vq = KVFormat(f"int{self.v_bits}", "token", "min", self.v_group_size)
+        k_rows = KVOperand(_rows.take_rows(st.k_codes, row), _rows.take_rows(st.k_scale, grp),
+                           _rows.take_rows(st.k_min, grp), kq)
+        v_rows = KVOperand(_rows.take_rows(st.v_codes, row), _rows.take_rows(st.v_scale, row),
+                           _rows.take_rows(st.v_min, row), vq)
+        return dequantize_operand(k_rows, d, jnp, jnp.float32), dequantize_operand(v_rows, d, jnp, jnp.float32)

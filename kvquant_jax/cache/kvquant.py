@@ -389,9 +389,10 @@ class KVQuantScheme(SchemeBase):
             checks.finite_rows("kvquant K sink", state.k_sink, np.minimum(lengths, self.sink))
             checks.finite_rows("kvquant V sink", state.v_sink, np.minimum(lengths, self.sink))
 
-    def fused_decode_operand(self, state):
+    def fused_decode_operand(self, state, lengths):
         """``(KVQuantFormat, state)``: the fused LUT + sparse + in-kernel RoPE decode kernel reads the layer as is
         (``pallas_kernels.decode_attention_kvquant``)."""
+        del lengths
         return self.kernel_format, state
 
     def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):

@@ -169,8 +169,9 @@ class TransposedVPerTokenScheme(SchemeBase):
     def layer_nbytes(self, state):
         return _rows.packed_layer_nbytes(state)
 
-    def fused_decode_operand(self, state):
+    def fused_decode_operand(self, state, lengths):
         """``(TransposedVFormat, state)``: the Mosaic GPU kernel reads the layer in place."""
+        del lengths
         return self.kernel_format, state
 
     def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):

@@ -8,7 +8,8 @@ new file plus one entry here (docs/architecture.md, "Adding a scheme").
 
 * a name (:data:`NAMES`): "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "int3"...,
   "int8_vt", "int4_vt" (the same per-token codes in the Mosaic GPU kernel's transposed-V layout),
-  "static_int4", "qserve4", "kivi2", "kivi4", "kvquant", "kivi_axes" (the simulated axis ablation), "prefix",
+  "static_int4", "qserve4", "kivi2", "kivi4", "kivi2_planar", "kivi4_planar" (the same KIVI codes stored
+  token-planar for the Mosaic GPU KIVI kernel), "kvquant", "kivi_axes" (the simulated axis ablation), "prefix",
   "window" (a sliding-window ring around any body: ``{"name": "window", "window": 512, "body": "int4"}``),
   "kv" (K and V in different formats: ``{"name": "kv", "k": "int8", "v": "kivi2"}`` or ``"kv:k=int8,v=kivi2"``);
 * a name with inline overrides: ``"kivi2:residual=64,residual_rule=synchronized"``;
@@ -33,6 +34,7 @@ from kvquant_jax.cache.fp8 import FP8Scheme
 from kvquant_jax.cache.full import FullPrecisionScheme
 from kvquant_jax.cache.interface import CacheScheme
 from kvquant_jax.cache.kivi import KIVIScheme
+from kvquant_jax.cache.kivi_planar import KIVIPlanarScheme
 from kvquant_jax.cache.kv_split import KVSplitScheme
 from kvquant_jax.cache.kvquant import KVQuantScheme
 from kvquant_jax.cache.per_token import PerTokenScheme
@@ -45,7 +47,8 @@ from kvquant_jax.quant.ledger import LedgerShape, ledger_table
 
 #: every registered scheme class (one entry per family)
 SCHEME_CLASSES: tuple[type, ...] = (FullPrecisionScheme, FP8Scheme, PerTokenScheme, TransposedVPerTokenScheme,
-                                    PerTokenAnyBitsScheme, StaticIntScheme, QServeScheme, KIVIScheme, KVQuantScheme,
+                                    PerTokenAnyBitsScheme, StaticIntScheme, QServeScheme, KIVIScheme, KIVIPlanarScheme,
+                                    KVQuantScheme,
                                     PrefixScheme, AxisAblationScheme, WindowScheme, KVSplitScheme)
 
 

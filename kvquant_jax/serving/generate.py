@@ -145,7 +145,7 @@ def generate(params, cfg: LlamaConfig, prompts: list[list[int]], *, max_new_toke
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     need = max(lens) + max_new_tokens
     if capacity is None:
-        capacity = bucket(need, 128)   # a multiple of every kernel block (Mosaic GPU: 128 rows)
+        capacity = bucket(need, 256)   # a multiple of every kernel block (Mosaic GPU: 128 rows; token-planar KIVI-2: 256)
     check_fits(cfg, need, capacity, f"prompt of {max(lens)} tokens + {max_new_tokens} new tokens")
     scheme = scheme or FullPrecisionScheme(rope_theta=cfg.rope_theta, rope_pairing=cfg.rope_pairing)
     per_layer = layer_schemes(cfg, scheme, capacity=capacity)      # local layers of a windowed model: rings

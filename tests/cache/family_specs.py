@@ -11,6 +11,8 @@ SPECS = {
     "static_int": "static_int4",
     "qserve": "qserve4",
     "kivi": KIVI,
+    # token-planar KIVI with 2-row planes (8-token blocks: capacities and page sizes must be multiples of 8)
+    "kivi_planar": {**KIVI, "name": "kivi2_planar", "plane_rows": 2},
     "kvquant": {"name": "kvquant", "bits": 3, "k_sparse_capacity": 1, "v_outliers": 1, "sink": 1},
     "prefix": {"name": "prefix", "prefix_len": 3, "body": KIVI},
     # a window over a K/V split: FP8 warm-up K (layer-wide scales, stored once in the ring) and KIVI V (rings)

@@ -173,3 +173,24 @@ def test_mgpu_kivi_kernel_lowers_for_cuda(rng, bits, kg, vg, d, g, precision):
     cfg = mk.KiviMgpuConfig(num_splits=2, precision=precision)
     text = _lower_cuda(lambda q, r: mk.decode_attention_mgpu_kivi(q, r, config=cfg), q, reg)
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("name,q_dtype", [("kivi2_planar", jnp.bfloat16), ("kivi4_planar", jnp.float32)])
+def test_kivi_planar_route_lowers_for_cuda(name, q_dtype):
+    """The dispatcher's fused entry over a token-planar KIVI cache layer read in place (reshape + uint8 -> int8
+    bitcast of the stored arrays, the ring tail and the current token in the same softmax) lowers to ONE Mosaic GPU
+    kernel."""
+    from kvquant_jax.cache.registry import make_scheme
+    from pallas_kernels import decode_attention_mgpu_kivi as mk
+
+    scheme = make_scheme(name)
+    st = scheme.init_layer(2, 1024, 2, 128)
+    q = jnp.ones((2, 8, 128), q_dtype)
+    kn = jnp.ones((2, 2, 128), jnp.float32)
+
+    def fn(q, st, lengths, kn):
+        fmt, op = scheme.fused_decode_operand(st, lengths)
+        return mk.decode_attention_kivi_planar(q, fmt, op, k_new=kn, v_new=kn, interpret=False)
+
+    text = _lower_cuda(fn, q, st, jnp.array([700, 1000], jnp.int32), kn)
+    assert text.count("mosaic_gpu") >= 1 and "body_mosaic_gpu" in text

@@ -1,6 +1,8 @@
 """``experiments/ncu_decode.py`` without a GPU: ncu ``--csv`` parsing (units, thousands separators, metric -> field),
 the row of a case that matched no kernel / that ncu refused a metric in (a fake ``ncu`` that writes canned logs), and
-the default kernel-name patterns against the names in the lowered kernels."""
+the default kernel-name patterns against the names in the lowered kernels; the mgpu_kivi cases (the Mosaic GPU KIVI
+kernel on kivi2 / kivi4: case list, ncu / child command lines, the child on CPU through the kernel's plain-JAX twin)
+and the local-memory (spill) metrics."""
 import json
 import os
 import re
@@ -253,3 +255,148 @@ def test_triton_only_formats_are_profiled_with_the_triton_kernel_only(nd):
     a = types.SimpleNamespace(T=[32768], formats=["int4", "kivi2"], impls=["v1", "ws", "triton", "cudnn"])
     got = [(c["impl"], c["format"]) for c in nd.build_cases(a)]
     assert got == [("v1", "int4"), ("ws", "int4"), ("triton", "int4"), ("triton", "kivi2")]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mgpu_kivi: the Mosaic GPU KIVI kernel on kivi2 / kivi4 (check_mgpu_kivi.py's timed inputs), next to the Triton one
+# ---------------------------------------------------------------------------------------------------------------
+def _shape_args(**kw):
+    import types
+    base = dict(T=[32768], B=8, hq=32, hkv=8, d=128, warmup=3, calls=3)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+def test_kivi_cases_and_child_argv(nd):
+    a = _shape_args(formats=["kivi2", "kivi4"], impls=["mgpu_kivi", "triton"])
+    cases = nd.build_cases(a)
+    assert [(c["impl"], c["format"], c["T"]) for c in cases] == [
+        ("mgpu_kivi", "kivi2", 32768), ("triton", "kivi2", 32768), ("mgpu_kivi", "kivi4", 32768),
+        ("triton", "kivi4", 32768)]
+    assert a.skipped == []
+    assert nd.KERNEL_REGEX["mgpu_kivi"] == nd.KERNEL_REGEX["v1"] == "mosaic_gpu"
+    argv = nd.child_argv(a, cases[0], "/tmp/x.child.json")
+    assert argv[1] == nd.HERE and "--child" in argv
+    for flag, val in (("--impl", "mgpu_kivi"), ("--format", "kivi2"), ("--T", "32768"), ("--B", "8"), ("--hq", "32"),
+                      ("--hkv", "8"), ("--d", "128"), ("--sets", "1")):
+        assert argv[argv.index(flag) + 1] == val, flag
+    assert "--interpret" not in argv and "--config" not in argv
+    assert nd.child_argv(a, cases[1], "/tmp/y.json")[argv.index("--impl") + 1] == "triton"
+
+
+def test_kivi_pairs_that_make_no_sense_are_skipped_with_the_reason(nd):
+    a = _shape_args(T=[4096, 32768], formats=["int4", "kivi2", "int2"], impls=["v1", "mgpu_kivi", "triton"])
+    got = [(c["impl"], c["format"]) for c in nd.build_cases(a)]
+    assert got == [("v1", "int4"), ("triton", "int4"), ("mgpu_kivi", "kivi2"), ("triton", "kivi2"),
+                   ("triton", "int2")] * 2
+    why = {(i, f): w for i, f, w in a.skipped}
+    assert sorted(why) == [("mgpu_kivi", "int2"), ("mgpu_kivi", "int4"), ("v1", "int2"), ("v1", "kivi2")]
+    assert "kivi2, kivi4 only" in why[("mgpu_kivi", "int4")]
+    assert "mgpu_kivi" in why[("v1", "kivi2")] and "mgpu_kivi" not in why[("v1", "int2")]
+    # the old behaviour: without mgpu_kivi asked for, a KIVI format is the Triton kernel's only
+    a = _shape_args(formats=["kivi4"], impls=["v1", "ws", "triton", "cudnn"])
+    assert [(c["impl"], c["format"]) for c in nd.build_cases(a)] == [("triton", "kivi4")]
+
+
+def _fake_ncu(tmp_path, mode="ok"):
+    fake = tmp_path / "ncu.py"
+    fake.write_text(f"HDR = {_HDR!r}\nKERNEL = {K!r}\n"
+                    f"LINE = {_line('{}', '{}', 'gpu__time_duration.sum', 'nsecond', '229,250')!r}\n" + FAKE)
+    ncu = tmp_path / "ncu"
+    ncu.write_text(f"#!/bin/sh\nexec {sys.executable} {fake} \"$@\"\n")
+    ncu.chmod(0o755)
+    (tmp_path / "ncu.py.mode").write_text(mode)
+    return ncu
+
+
+def test_driver_kivi_command_lines(nd, tmp_path):
+    ncu = _fake_ncu(tmp_path)
+    out = tmp_path / "out"
+    res = nd.main(["--ncu", str(ncu), "--impls", "mgpu_kivi,triton", "--formats", "kivi2,kivi4", "--T", "32768",
+                   "--out", str(out), "--metrics", "gpu__time_duration.sum", "--case-timeout", "60"])
+    want = [("mgpu_kivi", "kivi2", "mosaic_gpu"), ("triton", "kivi2", "decode_attention"),
+            ("mgpu_kivi", "kivi4", "mosaic_gpu"), ("triton", "kivi4", "decode_attention")]
+    assert [(r["impl"], r["format"], r["status"]) for r in res["rows"]] == [(i, f, "ok") for i, f, _ in want]
+    calls = [c.split() for c in (tmp_path / "ncu.py.calls").read_text().splitlines()]
+    assert len(calls) == 4
+    for argv, (impl, fmt, regex) in zip(calls, want):
+        assert argv[argv.index("--kernel-name") + 1] == f"regex:{regex}"
+        child = argv[argv.index("--child"):]
+        assert child[child.index("--impl") + 1] == impl and child[child.index("--format") + 1] == fmt
+        assert child[child.index("--T") + 1] == "32768" and child[child.index("--B") + 1] == "8"
+    # a request with nothing to profile is refused with the reason
+    with pytest.raises(SystemExit, match="mgpu_kivi: the Mosaic GPU KIVI kernel reads kivi2, kivi4 only"):
+        nd.main(["--ncu", str(ncu), "--impls", "mgpu_kivi", "--formats", "int4", "--out", str(out)])
+
+
+def test_kivi_child_on_cpu(nd, tmp_path):
+    """The mgpu_kivi child builds check_mgpu_kivi's inputs and calls the kernel (its plain-JAX twin on CPU)."""
+    info_out = tmp_path / "info.json"
+    info = nd.main(["--child", "--impl", "mgpu_kivi", "--format", "kivi2", "--T", "512", "--B", "2", "--hq", "8",
+                    "--hkv", "2", "--warmup", "1", "--calls", "1", "--interpret", "--info-out", str(info_out),
+                    "--config", '{"max_concurrent_steps": 3}'])
+    assert info["impl"] == "mgpu_kivi" and info["format"] == "kivi2" and info["interpret"] is True
+    assert info["config"] == dict(num_splits=None, max_concurrent_steps=3, precision="bf16x2")
+    assert info["num_splits"] >= 1 and info["calls"] == 1 and info["compile_s"] > 0
+    # the prepared operands (less start / end) + the bf16 query: BH=4, T=512, D=128, 2-bit codes (4 tokens / byte),
+    # float16 K scale / min [BH, T/32, D], V scale / min [BH, D/32, T]
+    codes = 2 * 4 * (512 // 4) * 128
+    qparams = 2 * 4 * (512 // 32) * 128 * 2 + 2 * 4 * (128 // 32) * 512 * 2
+    assert info["read_bytes"] == codes + qparams + 2 * 8 * 128 * 2
+    assert json.loads(info_out.read_text())["read_bytes"] == info["read_bytes"]
+
+
+def test_kivi_child_refusals(nd):
+    with pytest.raises(SystemExit, match="mgpu_kivi: the Mosaic GPU KIVI kernel reads kivi2, kivi4 only"):
+        nd.main(["--child", "--impl", "mgpu_kivi", "--format", "int4", "--T", "512"])
+    with pytest.raises(SystemExit, match="v1: no kivi4 path"):
+        nd.main(["--child", "--impl", "v1", "--format", "kivi4", "--T", "512"])
+    with pytest.raises(SystemExit, match="--interpret: mgpu_kivi only"):
+        nd.main(["--child", "--impl", "triton", "--format", "kivi2", "--T", "512", "--interpret"])
+
+
+def test_kivi_pattern_matches_the_lowered_kernel_once_per_call(nd, rng):
+    """The profiled program (``decode_attention_mgpu_kivi_prepared`` on prepared operands) holds ONE Mosaic GPU
+    kernel, ``body_mosaic_gpu``, that the mgpu_kivi pattern matches: ``--launch-skip <warmup>`` counts calls."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, str(REPO))
+    from kvquant_jax.attention.synthetic import kivi_formats, random_region
+    from pallas_kernels import decode_attention_mgpu_kivi as mk
+
+    kf, vf = kivi_formats(2, 32, 32)
+    reg = random_region(rng, kf, vf, 2, 2, 512, 128, [0, 0], [300, 512], poison=False, qparam_dtype=jnp.float16)
+    q = jnp.asarray(rng.standard_normal((2, 8, 128)).astype(np.float32)).astype(jnp.bfloat16)
+    ops = jax.jit(mk.prepare_kivi_region)(reg)
+    text = jax.jit(lambda q, o: mk.decode_attention_mgpu_kivi_prepared(q, o, out_dtype=jnp.float32)).trace(
+        q, ops).lower(lowering_platforms=("cuda",)).as_text()
+    assert "body_mosaic_gpu" in set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text))
+    assert re.search(nd.KERNEL_REGEX["mgpu_kivi"], "body_mosaic_gpu_kernel")
+    assert len(re.findall(r"custom_call @mosaic_gpu\w*", text)) == 1
+
+
+def test_local_memory_metrics(nd):
+    for m in ("l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum", "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum"):
+        assert m in nd.METRICS
+    assert "l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum" not in nd.METRICS      # an alternate only
+    text = "\n".join([
+        _HDR,
+        _line(0, K, "gpu__time_duration.sum", "usecond", "229.25"),
+        _line(0, K, "l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum", "Kbyte", "1,536"),
+        _line(0, K, "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum", "byte", "0"),
+        _line(0, K, "smsp__sass_inst_executed_op_local_ld.sum", "inst", "4,096"),
+    ])
+    r = nd.launch_fields(nd.parse_ncu_csv(text)[0])
+    assert r["local_load_bytes"] == pytest.approx(1.536e6) and r["local_store_bytes"] == 0
+    assert r["local_load_inst"] == 4096
+    # an ncu without the byte counters: the sector counts (32 bytes each)
+    sec = "\n".join([_HDR, _line(0, K, "l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum", "sector", "1,000")])
+    assert nd.launch_fields(nd.parse_ncu_csv(sec)[0])["local_store_bytes"] == 32000
+    alt = nd.ALTERNATES["l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum"]
+    assert alt == "l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum"
+    row = nd.case_row(dict(impl="mgpu_kivi", format="kivi2", T=32768, variant="default"), text, rc=0,
+                      regex="mosaic_gpu")
+    md = nd.markdown(dict(date="d", shape=dict(B=8, hq=32, hkv=8, d=128), warmup=3, rows=[row]))
+    assert "| 1500.0 / 0.0 | ok |" in md.strip().splitlines()[-1]
