@@ -23,8 +23,6 @@
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
 import sys
 import traceback
@@ -36,10 +34,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode_attention import (CLOCK, add_clock_arg, baseline_fns, hbm_copy_tbps, hbm_read_tbps,  # noqa: E402
-                                    n_sets_for, rel_err, time_program, timing_fields)
+from bench_decode_attention import baseline_fns, n_sets_for, rel_err, time_program, timing_fields  # noqa: E402
 from check_mgpu_decode import cudnn_sets, timing_query  # noqa: E402
-from check_mgpu_kivi import LOG, flush, log  # noqa: E402
+from check_mgpu_kivi import LOG, flush, log, parse_args, run  # noqa: E402
 from kvquant_jax.abi.reference import decode_attention_jnp, decode_attention_reference  # noqa: E402
 from kvquant_jax.attention import dispatch  # noqa: E402
 from kvquant_jax.cache.kivi import KIVIScheme  # noqa: E402
@@ -196,44 +193,10 @@ def timing(args, results, t, rep: int):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--T", default="4096,32768")
-    ap.add_argument("--B", type=int, default=8)
-    ap.add_argument("--hq", type=int, default=32)
-    ap.add_argument("--hkv", type=int, default=8)
-    ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--formats", default="kivi2,kivi4")
-    ap.add_argument("--impls", default="triton,mosaic", help="triton: layout 1 through dispatch; mosaic: planar")
-    ap.add_argument("--reps", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=1, help="time every T this many times (keep every run)")
-    ap.add_argument("--check-only", action="store_true")
-    ap.add_argument("--cases", default=None, help="parity case indices to run (comma list; default all)")
-    ap.add_argument("--skip-check", action="store_true")
-    ap.add_argument("--out", default=os.environ.get("OUT", ""))
-    add_clock_arg(ap)
-    args = ap.parse_args(argv)
-    args.formats = [f for f in args.formats.split(",") if f]
-    args.impls = set(args.impls.split(","))
-    args.cases = None if args.cases is None else {int(c) for c in args.cases.split(",")}
-    CLOCK["clock"] = args.clock
     LOG.clear()
-    results = {"argv": sys.argv, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "clock": args.clock, "rows": []}
-    log(f"{results['date']} jax {jax.__version__} on {results['device']}, clock {args.clock}")
-    ok = True
-    if not args.skip_check:
-        ok = parity(args, results)
-        log(f"parity: {'ALL OK' if ok else 'FAILURES'}")
-        if args.check_only:
-            flush(args, results)
-            return 0 if ok else 1
-    results["copy_tbps"] = hbm_copy_tbps()
-    results["read_tbps"] = hbm_read_tbps()
-    log(f"copy probe {results['copy_tbps']:.2f} TB/s, read probe {results['read_tbps']:.2f} TB/s")
-    for rep in range(args.repeat):
-        for t in [int(x) for x in args.T.split(",")]:
-            timing(args, results, t, rep)
-    flush(args, results)
+    args = parse_args(argv, __doc__, "triton,mosaic", "triton: the layout-1 cache through dispatch; mosaic: the "
+                      "planar cache through dispatch and the bare kernel", variants=False)
+    ok, _ = run(args, parity, timing)
     return 0 if ok else 1
 
 

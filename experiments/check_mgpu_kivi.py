@@ -167,18 +167,21 @@ def timing(args, results, t, rep: int):
         del sets
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv, doc: str, impls: str, impls_help: str = "", variants: bool = True):
+    """The CLI this script and ``check_kivi_planar_gpu.py`` share (shape, formats, impls, repeats, parity cases,
+    clock, --out), parsed: formats a list, impls a set, cases a set or None; sets the benchmark clock."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--T", default="4096,32768")
     ap.add_argument("--B", type=int, default=8)
     ap.add_argument("--hq", type=int, default=32)
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--formats", default="kivi2,kivi4")
-    ap.add_argument("--impls", default="triton,mgpu")
+    ap.add_argument("--impls", default=impls, help=impls_help or None)
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=1, help="time every T this many times (keep every run)")
-    ap.add_argument("--variants", action="store_true")
+    if variants:
+        ap.add_argument("--variants", action="store_true")
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--cases", default=None, help="parity case indices to run (comma list; default all)")
     ap.add_argument("--skip-check", action="store_true")
@@ -189,22 +192,35 @@ def main(argv=None):
     args.impls = set(args.impls.split(","))
     args.cases = None if args.cases is None else {int(c) for c in args.cases.split(",")}
     CLOCK["clock"] = args.clock
+    return args
+
+
+def run(args, parity_fn, timing_fn) -> tuple[bool, bool]:
+    """Parity (unless --skip-check), then the copy / read probes and ``timing_fn(args, results, t, rep)`` for every
+    repeat and T; results and log under --out.  Returns ``(parity ok, stopped after the check)``."""
     results = {"argv": sys.argv, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
                "device": str(jax.devices()[0].device_kind), "clock": args.clock, "rows": []}
     log(f"{results['date']} jax {jax.__version__} on {results['device']}, clock {args.clock}")
+    ok = True
     if not args.skip_check:
-        ok = parity(args, results)
+        ok = parity_fn(args, results)
         log(f"parity: {'ALL OK' if ok else 'FAILURES'}")
         if args.check_only:
-            return 0 if ok else 1
+            flush(args, results)
+            return ok, True
     results["copy_tbps"] = hbm_copy_tbps()
     results["read_tbps"] = hbm_read_tbps()
     log(f"copy probe {results['copy_tbps']:.2f} TB/s, read probe {results['read_tbps']:.2f} TB/s")
     for rep in range(args.repeat):
         for t in [int(x) for x in args.T.split(",")]:
-            timing(args, results, t, rep)
+            timing_fn(args, results, t, rep)
     flush(args, results)
-    return 0
+    return ok, False
+
+
+def main(argv=None):
+    ok, checked_only = run(parse_args(argv, __doc__, "triton,mgpu"), parity, timing)
+    return (0 if ok else 1) if checked_only else 0
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvquant_jax.abi import kivi_planar as kp
 from kvquant_jax.cache import _rows

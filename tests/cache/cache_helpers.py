@@ -14,10 +14,11 @@ from kvquant_jax.cache.fp8 import FP8Scheme
 from kvquant_jax.cache.full import FullPrecisionScheme
 from kvquant_jax.cache.interface import init_cache
 from kvquant_jax.cache.kivi import KIVIScheme
+from kvquant_jax.cache.kivi_planar import KIVIPlanarScheme
 from kvquant_jax.cache.per_token import PerTokenScheme
 from kvquant_jax.cache.qserve import QServeScheme
 
-from cache_shadow import ShadowCache, kivi_frontiers_spec
+from cache_shadow import KIVI_CLASSES, ShadowCache, kivi_frontiers_spec
 
 L, B, H, D, C = 2, 3, 2, 8, 24
 T_PREFILL = 5                  # static row count of every multi-row append in the tests
@@ -44,6 +45,9 @@ CASES = {
     "kivi2_official_r0": _uniform(KIVIScheme(k_bits=2, v_bits=4, group_size=4, v_group_size=8, residual=0)),
     "kivi2_sync_r0": _uniform(KIVIScheme(k_bits=2, v_bits=2, group_size=4, v_group_size=4, residual=0,
                                          residual_rule="synchronized")),
+    # token-planar KIVI with 1-row planes (4-token blocks, C a multiple): bytes shared by 4 positions
+    "kivi2_planar_sync": _uniform(KIVIPlanarScheme(k_bits=2, v_bits=2, group_size=4, v_group_size=4, residual=8,
+                                                   residual_rule="synchronized", plane_rows=1)),
 }
 
 
@@ -80,6 +84,20 @@ def unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
     return (stream << np.arange(bits)).sum(axis=-1)
 
 
+def unpack_planar(packed: np.ndarray, bits: int, plane_rows: int) -> np.ndarray:
+    """Token-planar bytes ``[H, NR, X]`` -> codes ``[H, NR * 8/bits, X]`` int64, from the documented layout
+    (docs/architecture.md, kivi_planar): row t at byte row ``(t // BT) * plane_rows + t % plane_rows``, bits
+    ``[bits * plane, bits * (plane + 1))`` with ``plane = (t % BT) // plane_rows``, the top plane XOR
+    ``2^(bits-1)``."""
+    p = 8 // bits
+    bt = plane_rows * p
+    t = np.arange(packed.shape[1] * p)
+    plane = (t % bt) // plane_rows
+    byte = packed.astype(np.int64)[:, (t // bt) * plane_rows + t % plane_rows]            # [H, T, X]
+    u = (byte >> (bits * plane)[None, :, None]) & ((1 << bits) - 1)
+    return u ^ np.where(plane == p - 1, 1 << (bits - 1), 0)[None, :, None]
+
+
 def physical(scheme, st, n: int) -> dict:
     """The stored representation of the visible region of one layer / one sequence (``st``: arrays ``[H, ...]``).
     Read straight from the documented layout (docs/architecture.md)."""
@@ -96,16 +114,21 @@ def physical(scheme, st, n: int) -> dict:
     if name == "QServeScheme":
         return {f"{t}_{f}": (unpack(g[f"{t}_codes"][:, :n], 4, D) if f == "codes" else g[f"{t}_{f}"][:, :n])
                 for t in "kv" for f in ("codes", "scale", "offset")}
-    if name == "KIVIScheme":
+    if name in KIVI_CLASSES:
         gs = scheme.group_size
         fk, fv = kivi_frontiers_spec(n, scheme.residual_rule, scheme.residual, gs)
+        if name == "KIVIPlanarScheme":        # codes token-planar, V and its qparams transposed: back to layout 1
+            k_codes = unpack_planar(g["k_codes"], scheme.k_bits, scheme.plane_rows)
+            v_codes = unpack_planar(np.swapaxes(g["v_codes"], 1, 2), scheme.v_bits, scheme.plane_rows)
+            v_scale, v_min = (np.ascontiguousarray(np.swapaxes(g[f], 1, 2)) for f in ("v_scale", "v_min"))
+        else:
+            k_codes, v_codes = unpack(g["k_codes"], scheme.k_bits, D), unpack(g["v_codes"], scheme.v_bits, D)
+            v_scale, v_min = g["v_scale"], g["v_min"]
         out = {}
         if fk:
-            out.update(k_codes=unpack(g["k_codes"][:, :fk], scheme.k_bits, D), k_scale=g["k_scale"][:, :fk // gs],
-                       k_min=g["k_min"][:, :fk // gs])
+            out.update(k_codes=k_codes[:, :fk], k_scale=g["k_scale"][:, :fk // gs], k_min=g["k_min"][:, :fk // gs])
         if fv:
-            out.update(v_codes=unpack(g["v_codes"][:, :fv], scheme.v_bits, D), v_scale=g["v_scale"][:, :fv],
-                       v_min=g["v_min"][:, :fv])
+            out.update(v_codes=v_codes[:, :fv], v_scale=v_scale[:, :fv], v_min=v_min[:, :fv])
         for t, f in (("k", fk), ("v", fv)):
             ring = g[f"{t}_res"]
             out[f"{t}_res"] = ring[:, np.arange(f, n) % max(ring.shape[1], 1)] if n > f else ring[:, :0]
@@ -157,7 +180,7 @@ def assert_matches_shadow(cache, shadow: ShadowCache, where: str = "") -> None:
                 assert a.dtype == np.int64 or a.dtype == e.dtype, f"{tag} {key}: dtype {a.dtype} != {e.dtype}"
                 assert np.array_equal(_bits(a), _bits(np.asarray(e).astype(a.dtype))), \
                     f"{tag} {key}: stored bits differ"
-        if type(scheme).__name__ == "KIVIScheme":
+        if type(scheme).__name__ in KIVI_CLASSES:
             fk, fv = scheme.frontiers(lengths)
             for b in range(shadow.batch):
                 assert (int(fk[b]), int(fv[b])) == kivi_frontiers_spec(

@@ -148,9 +148,13 @@ def kivi_frontiers_spec(length: int, rule: str, r: int, g: int) -> tuple[int, in
     return q, q
 
 
+#: scheme classes with KIVI's quantizer, frontiers and rings (layout 1 and token-planar)
+KIVI_CLASSES = ("KIVIScheme", "KIVIPlanarScheme")
+
+
 def needs_rows_spec(scheme, old: int, new: int) -> int:
     """First position whose original row a truncation ``old -> new`` needs (``new`` when none)."""
-    if type(scheme).__name__ != "KIVIScheme":
+    if type(scheme).__name__ not in KIVI_CLASSES:
         return new
     start = new
     for f_new, f_old in zip(kivi_frontiers_spec(new, scheme.residual_rule, scheme.residual, scheme.group_size),
@@ -204,7 +208,7 @@ def expect_layer(scheme, k_rows: np.ndarray, v_rows: np.ndarray, fp8_scales=None
             out.append(dec)
             stored.update({f"{tag}_codes": u, f"{tag}_scale": s, f"{tag}_offset": o})
         return Expect(out[0], out[1], stored)
-    if name == "KIVIScheme":
+    if name in KIVI_CLASSES:                   # the planar layout stores the same codes and qparams
         g, r, rule = scheme.group_size, scheme.residual, scheme.residual_rule
         qdt, rdt = QDT[scheme.qparam_dtype], QDT[scheme.residual_dtype]
         fk, fv = kivi_frontiers_spec(n, rule, r, g)

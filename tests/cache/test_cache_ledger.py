@@ -33,10 +33,13 @@ def test_physical_ledger_equals_measured_bytes(case):
 @pytest.mark.parametrize("name", sorted(NAMES))
 @pytest.mark.parametrize("capacity", [64, 100])
 def test_physical_ledger_equals_allocation_of_every_registry_scheme(name, capacity):
-    """Registry defaults (G=32, R=128 for KIVI) at a capacity that is not a multiple of G, shape-only (no data)."""
+    """Registry defaults (G=32, R=128 for KIVI) at a capacity that is not a multiple of G, shape-only (no data);
+    a token-planar KIVI cache at the next multiple of its block (it refuses any other capacity)."""
     import jax
 
     scheme = make_scheme(name)
+    bt = getattr(scheme, "block_t", 1)
+    capacity = -(-capacity // bt) * bt
     policy = mixed.with_full_precision(scheme, 3, first=1)
     cache = jax.eval_shape(lambda: init_cache(policy, num_layers=3, batch=2, capacity=capacity, num_kv_heads=2,
                                               head_dim=64))

@@ -223,3 +223,26 @@ def test_bad_input_names_the_problem():
         KIVIPlanarScheme().init_layer(1, 300, 1, 64)
     with pytest.raises(ValueError, match="plane_rows must be >= 1"):
         KIVIPlanarScheme(plane_rows=0)
+
+
+def test_gpu_check_script_parity_runs_on_cpu_and_fails_a_broken_route(tmp_path, monkeypatch):
+    """experiments/check_kivi_planar_gpu.py's parity (the plain-JAX twin on CPU) passes one case, writes its rows,
+    and reports a failure when the served route drops the ring tail."""
+    import json
+
+    from experiment_scripts import load_experiment
+
+    mod = load_experiment("check_kivi_planar_gpu")
+    assert mod.main(["--check-only", "--cases", "2", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert len(rows) == 2 and all(r["ok"] and r["served"] == [mod.KERNEL] for r in rows)
+    real = mk.decode_attention_kivi_planar
+
+    def decode_attention_kivi_planar(q, fmt, op, *a, **kw):          # the served name, without the tail
+        return real(q, fmt, op.replace(tail_len=jnp.zeros_like(op.tail_len)), *a, **kw)
+
+    monkeypatch.setitem(dispatch.FUSED_KERNELS, kp.KiviPlanarFormat,
+                        (decode_attention_kivi_planar, ("gpu",), mk.kivi_planar_unsupported))
+    assert mod.main(["--check-only", "--cases", "2", "--out", str(tmp_path / "broken")]) == 1
+    rows = json.loads((tmp_path / "broken" / "results.json").read_text())["rows"]
+    assert all(r["served"] == [mod.KERNEL] and r["rel_err"] > mod.BOUND for r in rows)
