@@ -110,9 +110,9 @@ def planar_index(t, bits: int, plane_rows: int):
     return (t // bt) * plane_rows + t % plane_rows, (t % bt) // plane_rows
 
 
-def _top_mask(p: int, bits: int, xp):
-    """``[P, 1, 1]`` uint32: ``2^(bits-1)`` on the top plane, 0 elsewhere (the re-centring XOR)."""
-    return xp.asarray((np.arange(p) == p - 1).astype(np.uint32).reshape(p, 1, 1) * np.uint32(2 ** (bits - 1)))
+def _top_mask(p: int, bits: int, xp, dtype=np.uint32):
+    """``[P, 1, 1]``: ``2^(bits-1)`` on the top plane, 0 elsewhere (the re-centring XOR)."""
+    return xp.asarray(((np.arange(p) == p - 1) * 2 ** (bits - 1)).astype(dtype).reshape(p, 1, 1))
 
 
 def pack_token_planar(u, bits: int, plane_rows: int = 64, xp=jnp):
@@ -135,8 +135,7 @@ def unpack_token_planar(packed, bits: int, plane_rows: int = 64, xp=np):
     *lead, tp, x = b.shape
     b = b.reshape(*lead, tp // plane_rows, 1, plane_rows, x)
     shifts = xp.asarray((np.arange(p, dtype=np.int32) * bits).reshape(p, 1, 1))
-    top = xp.asarray((np.arange(p) == p - 1).astype(np.int32).reshape(p, 1, 1) * 2 ** (bits - 1))
-    u = ((b >> shifts) & (2 ** bits - 1)) ^ top
+    u = ((b >> shifts) & (2 ** bits - 1)) ^ _top_mask(p, bits, xp, np.int32)
     return u.reshape(*lead, tp * p, x)
 
 

@@ -170,15 +170,22 @@ class KIVIScheme(SchemeBase):
         qd, rd = DTYPES[self.qparam_dtype], DTYPES[self.residual_dtype]
         s_k, s_v = self.ring_sizes
         lead = (batch, num_kv_heads)
+        k_codes, v_codes, v_qparams = self._stored_shapes(capacity, head_dim, head_dim // gd)
         return KIVILayerState(
-            k_codes=jnp.zeros(lead + (capacity, head_dim * self.k_bits // 8), jnp.uint8),
+            k_codes=jnp.zeros(lead + k_codes, jnp.uint8),
             k_scale=jnp.ones(lead + (capacity // self.group_size, head_dim), qd),
             k_min=jnp.zeros(lead + (capacity // self.group_size, head_dim), qd),
-            v_codes=jnp.zeros(lead + (capacity, head_dim * self.v_bits // 8), jnp.uint8),
-            v_scale=jnp.ones(lead + (capacity, head_dim // gd), qd),
-            v_min=jnp.zeros(lead + (capacity, head_dim // gd), qd),
+            v_codes=jnp.zeros(lead + v_codes, jnp.uint8),
+            v_scale=jnp.ones(lead + v_qparams, qd),
+            v_min=jnp.zeros(lead + v_qparams, qd),
             k_res=jnp.zeros(lead + (s_k, head_dim), rd),
             v_res=jnp.zeros(lead + (s_v, head_dim), rd))
+
+    def _stored_shapes(self, capacity: int, head_dim: int, v_groups: int):
+        """The layout hook of the allocation: per-layer-and-head shapes of ``k_codes``, ``v_codes`` and the V
+        qparams (layout 1: codes ``[C, D*b/8]``, V qparams ``[C, D/Gv]``)."""
+        return ((capacity, head_dim * self.k_bits // 8), (capacity, head_dim * self.v_bits // 8),
+                (capacity, v_groups))
 
     def _close(self, codes, scale, mn, ring, new, base, lengths, num_new, n_rows, width, per_channel, row0):
         """Quantize the rows of positions ``[base, base + n_rows)`` (``n_rows <= width``, static ``width``) and

@@ -30,9 +30,8 @@ import jax.numpy as jnp
 from kvquant_jax.abi import kivi_planar as kp
 from kvquant_jax.cache import _rows
 from kvquant_jax.cache.interface import CacheScheme
-from kvquant_jax.cache.kivi import KIVILayerState, KIVIScheme
+from kvquant_jax.cache.kivi import KIVIScheme
 from kvquant_jax.cache.schema import CacheSchema
-from kvquant_jax.quant.dtypes import DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,22 +78,11 @@ class KIVIPlanarScheme(KIVIScheme):
                              f"block ({self.plane_rows} rows x {8 // self.k_bits} planes of {self.k_bits}-bit "
                              "codes per byte; a paged cache's page_size too: a byte holds tokens of one block)")
 
-    def init_layer(self, batch, capacity, num_kv_heads, head_dim):
+    def _stored_shapes(self, capacity, head_dim, v_groups):
+        """Codes ``[C*b/8, D]`` (K) and ``[D, C*b/8]`` (V^T), V qparams ``[D/Gv, C]``; C a multiple of the block."""
         self._check_capacity(capacity)
-        gd = self._v_group(head_dim)
-        qd, rd = DTYPES[self.qparam_dtype], DTYPES[self.residual_dtype]
-        s_k, s_v = self.ring_sizes
-        lead = (batch, num_kv_heads)
         nr = capacity * self.k_bits // 8
-        return KIVILayerState(
-            k_codes=jnp.zeros(lead + (nr, head_dim), jnp.uint8),
-            k_scale=jnp.ones(lead + (capacity // self.group_size, head_dim), qd),
-            k_min=jnp.zeros(lead + (capacity // self.group_size, head_dim), qd),
-            v_codes=jnp.zeros(lead + (head_dim, nr), jnp.uint8),
-            v_scale=jnp.ones(lead + (head_dim // gd, capacity), qd),
-            v_min=jnp.zeros(lead + (head_dim // gd, capacity), qd),
-            k_res=jnp.zeros(lead + (s_k, head_dim), rd),
-            v_res=jnp.zeros(lead + (s_v, head_dim), rd))
+        return (nr, head_dim), (head_dim, nr), (v_groups, capacity)
 
     def _capacity(self, state) -> int:
         return state.v_scale.shape[-1]
