@@ -23,6 +23,7 @@
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import traceback
@@ -34,9 +35,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode_attention import baseline_fns, n_sets_for, rel_err, time_program, timing_fields  # noqa: E402
+from bench_decode_attention import baseline_fns, n_sets_for, rel_err, time_program  # noqa: E402
 from check_mgpu_decode import cudnn_sets, timing_query  # noqa: E402
-from check_mgpu_kivi import LOG, flush, log, parse_args, run  # noqa: E402
+from check_mgpu_kivi import LOG, flush, log, parse_args, run, timing_row  # noqa: E402
 from kvquant_jax.abi.reference import decode_attention_jnp, decode_attention_reference  # noqa: E402
 from kvquant_jax.attention import dispatch  # noqa: E402
 from kvquant_jax.cache.kivi import KIVIScheme  # noqa: E402
@@ -71,15 +72,7 @@ def filled(scheme, batch, hkv, capacity, d, appends):
     return jax.block_until_ready(state), lengths
 
 
-def _row(results, args, **row):
-    if row.get("us") is not None:
-        row = {**row, **timing_fields()}
-    results["rows"].append(row)
-    flush(args, results)
-    us = row.get("us")
-    log(f"T={row['T']:6d} {row['impl']:18s} {row['format']:13s} {row.get('variant', ''):4s} "
-        + (f"{us:9.1f} us {row['tbps']:5.2f} TB/s x{row.get('speedup_vs_cudnn', float('nan')):.2f} "
-           f"err {row.get('rel_err')}" if us else f"FAILED {row.get('error', '')[:800]}"))
+_row = functools.partial(timing_row, widths=(18, 13, 4))
 
 
 def parity(args, results) -> bool:

@@ -100,13 +100,16 @@ def parity(args, results) -> bool:
     return ok_all
 
 
-def _row(results, args, **row):
+def timing_row(results, args, widths=(8, 6, 14), **row):
+    """Keep one timing row (with the clock's other readings), flush the results and log it (``widths``: of the
+    impl, format and variant columns)."""
     if row.get("us") is not None:
         row = {**row, **timing_fields()}
     results["rows"].append(row)
     flush(args, results)
     us = row.get("us")
-    log(f"T={row['T']:6d} {row['impl']:8s} {row['format']:6s} {row.get('variant', ''):14s} "
+    wi, wf, wv = widths
+    log(f"T={row['T']:6d} {row['impl']:{wi}s} {row['format']:{wf}s} {row.get('variant', ''):{wv}s} "
         + (f"{us:9.1f} us {row['tbps']:5.2f} TB/s x{row.get('speedup_vs_cudnn', float('nan')):.2f} "
            f"err {row.get('rel_err')}" if us else f"FAILED {row.get('error', '')[:800]}"))
 
@@ -121,11 +124,11 @@ def timing(args, results, t, rep: int):
         sets = cudnn_sets(key, b, hkv, t, d, n_sets_for(bf16_bytes))
         med, lo, hi, _ = time_program(baseline_fns()["cudnn"], q, sets, args.reps)
         base["cudnn"] = med
-        _row(results, args, T=t, impl="cudnn", format="bf16", variant=tag, us=med * 1e6, us_min=lo * 1e6,
+        timing_row(results, args, T=t, impl="cudnn", format="bf16", variant=tag, us=med * 1e6, us_min=lo * 1e6,
              us_max=hi * 1e6, bytes=bf16_bytes, tbps=bf16_bytes / med / 1e12, speedup_vs_cudnn=1.0)
         del sets
     except Exception as e:  # noqa: BLE001
-        _row(results, args, T=t, impl="cudnn", format="bf16", error=f"{type(e).__name__}: {e}"[:800])
+        timing_row(results, args, T=t, impl="cudnn", format="bf16", error=f"{type(e).__name__}: {e}"[:800])
     for name in args.formats:
         bits = int(name[len("kivi"):])
         kf, vf = kivi_formats(bits, 32, 32)
@@ -135,11 +138,11 @@ def timing(args, results, t, rep: int):
             try:
                 med, lo, hi, out = time_program(triton_fn(), q, regs, args.reps)
                 read = set_bytes + q.size * 2
-                _row(results, args, T=t, impl="triton", format=name, variant=tag, us=med * 1e6, us_min=lo * 1e6,
+                timing_row(results, args, T=t, impl="triton", format=name, variant=tag, us=med * 1e6, us_min=lo * 1e6,
                      us_max=hi * 1e6, bytes=read, tbps=read / med / 1e12, rel_err=rel_err(out, ref),
                      speedup_vs_cudnn=base.get("cudnn", float("nan")) / med)
             except Exception as e:  # noqa: BLE001
-                _row(results, args, T=t, impl="triton", format=name, error=f"{type(e).__name__}: {e}"[:800])
+                timing_row(results, args, T=t, impl="triton", format=name, error=f"{type(e).__name__}: {e}"[:800])
         sets = [jax.block_until_ready(jax.jit(mk.prepare_kivi_region)(r)) for r in regs]
         del regs
         read = mgpu_read_bytes(sets[0], q)
@@ -157,12 +160,12 @@ def timing(args, results, t, rep: int):
                 fn = lambda q, o, cfg=cfg: mk.decode_attention_mgpu_kivi_prepared(  # noqa: E731
                     q, o, config=cfg, out_dtype=jnp.float32)
                 med, lo, hi, out = time_program(fn, q, sets, args.reps)
-                _row(results, args, T=t, impl="mgpu", format=name, variant=vname + tag, us=med * 1e6,
+                timing_row(results, args, T=t, impl="mgpu", format=name, variant=vname + tag, us=med * 1e6,
                      us_min=lo * 1e6, us_max=hi * 1e6, bytes=read, tbps=read / med / 1e12,
                      rel_err=rel_err(out, ref), speedup_vs_cudnn=base.get("cudnn", float("nan")) / med,
                      config=dataclasses.asdict(cfg))
             except Exception as e:  # noqa: BLE001
-                _row(results, args, T=t, impl="mgpu", format=name, variant=vname,
+                timing_row(results, args, T=t, impl="mgpu", format=name, variant=vname,
                      error=f"{type(e).__name__}: {e}"[:1500])
         del sets
 

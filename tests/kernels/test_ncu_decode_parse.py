@@ -183,14 +183,19 @@ FAKE = textwrap.dedent('''\
     ''')
 
 
-def test_driver_with_fake_ncu(nd, tmp_path):
+def _fake_ncu(tmp_path, mode="ok"):
     fake = tmp_path / "ncu.py"
     fake.write_text(f"HDR = {_HDR!r}\nKERNEL = {K!r}\n"
                     f"LINE = {_line('{}', '{}', 'gpu__time_duration.sum', 'nsecond', '229,250')!r}\n" + FAKE)
     ncu = tmp_path / "ncu"
     ncu.write_text(f"#!/bin/sh\nexec {sys.executable} {fake} \"$@\"\n")
     ncu.chmod(0o755)
-    (tmp_path / "ncu.py.mode").write_text("ok")
+    (tmp_path / "ncu.py.mode").write_text(mode)
+    return ncu
+
+
+def test_driver_with_fake_ncu(nd, tmp_path):
+    ncu = _fake_ncu(tmp_path)
     out = tmp_path / "out"
     res = nd.main(["--ncu", str(ncu), "--impls", "v1", "--formats", "int4", "--out", str(out), "--case-timeout", "60"])
     (row,) = res["rows"]
@@ -296,17 +301,6 @@ def test_kivi_pairs_that_make_no_sense_are_skipped_with_the_reason(nd):
     # the old behaviour: without mgpu_kivi asked for, a KIVI format is the Triton kernel's only
     a = _shape_args(formats=["kivi4"], impls=["v1", "ws", "triton", "cudnn"])
     assert [(c["impl"], c["format"]) for c in nd.build_cases(a)] == [("triton", "kivi4")]
-
-
-def _fake_ncu(tmp_path, mode="ok"):
-    fake = tmp_path / "ncu.py"
-    fake.write_text(f"HDR = {_HDR!r}\nKERNEL = {K!r}\n"
-                    f"LINE = {_line('{}', '{}', 'gpu__time_duration.sum', 'nsecond', '229,250')!r}\n" + FAKE)
-    ncu = tmp_path / "ncu"
-    ncu.write_text(f"#!/bin/sh\nexec {sys.executable} {fake} \"$@\"\n")
-    ncu.chmod(0o755)
-    (tmp_path / "ncu.py.mode").write_text(mode)
-    return ncu
 
 
 def test_driver_kivi_command_lines(nd, tmp_path):
