@@ -3,6 +3,7 @@
     python experiments/check_mgpu_kivi.py --out $OUT/kivi                 # (a) parity, (b) timing at 4K, 32K
     python experiments/check_mgpu_kivi.py --check-only
     python experiments/check_mgpu_kivi.py --T 32768 --variants --repeat 3
+    python experiments/check_mgpu_kivi.py --T 32768 --variants "inflight 2,prec bf16" --skip-check
 
 (a) Small ragged cases (B=3, Hkv=2, T=512, poisoned dead rows: NaN qparams of dead K groups / V rows, the current
     token ``k_new / v_new`` in the same softmax) against the float64 NumPy oracle: KIVI-2 / KIVI-4, K groups 16 / 32
@@ -42,6 +43,9 @@ from pallas_kernels import decode_attention_mgpu_kivi as mk  # noqa: E402
 PARITY_CASES = [(2, 32, 32, 128, 4), (4, 32, 32, 128, 4), (2, 16, 0, 64, 3), (2, 64, 64, 256, 8),
                 (4, 64, 16, 64, 1), (2, 32, 128, 128, 4)]
 BOUND = {"bf16x2": 5e-5, "bf16": 4e-3}
+#: names of --variants (KiviMgpuConfig changes from the default, timed in the first repeat)
+VARIANTS = ("stages 3", "stages 4", "splits x2", "splits /2", "prec bf16", "inflight 1", "inflight 2", "inflight 4",
+            "qk batch 1", "qk batch 2", "qk batch 1 inflight 2")
 LOG: list[str] = []
 
 
@@ -150,11 +154,16 @@ def timing(args, results, t, rep: int):
         s0 = mk._spec_for(sets[0], hq // hkv, dflt).ns
         variants = {"default": dflt}
         if args.variants and rep == 0:
-            variants.update({"stages 3": dataclasses.replace(dflt, max_concurrent_steps=3),
-                             "stages 4": dataclasses.replace(dflt, max_concurrent_steps=4),
-                             "splits x2": dataclasses.replace(dflt, num_splits=2 * s0),
-                             "splits /2": dataclasses.replace(dflt, num_splits=max(1, s0 // 2)),
-                             "prec bf16": dataclasses.replace(dflt, precision="bf16")})
+            every = {"stages 3": dataclasses.replace(dflt, max_concurrent_steps=3),
+                     "stages 4": dataclasses.replace(dflt, max_concurrent_steps=4),
+                     "splits x2": dataclasses.replace(dflt, num_splits=2 * s0),
+                     "splits /2": dataclasses.replace(dflt, num_splits=max(1, s0 // 2)),
+                     "prec bf16": dataclasses.replace(dflt, precision="bf16"),
+                     **{f"inflight {k}": dataclasses.replace(dflt, wgmma_inflight=k) for k in (1, 2, 4)},
+                     **{f"qk batch {k}": dataclasses.replace(dflt, qk_plane_batch=k) for k in (1, 2)},
+                     "qk batch 1 inflight 2": dataclasses.replace(dflt, qk_plane_batch=1, wgmma_inflight=2)}
+            assert set(every) == set(VARIANTS)
+            variants.update(every if args.variants == "all" else {v: every[v] for v in args.variants})
         for vname, cfg in variants.items():
             try:
                 fn = lambda q, o, cfg=cfg: mk.decode_attention_mgpu_kivi_prepared(  # noqa: E731
@@ -184,7 +193,8 @@ def parse_args(argv, doc: str, impls: str, impls_help: str = "", variants: bool 
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=1, help="time every T this many times (keep every run)")
     if variants:
-        ap.add_argument("--variants", action="store_true")
+        ap.add_argument("--variants", nargs="?", const="all", default=None,
+                        help="time config variants too (first repeat): all, or a comma list of their names")
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--cases", default=None, help="parity case indices to run (comma list; default all)")
     ap.add_argument("--skip-check", action="store_true")
@@ -194,6 +204,11 @@ def parse_args(argv, doc: str, impls: str, impls_help: str = "", variants: bool 
     args.formats = [f for f in args.formats.split(",") if f]
     args.impls = set(args.impls.split(","))
     args.cases = None if args.cases is None else {int(c) for c in args.cases.split(",")}
+    if getattr(args, "variants", None) not in (None, "all"):
+        args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+        unknown = sorted(set(args.variants) - set(VARIANTS))
+        if unknown:
+            ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     CLOCK["clock"] = args.clock
     return args
 

@@ -55,6 +55,7 @@ runs the kernel (``experiments/check_mgpu_kivi.py``: parity against the float64 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional
 
@@ -93,11 +94,19 @@ class KiviMgpuConfig:
     num_splits: split-K programs per (sequence, KV head); None -> ~2 CTAs per SM.
     max_concurrent_steps: TMA pipeline depth (stages in SMEM).
     precision: "bf16x2" (hi + lo parts of q*s and of p*sv, ~1e-5 relative) or "bf16" (rounded once, ~1e-3).
+    wgmma_inflight: wgmmas left in flight after each one is issued (a ``wgmma_wait`` after every issue), so the
+        register A operands (64 x 64 bf16 code tiles, 16 registers per thread each) of completed wgmmas can be
+        reused; 0 = no wait until the block's QK (or PV) wgmmas are all issued (every plane's codes live at once).
+    qk_plane_batch: planes whose QK accumulators (64 x N float32 each) share one scope; the scope ends with a
+        wait for its wgmmas and the logits of its planes are formed before the next scope starts; 0 = all planes
+        of a block in one scope.
     """
 
     num_splits: Optional[int] = None
     max_concurrent_steps: int = 2
     precision: str = "bf16x2"
+    wgmma_inflight: int = 0
+    qk_plane_batch: int = 0
 
 
 @struct.dataclass
@@ -161,15 +170,22 @@ def kivi_formats_unsupported(kf: KVFormat, vf: KVFormat, head_dim: int, rows: in
     return None
 
 
+def _config_unsupported(cfg: KiviMgpuConfig) -> Optional[str]:
+    if cfg.precision not in ("bf16x2", "bf16"):
+        return f"precision must be 'bf16x2' or 'bf16', got {cfg.precision!r}"
+    for name in ("wgmma_inflight", "qk_plane_batch"):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            return f"{name} must be an int >= 0, got {v!r}"
+    return None
+
+
 def kivi_mgpu_unsupported(reg: Region, head_dim: int, config: KiviMgpuConfig | None = None) -> Optional[str]:
     """Why this kernel cannot take the region (None when it can)."""
     why = kivi_formats_unsupported(reg.k.fmt, reg.v.fmt, head_dim, reg.k.data.shape[2])
     if why:
         return why
-    cfg = config or KiviMgpuConfig()
-    if cfg.precision not in ("bf16x2", "bf16"):
-        return f"precision must be 'bf16x2' or 'bf16', got {cfg.precision!r}"
-    return None
+    return _config_unsupported(config or KiviMgpuConfig())
 
 
 def pack_token_planar(u, bits: int, xp=jnp):
@@ -235,6 +251,8 @@ class _KiviSpec:
     nbs: int           # blocks per split
     stages: int
     parts: int         # 2: B = q*s as bf16 hi + lo (two QK wgmmas); 1: rounded once
+    inflight: int = 0  # > 0: wgmma_wait(inflight) after each issue (KiviMgpuConfig.wgmma_inflight)
+    qk_batch: int = 0  # planes per QK accumulator scope (KiviMgpuConfig.qk_plane_batch); 0 = all
 
     @property
     def planes(self) -> int:
@@ -326,28 +344,36 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
                 plgpu.commit_smem()
 
                 # 2. S^T per plane: ONE wgmma per D chunk (N = parts * slots * n), rows pick their group's columns
-                def qk(*acc_refs):
+                #    (planes in batches of sp.qk_batch: one accumulator scope each, so only a batch's
+                #    accumulators are live)
+                def qk(planes, *acc_refs):
                     kbytes = k_smem[...]                                         # [64, D] int8, P planes
-                    for r in range(pln):
+                    for acc_ref, r in zip(acc_refs, planes):
                         kr = _plane(kbytes, r, sp.bits)                          # [64, D] bf16 codes
                         for j in range(dch):
-                            plgpu.wgmma(acc_refs[r], kr[:, j * 64:(j + 1) * 64], b_smem.at[r, j].T)
+                            plgpu.wgmma(acc_ref, kr[:, j * 64:(j + 1) * 64], b_smem.at[r, j].T)
+                            if sp.inflight:
+                                plgpu.wgmma_wait(sp.inflight)
                     return [a_[...] for a_ in acc_refs]
 
-                raw = pl.run_scoped(qk, *[plgpu.ACC((_M, nq), _F32) for _ in range(pln)])
                 rows_t = plgpu.broadcasted_iota(jnp.int32, (_M, n), 0, layout=wg)
                 ss, valids = [], []
-                for r in range(pln):
-                    s = None
-                    for si, (gidx, off) in enumerate(kslots[r]):
-                        sg = sum(raw[r][:, (pi * nsl + si) * n:(pi * nsl + si + 1) * n] for pi in range(parts))
-                        cg = plgpu.load(c_smem.at[gidx, pl.ds(0, n)], (), layout=wg.reduce(0), optimized=False)
-                        sg = sg * (2.0 ** (-sp.bits * r)) + lax.broadcast_in_dim(cg, (_M, n), [1])
-                        s = sg if s is None else jnp.where(rows_t >= off, sg, s)
-                    rows = rows_t + (row0 + r * _M)
-                    valid = (rows >= lo) & (rows < hi)
-                    ss.append(jnp.where(valid, s, _NEG))
-                    valids.append(valid)
+                qb = sp.qk_batch or pln
+                for b0 in range(0, pln, qb):
+                    planes = tuple(range(b0, min(pln, b0 + qb)))
+                    raw = pl.run_scoped(functools.partial(qk, planes),
+                                        *[plgpu.ACC((_M, nq), _F32) for _ in planes])
+                    for raw_r, r in zip(raw, planes):
+                        s = None
+                        for si, (gidx, off) in enumerate(kslots[r]):
+                            sg = sum(raw_r[:, (pi * nsl + si) * n:(pi * nsl + si + 1) * n] for pi in range(parts))
+                            cg = plgpu.load(c_smem.at[gidx, pl.ds(0, n)], (), layout=wg.reduce(0), optimized=False)
+                            sg = sg * (2.0 ** (-sp.bits * r)) + lax.broadcast_in_dim(cg, (_M, n), [1])
+                            s = sg if s is None else jnp.where(rows_t >= off, sg, s)
+                        rows = rows_t + (row0 + r * _M)
+                        valid = (rows >= lo) & (rows < hi)
+                        ss.append(jnp.where(valid, s, _NEG))
+                        valids.append(valid)
 
                 # 3. online softmax: ONE cross-warp max for the block
                 smax = ss[0]
@@ -394,6 +420,8 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
                         vbytes = v_smem[pl.ds(j * _M, _M), :]
                         for r in range(pln):
                             plgpu.wgmma(acc_refs[j], _plane(vbytes, r, sp.bits), p_smem.at[r, j].T)
+                            if sp.inflight:
+                                plgpu.wgmma_wait(sp.inflight)
 
                 accs = list(pl.run_state(pv_fn)([plgpu.ACC.init(a_) for a_ in accs]))
                 return accs, m_new, l_i, zs
@@ -453,8 +481,9 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
 
 def _spec_for(ops: KiviMgpuOperands, g: int, cfg: KiviMgpuConfig | None) -> _KiviSpec:
     cfg = cfg or KiviMgpuConfig()
-    if cfg.precision not in ("bf16x2", "bf16"):
-        raise ValueError(f"precision must be 'bf16x2' or 'bf16', got {cfg.precision!r}")
+    why = _config_unsupported(cfg)
+    if why:
+        raise ValueError(why)
     dup = g if cfg.precision == "bf16x2" else 0
     n = max(8, -(-(2 * g if dup else g) // 8) * 8)
     bt = ops.block_t
@@ -465,7 +494,8 @@ def _spec_for(ops: KiviMgpuOperands, g: int, cfg: KiviMgpuConfig | None) -> _Kiv
     if nb % ns:
         raise ValueError(f"num_splits={ns} does not divide the {nb} blocks")
     return _KiviSpec(d=ops.head_dim, g=g, n=n, dup=dup, bits=ops.bits, kg=ops.k_group, vg=ops.v_group, ns=ns,
-                     nbs=nb // ns, stages=cfg.max_concurrent_steps, parts=2 if dup else 1)
+                     nbs=nb // ns, stages=cfg.max_concurrent_steps, parts=2 if dup else 1,
+                     inflight=cfg.wgmma_inflight, qk_batch=cfg.qk_plane_batch)
 
 
 def _scaled_query_block(q, hkv: int, n: int, dup: int, sm_scale):

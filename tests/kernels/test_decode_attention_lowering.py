@@ -161,16 +161,17 @@ def test_kivi_block_update_lowers_for_target(rng, monkeypatch, platform, bits, b
 # pallas_kernels/decode_attention_mgpu_kivi.py (KIVI on Mosaic GPU): the shapes experiments/check_mgpu_kivi.py checked
 # on the H200 (2026-12-04); lowering checks the 8-bit ops allowed (AND only), the N-stacked wgmma shapes, the
 # column slices of the accumulators and the TMA tile sizes (>= 128 bytes) on CPU.
-@pytest.mark.parametrize("bits,kg,vg,d,g,precision", [(2, 32, 32, 128, 4, "bf16x2"), (2, 32, 32, 128, 4, "bf16"),
-                                                      (4, 32, 32, 128, 4, "bf16x2"), (2, 16, 0, 64, 3, "bf16x2"),
-                                                      (4, 64, 16, 64, 1, "bf16")])
-def test_mgpu_kivi_kernel_lowers_for_cuda(rng, bits, kg, vg, d, g, precision):
+@pytest.mark.parametrize("bits,kg,vg,d,g,precision,inflight,qk_batch", [
+    (2, 32, 32, 128, 4, "bf16x2", 0, 0), (2, 32, 32, 128, 4, "bf16", 0, 0), (4, 32, 32, 128, 4, "bf16x2", 0, 0),
+    (2, 16, 0, 64, 3, "bf16x2", 0, 0), (4, 64, 16, 64, 1, "bf16", 0, 0), (2, 32, 32, 128, 4, "bf16x2", 2, 0),
+    (2, 32, 32, 128, 4, "bf16x2", 0, 1), (2, 16, 0, 64, 3, "bf16x2", 1, 3)])
+def test_mgpu_kivi_kernel_lowers_for_cuda(rng, bits, kg, vg, d, g, precision, inflight, qk_batch):
     from pallas_kernels import decode_attention_mgpu_kivi as mk
 
     kf, vf = kivi_formats(bits, kg, vg)
     reg = random_region(rng, kf, vf, 2, 2, 1024, d, [0, 0], [300, 1024], poison=False, qparam_dtype=jnp.float16)
     q = jnp.asarray(rng.standard_normal((2, 2 * g, d)).astype(np.float32)).astype(jnp.bfloat16)
-    cfg = mk.KiviMgpuConfig(num_splits=2, precision=precision)
+    cfg = mk.KiviMgpuConfig(num_splits=2, precision=precision, wgmma_inflight=inflight, qk_plane_batch=qk_batch)
     text = _lower_cuda(lambda q, r: mk.decode_attention_mgpu_kivi(q, r, config=cfg), q, reg)
     assert "mosaic_gpu" in text
 

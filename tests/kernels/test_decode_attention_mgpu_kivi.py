@@ -223,6 +223,20 @@ def test_bad_precision_says_why(rng):
     assert mk._spec_for(ops, 4, mk.KiviMgpuConfig(precision="bf16")).n == 8
 
 
+@pytest.mark.parametrize("field", ["wgmma_inflight", "qk_plane_batch"])
+@pytest.mark.parametrize("value", [-1, 1.5, "2", True])
+def test_bad_register_knobs_say_why(rng, field, value):
+    kf, vf = kivi_formats(2, 32, 32)
+    reg = _region(rng, kf, vf)
+    cfg = mk.KiviMgpuConfig(**{field: value})
+    why = mk.kivi_mgpu_unsupported(reg, 128, cfg)
+    assert why and field in why and repr(value) in why
+    with pytest.raises(ValueError, match=field):
+        mk._spec_for(mk.prepare_kivi_region(reg), 4, cfg)
+    good = mk._spec_for(mk.prepare_kivi_region(reg), 4, mk.KiviMgpuConfig(wgmma_inflight=2, qk_plane_batch=1))
+    assert (good.inflight, good.qk_batch) == (2, 1)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Mutation: the parity test is sensitive to the top-plane correction
 # ---------------------------------------------------------------------------------------------------------------
