@@ -258,3 +258,17 @@ def test_parity_catches_top_plane_mutation(rng, monkeypatch, mutation):
     bad = np.asarray(mk.decode_attention_mgpu_kivi_reference(q, reg, k_new=kn, v_new=vn, out_dtype=jnp.float32))
     err = _max_rel(bad, ref)
     assert err > 1e-3, err
+
+
+def test_cancellation_probe_names_the_split_sums():
+    """experiments/probe_kivi_cancellation.py: the kernel's two-sum V algebra is exact in float64, and in float32 its
+    error against the float64 dequantize-first output grows with T (the cancellation the device rows show), while
+    dequantizing first stays small; re-centred codes shrink it."""
+    from experiment_scripts import load_experiment
+
+    rows = load_experiment("probe_kivi_cancellation").probe([256, 8192], seed=1)
+    err = {(r["T"], r["sum"]): r["rel_err"] for r in rows}
+    assert max(err[(t, "split f64")] for t in (256, 8192)) < 1e-10
+    assert err[(8192, "split f32")] > 4 * err[(256, "split f32")]
+    assert err[(8192, "split f32")] > 10 * err[(8192, "dequant f32")]
+    assert err[(8192, "centred bf16x2")] < err[(8192, "split bf16x2")]
