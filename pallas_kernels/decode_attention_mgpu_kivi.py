@@ -47,7 +47,14 @@ Requirements: K ``KVFormat(int2|int4, "channel", "min", G)`` with ``16 <= G <= 6
 Measured (H200, JAX 0.11.2, 2026-12-04, one run, docs/benchmarks_decode.md "2026-12-04 (evening)"): parity vs the
 float64 oracle 2.8e-6 at worst (``bf16x2``) over 24 cases; B 8 Hq 32 Hkv 8 D 128, G = Gv = 32: KIVI-2 63.6 us at 4K
 (0.61x cuDNN) and 397 us at 32K (0.62x), KIVI-4 56.0 us at 4K (0.69x), against the Triton kernel's 226 / 1554 us.
-At 0.56 TB/s the kernel is bound neither by bytes nor by its instruction count; not yet profiled.
+At 0.56 TB/s the kernel is bound neither by bytes nor by its instruction count.  Profiled on an H100 (2026-12-05,
+"The limit, measured" / "The spill fixed" there): latency-bound at two warpgroups per SM; KIVI-2 spilled 507 MB
+per call at 255 registers until ``wgmma_inflight=2`` (now its default): 1.07-1.09x cuDNN at 32K, KIVI-4 1.11x.
+
+Precision: the two split sums ``sum_t u*(p*sv)`` and ``z`` are each O(softmax mass) while ``o`` is an average, so
+their float32 difference loses digits as T grows on flat attention (1.4e-4 / 3.4e-4 relative at 32K on random
+data, ~3.6e-6 of max |v|); ``experiments/probe_kivi_cancellation.py`` shows the mechanism on CPU and that
+re-centred codes would cut it 4-14x.
 
 Interpret mode runs :func:`_partials_jnp` (the same arithmetic on the prepared operands, plain JAX); only the H200
 runs the kernel (``experiments/check_mgpu_kivi.py``: parity against the float64 oracle + timing).
@@ -87,6 +94,10 @@ _LN2 = 0.6931471805599453
 _M = 64                                  # wgmma M tile (tokens of a plane, channels of a PV tile)
 
 
+#: KiviMgpuConfig.wgmma_inflight=None resolves per bit width (H100 measurement of 2026-12-05, the field's docstring)
+DEFAULT_INFLIGHT = {2: 2, 4: 0}
+
+
 @dataclasses.dataclass(frozen=True)
 class KiviMgpuConfig:
     """Static knobs.
@@ -97,6 +108,9 @@ class KiviMgpuConfig:
     wgmma_inflight: wgmmas left in flight after each one is issued (a ``wgmma_wait`` after every issue), so the
         register A operands (64 x 64 bf16 code tiles, 16 registers per thread each) of completed wgmmas can be
         reused; 0 = no wait until the block's QK (or PV) wgmmas are all issued (every plane's codes live at once).
+        None = per bit width (``DEFAULT_INFLIGHT``): 2 for KIVI-2, where on H100 it removed the register spills
+        (507 MB -> 0 of local traffic per call at 32K) and cut the time 13-15 %; 0 for KIVI-4, which does not
+        spill and ran 7 % slower with 2 (docs/benchmarks_decode.md, 2026-12-05).
     qk_plane_batch: planes whose QK accumulators (64 x N float32 each) share one scope; the scope ends with a
         wait for its wgmmas and the logits of its planes are formed before the next scope starts; 0 = all planes
         of a block in one scope.
@@ -105,7 +119,7 @@ class KiviMgpuConfig:
     num_splits: Optional[int] = None
     max_concurrent_steps: int = 2
     precision: str = "bf16x2"
-    wgmma_inflight: int = 0
+    wgmma_inflight: Optional[int] = None
     qk_plane_batch: int = 0
 
 
@@ -175,8 +189,10 @@ def _config_unsupported(cfg: KiviMgpuConfig) -> Optional[str]:
         return f"precision must be 'bf16x2' or 'bf16', got {cfg.precision!r}"
     for name in ("wgmma_inflight", "qk_plane_batch"):
         v = getattr(cfg, name)
+        if name == "wgmma_inflight" and v is None:
+            continue
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            return f"{name} must be an int >= 0, got {v!r}"
+            return f"{name} must be an int >= 0{' or None' if name == 'wgmma_inflight' else ''}, got {v!r}"
     return None
 
 
@@ -495,7 +511,8 @@ def _spec_for(ops: KiviMgpuOperands, g: int, cfg: KiviMgpuConfig | None) -> _Kiv
         raise ValueError(f"num_splits={ns} does not divide the {nb} blocks")
     return _KiviSpec(d=ops.head_dim, g=g, n=n, dup=dup, bits=ops.bits, kg=ops.k_group, vg=ops.v_group, ns=ns,
                      nbs=nb // ns, stages=cfg.max_concurrent_steps, parts=2 if dup else 1,
-                     inflight=cfg.wgmma_inflight, qk_batch=cfg.qk_plane_batch)
+                     inflight=DEFAULT_INFLIGHT[ops.bits] if cfg.wgmma_inflight is None else cfg.wgmma_inflight,
+                     qk_batch=cfg.qk_plane_batch)
 
 
 def _scaled_query_block(q, hkv: int, n: int, dup: int, sm_scale):

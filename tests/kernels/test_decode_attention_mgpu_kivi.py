@@ -237,6 +237,17 @@ def test_bad_register_knobs_say_why(rng, field, value):
     assert (good.inflight, good.qk_batch) == (2, 1)
 
 
+@pytest.mark.parametrize("bits, inflight", [(2, 2), (4, 0)])
+def test_default_inflight_is_per_bit_width(rng, bits, inflight):
+    """wgmma_inflight=None (the default) resolves to the H100-measured value of the bit width; an explicit value
+    wins over it."""
+    kf, vf = kivi_formats(bits, 32, 32)
+    ops = mk.prepare_kivi_region(_region(rng, kf, vf))
+    assert mk.KiviMgpuConfig().wgmma_inflight is None
+    assert mk._spec_for(ops, 4, mk.KiviMgpuConfig()).inflight == inflight == mk.DEFAULT_INFLIGHT[bits]
+    assert mk._spec_for(ops, 4, mk.KiviMgpuConfig(wgmma_inflight=1)).inflight == 1
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Mutation: the parity test is sensitive to the top-plane correction
 # ---------------------------------------------------------------------------------------------------------------

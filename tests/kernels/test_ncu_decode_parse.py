@@ -330,7 +330,7 @@ def test_kivi_child_on_cpu(nd, tmp_path):
                     "--hkv", "2", "--warmup", "1", "--calls", "1", "--interpret", "--info-out", str(info_out),
                     "--config", '{"max_concurrent_steps": 3}'])
     assert info["impl"] == "mgpu_kivi" and info["format"] == "kivi2" and info["interpret"] is True
-    assert info["config"] == dict(num_splits=None, max_concurrent_steps=3, precision="bf16x2", wgmma_inflight=0,
+    assert info["config"] == dict(num_splits=None, max_concurrent_steps=3, precision="bf16x2", wgmma_inflight=None,
                                   qk_plane_batch=0)
     assert info["num_splits"] >= 1 and info["calls"] == 1 and info["compile_s"] > 0
     # the prepared operands (less start / end) + the bf16 query: BH=4, T=512, D=128, 2-bit codes (4 tokens / byte),
