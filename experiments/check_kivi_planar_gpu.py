@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_decode_attention import baseline_fns, n_sets_for, rel_err, time_program  # noqa: E402
 from check_mgpu_decode import cudnn_sets, timing_query  # noqa: E402
-from check_mgpu_kivi import LOG, flush, log, parse_args, run, timing_row  # noqa: E402
+from check_mgpu_kivi import LOG, parity_row, parse_args, run, timing_row  # noqa: E402
 from kvquant_jax.abi.reference import decode_attention_jnp, decode_attention_reference  # noqa: E402
 from kvquant_jax.attention import dispatch  # noqa: E402
 from kvquant_jax.cache.kivi import KIVIScheme  # noqa: E402
@@ -104,25 +104,17 @@ def parity(args, results) -> bool:
             ref = decode_attention_reference(q, regions, k_new=kn, v_new=vn)
             row = dict(kind="parity", case=ci, bits=bits, k_group=kg, v_group=vg, d=d, g=g, residual=r, rule=rule,
                        q=qname, lengths=np.asarray(lengths).tolist())
-            try:
+
+            def serve(q=q):
                 dispatch.SERVED.clear()
                 out = jax.jit(lambda q, s, ln, kn, vn: dispatch.decode_attention(
                     q, planar, s, ln, kn, vn, impl=impl, interpret=interp or None, out_dtype=jnp.float32))(
                     q, st, lengths_p, kn, vn)
-                out = np.asarray(out, np.float64)
                 served = sorted({k[0] for k in dispatch.SERVED})
-                err = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
-                row.update(rel_err=err, served=served,
-                           ok=bool(np.isfinite(out).all() and err <= BOUND and served == [KERNEL]))
-            except Exception as e:  # noqa: BLE001
-                row.update(ok=False, error=f"{type(e).__name__}: {e}"[:1500])
-                traceback.print_exc()
-            ok_all &= row["ok"]
-            results["rows"].append(row)
-            log(f"parity case {ci} bits={bits} G={kg} Gv={vg} D={d} g={g} R={r} {rule} q={qname}: "
-                + (f"rel err {row['rel_err']:.2e} served {row['served']} {'OK' if row['ok'] else 'FAIL'}"
-                   if "rel_err" in row else f"FAILED {row['error'][:300]}"))
-            flush(args, results)
+                return out, {"served": served}, served == [KERNEL]
+
+            ok_all &= parity_row(args, results, row, serve, ref, BOUND,
+                                 f"case {ci} bits={bits} G={kg} Gv={vg} D={d} g={g} R={r} {rule} q={qname}")
     return ok_all
 
 

@@ -66,6 +66,27 @@ def flush(args, results) -> None:
         f.write("\n".join(LOG) + "\n")
 
 
+def parity_row(args, results, row: dict, serve, ref: np.ndarray, bound: float, label: str) -> bool:
+    """One parity row: ``serve() -> (out, extra, extra_ok)``; ``out`` is compared with the float64 ``ref``
+    (max-abs / max-abs <= ``bound``, all finite, and ``extra_ok``); ``extra`` (e.g. which kernel served) joins the
+    row and the log line.  An exception fails the row with its message.  Appends, logs, flushes; returns ok."""
+    try:
+        out, extra, extra_ok = serve()
+        out = np.asarray(out, np.float64)
+        err = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+        row.update(rel_err=err, **extra, ok=bool(np.isfinite(out).all() and err <= bound and extra_ok))
+    except Exception as e:  # noqa: BLE001
+        extra = {}
+        row.update(ok=False, error=f"{type(e).__name__}: {e}"[:1500])
+        traceback.print_exc()
+    results["rows"].append(row)
+    said = "".join(f" {k} {row[k]}" for k in extra)
+    log(f"parity {label}: " + (f"rel err {row['rel_err']:.2e}{said} {'OK' if row['ok'] else 'FAIL'}"
+                               if "rel_err" in row else f"FAILED {row['error'][:300]}"))
+    flush(args, results)
+    return row["ok"]
+
+
 def parity(args, results) -> bool:
     rng = np.random.default_rng(0)
     ok_all = True
@@ -85,23 +106,12 @@ def parity(args, results) -> bool:
                 cfg = mk.KiviMgpuConfig(precision=prec, num_splits=2)
                 row = dict(kind="parity", case=ci, bits=bits, k_group=kg, v_group=vg, d=d, g=g, q=qname,
                            precision=prec)
-                try:
-                    interp = jax.devices()[0].platform != "gpu"      # CPU: the plain-JAX twin
-                    out = jax.jit(lambda q, r, kn, vn, cfg=cfg: mk.decode_attention_mgpu_kivi(
-                        q, r, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32, interpret=interp))(
-                        q, reg, kn, vn)
-                    out = np.asarray(out, np.float64)
-                    err = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
-                    row.update(rel_err=err, ok=bool(np.isfinite(out).all() and err <= BOUND[prec]))
-                except Exception as e:  # noqa: BLE001
-                    row.update(ok=False, error=f"{type(e).__name__}: {e}"[:1500])
-                    traceback.print_exc()
-                ok_all &= row["ok"]
-                results["rows"].append(row)
-                log(f"parity case {ci} bits={bits} G={kg} Gv={vg} D={d} g={g} q={qname} {prec}: "
-                    + (f"rel err {row['rel_err']:.2e} {'OK' if row['ok'] else 'FAIL'}" if "rel_err" in row
-                       else f"FAILED {row['error'][:300]}"))
-                flush(args, results)
+                interp = jax.devices()[0].platform != "gpu"      # CPU: the plain-JAX twin
+                serve = lambda q=q, cfg=cfg: (jax.jit(lambda q, r, kn, vn: mk.decode_attention_mgpu_kivi(  # noqa: E731
+                    q, r, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32, interpret=interp))(
+                    q, reg, kn, vn), {}, True)
+                ok_all &= parity_row(args, results, row, serve, ref, BOUND[prec],
+                                     f"case {ci} bits={bits} G={kg} Gv={vg} D={d} g={g} q={qname} {prec}")
     return ok_all
 
 

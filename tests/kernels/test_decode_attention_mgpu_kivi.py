@@ -283,3 +283,30 @@ def test_cancellation_probe_names_the_split_sums():
     assert err[(8192, "split f32")] > 4 * err[(256, "split f32")]
     assert err[(8192, "split f32")] > 10 * err[(8192, "dequant f32")]
     assert err[(8192, "centred bf16x2")] < err[(8192, "split bf16x2")]
+
+
+def test_check_script_parity_runs_on_cpu_and_fails_a_broken_kernel(tmp_path, monkeypatch):
+    """experiments/check_mgpu_kivi.py's parity (the plain-JAX twin on CPU) passes one case at both precisions and
+    both query dtypes, writes its rows, and fails rows (with their error, not a crash) when the kernel is off by a
+    small factor or raises."""
+    import json
+
+    from experiment_scripts import load_experiment
+
+    mod = load_experiment("check_mgpu_kivi")
+    assert mod.main(["--check-only", "--cases", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert len(rows) == 4 and all(r["ok"] and 0 < r["rel_err"] <= mod.BOUND[r["precision"]] for r in rows)
+    real = mk.decode_attention_mgpu_kivi
+
+    def off_by_a_little(*a, **kw):
+        if kw["config"].precision == "bf16":
+            raise RuntimeError("lowering failed")
+        return real(*a, **kw) * 1.001
+
+    monkeypatch.setattr(mk, "decode_attention_mgpu_kivi", off_by_a_little)
+    assert mod.main(["--check-only", "--cases", "1", "--out", str(tmp_path / "broken")]) == 1
+    rows = json.loads((tmp_path / "broken" / "results.json").read_text())["rows"]
+    assert [r["ok"] for r in rows] == [False] * 4
+    assert all(r["rel_err"] > mod.BOUND["bf16x2"] for r in rows if r["precision"] == "bf16x2")
+    assert all("RuntimeError: lowering failed" in r["error"] for r in rows if r["precision"] == "bf16")
