@@ -43,10 +43,21 @@ from pallas_kernels import decode_attention_mgpu_kivi as mk  # noqa: E402
 PARITY_CASES = [(2, 32, 32, 128, 4), (4, 32, 32, 128, 4), (2, 16, 0, 64, 3), (2, 64, 64, 256, 8),
                 (4, 64, 16, 64, 1), (2, 32, 128, 128, 4)]
 BOUND = {"bf16x2": 5e-5, "bf16": 4e-3}
-#: names of --variants (KiviMgpuConfig changes from the default, timed in the first repeat)
-VARIANTS = ("stages 3", "stages 4", "splits x2", "splits /2", "prec bf16", "inflight 0", "inflight 1", "inflight 2",
-            "inflight 4",
-            "qk batch 1", "qk batch 2", "qk batch 1 inflight 0")
+
+
+def variant_configs(dflt: mk.KiviMgpuConfig, s0: int) -> dict[str, mk.KiviMgpuConfig]:
+    """--variants: name -> the KiviMgpuConfig it times (changes from ``dflt``; ``s0`` = the default's splits)."""
+    rep = dataclasses.replace
+    return {"stages 3": rep(dflt, max_concurrent_steps=3), "stages 4": rep(dflt, max_concurrent_steps=4),
+            "splits x2": rep(dflt, num_splits=2 * s0), "splits /2": rep(dflt, num_splits=max(1, s0 // 2)),
+            "prec bf16": rep(dflt, precision="bf16"),
+            **{f"inflight {k}": rep(dflt, wgmma_inflight=k) for k in (0, 1, 2, 4)},
+            **{f"qk batch {k}": rep(dflt, qk_plane_batch=k) for k in (1, 2)},
+            "qk batch 1 inflight 0": rep(dflt, qk_plane_batch=1, wgmma_inflight=0)}
+
+
+#: names of --variants (timed in the first repeat)
+VARIANTS = tuple(variant_configs(mk.KiviMgpuConfig(), 1))
 LOG: list[str] = []
 
 
@@ -89,6 +100,7 @@ def parity_row(args, results, row: dict, serve, ref: np.ndarray, bound: float, l
 
 def parity(args, results) -> bool:
     rng = np.random.default_rng(0)
+    interp = jax.devices()[0].platform != "gpu"      # CPU: the plain-JAX twin
     ok_all = True
     for ci, (bits, kg, vg, d, g) in enumerate(PARITY_CASES):
         if args.cases is not None and ci not in args.cases:
@@ -106,7 +118,6 @@ def parity(args, results) -> bool:
                 cfg = mk.KiviMgpuConfig(precision=prec, num_splits=2)
                 row = dict(kind="parity", case=ci, bits=bits, k_group=kg, v_group=vg, d=d, g=g, q=qname,
                            precision=prec)
-                interp = jax.devices()[0].platform != "gpu"      # CPU: the plain-JAX twin
                 serve = lambda q=q, cfg=cfg: (jax.jit(lambda q, r, kn, vn: mk.decode_attention_mgpu_kivi(  # noqa: E731
                     q, r, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32, interpret=interp))(
                     q, reg, kn, vn), {}, True)
@@ -165,15 +176,7 @@ def timing(args, results, t, rep: int):
         s0 = mk._spec_for(sets[0], hq // hkv, dflt).ns
         variants = {"default": dflt}
         if args.variants and rep == 0:
-            every = {"stages 3": dataclasses.replace(dflt, max_concurrent_steps=3),
-                     "stages 4": dataclasses.replace(dflt, max_concurrent_steps=4),
-                     "splits x2": dataclasses.replace(dflt, num_splits=2 * s0),
-                     "splits /2": dataclasses.replace(dflt, num_splits=max(1, s0 // 2)),
-                     "prec bf16": dataclasses.replace(dflt, precision="bf16"),
-                     **{f"inflight {k}": dataclasses.replace(dflt, wgmma_inflight=k) for k in (0, 1, 2, 4)},
-                     **{f"qk batch {k}": dataclasses.replace(dflt, qk_plane_batch=k) for k in (1, 2)},
-                     "qk batch 1 inflight 0": dataclasses.replace(dflt, qk_plane_batch=1, wgmma_inflight=0)}
-            assert set(every) == set(VARIANTS)
+            every = variant_configs(dflt, s0)
             variants.update(every if args.variants == "all" else {v: every[v] for v in args.variants})
         for vname, cfg in variants.items():
             try:

@@ -11,7 +11,7 @@ average of ~T independent values, shrinks like 1/sqrt(T): float32 rounding of th
 fraction of the output.
 
 This probe computes, with NumPy on one (sequence, head) of D = 128, KIVI-2 V groups of 32 channels and random
-logits, the output four ways against the float64 dequantize-first sum:
+logits, the output five ways against the float64 dequantize-first sum:
 
 * ``split f64``: the kernel's two-sum algebra in float64 (checks that the algebra itself is exact);
 * ``split f32``: the two sums in float32 with exact ``p * sv`` (rounding of the accumulation only);

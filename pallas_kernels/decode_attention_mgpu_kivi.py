@@ -187,12 +187,12 @@ def kivi_formats_unsupported(kf: KVFormat, vf: KVFormat, head_dim: int, rows: in
 def _config_unsupported(cfg: KiviMgpuConfig) -> Optional[str]:
     if cfg.precision not in ("bf16x2", "bf16"):
         return f"precision must be 'bf16x2' or 'bf16', got {cfg.precision!r}"
-    for name in ("wgmma_inflight", "qk_plane_batch"):
+    for name, none_ok in (("wgmma_inflight", True), ("qk_plane_batch", False)):
         v = getattr(cfg, name)
-        if name == "wgmma_inflight" and v is None:
-            continue
+        if v is None and none_ok:
+            continue                                   # wgmma_inflight=None: DEFAULT_INFLIGHT of the bit width
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            return f"{name} must be an int >= 0{' or None' if name == 'wgmma_inflight' else ''}, got {v!r}"
+            return f"{name} must be an int >= 0{' or None' if none_ok else ''}, got {v!r}"
     return None
 
 

@@ -310,3 +310,18 @@ def test_check_script_parity_runs_on_cpu_and_fails_a_broken_kernel(tmp_path, mon
     assert [r["ok"] for r in rows] == [False] * 4
     assert all(r["rel_err"] > mod.BOUND["bf16x2"] for r in rows if r["precision"] == "bf16x2")
     assert all("RuntimeError: lowering failed" in r["error"] for r in rows if r["precision"] == "bf16")
+
+
+def test_check_script_variants_are_valid_configs_that_differ_from_the_default():
+    """Every --variants name of experiments/check_mgpu_kivi.py maps to a config the kernel accepts and that changes
+    at least one field of the default; an unknown name is refused by the CLI."""
+    from experiment_scripts import load_experiment
+
+    mod = load_experiment("check_mgpu_kivi")
+    dflt = mk.KiviMgpuConfig()
+    every = mod.variant_configs(dflt, 4)
+    assert tuple(every) == mod.VARIANTS and len(set(every.values())) == len(every)
+    assert all(cfg != dflt and mk._config_unsupported(cfg) is None for cfg in every.values())
+    assert (every["splits x2"].num_splits, every["splits /2"].num_splits) == (8, 2)
+    with pytest.raises(SystemExit):
+        mod.main(["--skip-check", "--variants", "inflight 3"])
