@@ -118,6 +118,10 @@ def parity(args, results) -> bool:
     return ok_all
 
 
+#: the ``--impls`` name of each timed route
+IMPL_OPTION = {"dispatch_triton": "triton", "dispatch_mosaic": "mosaic", "mosaic_bare": "bare"}
+
+
 def _nbytes(tree) -> int:
     return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree)))
 
@@ -149,7 +153,7 @@ def timing(args, results, t, rep: int):
         built = {}
         for scheme, impl, label in ((lay1, "dispatch_triton", name), (planar, "dispatch_mosaic", f"{name}_planar"),
                                     (planar, "mosaic_bare", f"{name}_planar")):
-            if ("triton" if impl == "dispatch_triton" else "mosaic") not in args.impls:
+            if IMPL_OPTION[impl] not in args.impls:
                 continue
             try:
                 if scheme not in built:
@@ -179,8 +183,9 @@ def timing(args, results, t, rep: int):
 
 def main(argv=None):
     LOG.clear()
-    args = parse_args(argv, __doc__, "triton,mosaic", "triton: the layout-1 cache through dispatch; mosaic: the "
-                      "planar cache through dispatch and the bare kernel", variants=False)
+    args = parse_args(argv, __doc__, "triton,mosaic,bare", "triton: the layout-1 cache through dispatch; mosaic: "
+                      "the planar cache through dispatch; bare: the Mosaic kernel alone on the planar cache's operands",
+                      variants=False)
     ok, _ = run(args, parity, timing)
     return 0 if ok else 1
 
