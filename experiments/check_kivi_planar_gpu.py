@@ -166,6 +166,10 @@ def timing(args, results, t, rep: int):
                 else:
                     fn = lambda q, s, sch=scheme: dispatch.decode_attention(  # noqa: E731
                         q, sch, s, full, impl="auto", out_dtype=jnp.float32)
+                if getattr(args, "hlo", False) and impl == "dispatch_mosaic" and rep == 0 and args.out:
+                    text = jax.jit(fn).lower(q, sets[0]).compile().as_text()
+                    with open(os.path.join(args.out, f"hlo_{label}_T{t}.txt"), "w") as f:
+                        f.write(text)
                 dispatch.SERVED.clear()
                 med, lo, hi, out = time_program(fn, q, sets, args.reps)
                 read = _nbytes(sets[0]) + q.size * 2
@@ -185,7 +189,7 @@ def main(argv=None):
     LOG.clear()
     args = parse_args(argv, __doc__, "triton,mosaic,bare", "triton: the layout-1 cache through dispatch; mosaic: "
                       "the planar cache through dispatch; bare: the Mosaic kernel alone on the planar cache's operands",
-                      variants=False)
+                      variants=False, hlo=True)
     ok, _ = run(args, parity, timing)
     return 0 if ok else 1
 

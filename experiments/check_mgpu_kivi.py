@@ -193,7 +193,7 @@ def timing(args, results, t, rep: int):
         del sets
 
 
-def parse_args(argv, doc: str, impls: str, impls_help: str = "", variants: bool = True):
+def parse_args(argv, doc: str, impls: str, impls_help: str = "", variants: bool = True, hlo: bool = False):
     """The CLI this script and ``check_kivi_planar_gpu.py`` share (shape, formats, impls, repeats, parity cases,
     clock, --out), parsed: formats a list, impls a set, cases a set or None; sets the benchmark clock."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -212,6 +212,10 @@ def parse_args(argv, doc: str, impls: str, impls_help: str = "", variants: bool 
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--cases", default=None, help="parity case indices to run (comma list; default all)")
     ap.add_argument("--skip-check", action="store_true")
+    if hlo:
+        ap.add_argument("--hlo", action="store_true",
+                        help="write the compiled (optimized) HLO of each format's dispatch program, first repeat, to "
+                        "OUT/hlo_<format>_T<T>.txt: which fusions the wrapper costs")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     add_clock_arg(ap)
     args = ap.parse_args(argv)
