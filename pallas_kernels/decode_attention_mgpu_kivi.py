@@ -16,8 +16,8 @@ With ``q' = q * sm_scale * log2(e)`` (float32, outside the kernel)::
 
 * ``B_g = q' * s_g`` (``[D, N]``) is built per token group in registers and stored to SMEM as the wgmma B operand
   (bf16 hi + lo parts with ``precision="bf16x2"``: two wgmmas on the same code registers, ~1e-5 relative).
-* ``c[g]`` (one scalar per group and query column) is ``q' . mn_g``: a multiply + reduce in the wrapper (float32,
-  reads ``mn`` once, writes ``T/G x N`` floats; the kernel reads that instead of ``mn``).
+* ``c[g]`` (one scalar per group and query column) is ``q' . mn_g``: an einsum in the wrapper (float32, reads
+  ``mn`` once, writes ``T/G x N`` floats; the kernel reads that instead of ``mn``).
 * ``p * sv[:, c]`` is the PV B operand, one per V channel group (hi/lo in the duplicated query columns, the v1
   kernel's "dup" trick); the V min term ``z`` is accumulated elementwise beside the softmax denominator (per-row
   partial sums ``[64, N]`` rescaled with it) and reduced once per split; the wrapper adds it to its channels.
@@ -37,7 +37,7 @@ BT = 256 for 2-bit, 128 for 4-bit): byte ``i`` of block ``b`` holds tokens ``b*B
     k        int8 [BH, T/P, D]     K codes (byte rows = 64 token slots per block)
     v        int8 [BH, D, T/P]     V codes transposed (tokens contiguous: the PV A operand is V^T)
     k_scale  [BH, T/G, D]          s (the region's dtype: fp16 in a serving cache, f32 in tests)
-    k_min    [BH, T/G, D]          mn (read by the wrapper's reduction, not by the kernel)
+    k_min    [BH, T/G, D]          mn (read by the wrapper's einsum, not by the kernel)
     v_scale, v_min  [BH, C, T]     sv, mv transposed (C = D / Gv channel groups; tokens contiguous for TMA)
 
 Requirements: K ``KVFormat(int2|int4, "channel", "min", G)`` with ``16 <= G <= 64`` a power of two; V
@@ -78,7 +78,7 @@ from kvquant_jax.abi.reference import decode_attention_reference as _oracle_f64
 from kvquant_jax.abi.reference import unpack_codes
 from kvquant_jax.abi.regions import KVFormat, Region, check_query
 from pallas_kernels.backend import default_interpret
-from pallas_kernels.decode_attention import _combine
+from pallas_kernels.decode_attention import _dense_partial
 from pallas_kernels.decode_attention_mgpu import _auto_splits, _tile_transforms, _with_current_token, hopper_unsupported
 
 __all__ = ["KiviMgpuConfig", "KiviMgpuOperands", "kivi_mgpu_unsupported", "prepare_kivi_region",
@@ -555,20 +555,14 @@ def decode_attention_mgpu_kivi_partials(q, ops: KiviMgpuOperands, *, sm_scale: f
 
 
 def _group_offsets(qb, ops: KiviMgpuOperands):
-    """``c [BH, T/G, N]`` float32: per K group and query column, ``q' . mn_g``, with ``mn_g + 2^(bits-1) s_g`` for
-    the groups of a block's top plane (their codes are re-centred).  ``qb``: ``q' [BH, N, D]`` float32.
-
-    One multiply + row reduction over D (a single XLA reduce fusion that reads ``mn`` once and ``s`` of the top
-    plane's groups only: they are the last ``64 / G`` groups of each block, a slice): no HIGHEST-precision
-    einsum, gather or scatter (those were ~30 us of 330 at 32K on an H100, 2026-12-05 run 5's kernel list)."""
-    bh, ng, d = ops.k_min.shape
-    top = _top_plane_rows(ops.block_t, ops.bits, ops.k_group)     # static bool [groups per block]: a suffix
-    gpb, first = len(top), len(top) - int(top.sum())
-    shape = (bh, ng // gpb, gpb, d)
-    mn = ops.k_min.astype(_F32).reshape(shape)
-    s_top = ops.k_scale.reshape(shape)[:, :, first:].astype(_F32)
-    mn = jnp.concatenate([mn[:, :, :first], mn[:, :, first:] + (2.0 ** (ops.bits - 1)) * s_top], axis=2)
-    return jnp.sum(qb[:, None, :, :] * mn.reshape(bh, ng, 1, d), axis=-1)
+    """``c [BH, T/G, N]`` float32: per K group and query column, ``q' . mn_g``, plus ``2^(bits-1) q' . s_g`` for the
+    groups of a block's top plane (their codes are re-centred).  ``qb``: ``q' [BH, N, D]`` float32."""
+    hp = lax.Precision.HIGHEST
+    c = jnp.einsum("xnd,xgd->xgn", qb, ops.k_min.astype(_F32), precision=hp)
+    top = _top_plane_rows(ops.rows, ops.bits, ops.k_group)
+    s_top = ops.k_scale[:, top].astype(_F32)                                         # [BH, T/G/P, D]
+    c_top = jnp.einsum("xnd,xgd->xgn", qb, s_top, precision=hp) * (2.0 ** (ops.bits - 1))
+    return c.at[:, top].add(c_top)
 
 
 def _planes_as_kernel(packed, bits: int):
@@ -675,33 +669,14 @@ def decode_attention_kivi_planar(q, fmt: kp.KiviPlanarFormat, operand: kp.KiviPl
     b, hq, d = q.shape
     hkv = ops.num_kv_heads
     nt = operand.tail_k.shape[2]
-    k_rows, v_rows = [operand.tail_k.astype(_F32)], [operand.tail_v.astype(_F32)]
-    live = [jnp.arange(nt, dtype=jnp.int32)[None, :] < operand.tail_len[:, None]]
-    if k_new is not None:                              # the exact current token: one more dense row
-        k_rows.append(k_new.astype(_F32)[:, :, None])
-        v_rows.append(v_new.astype(_F32)[:, :, None])
-        live.append(jnp.ones((b, 1), jnp.bool_))
-    parts = [part]
-    if nt or k_new is not None:
+    if nt:
         scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
-        parts.append(_dense_rows_partial(q.astype(_F32).reshape(b, hkv, hq // hkv, d) * scale,
-                                         jnp.concatenate(k_rows, axis=2), jnp.concatenate(v_rows, axis=2),
-                                         jnp.concatenate(live, axis=1)))
-    return _combine(parts).reshape(b, hq, d).astype(out_dtype or _F32)
-
-
-def _dense_rows_partial(qs, k, v, live):
-    """Split-K partial ``(acc [B, Hkv, 1, G, D], m, l [B, Hkv, 1, G])`` of a few dense rows (the ring tail and the
-    current token): ``qs [B, Hkv, G, D]`` the query times ``sm_scale``; ``k, v [B, Hkv, W, D]``; ``live [B, W]``.
-    Written as multiply + reduce, all float32, so XLA emits reduce fusions instead of HIGHEST-precision dots
-    (small float32 dots each became a GEMM kernel of 3-6 us on the H100)."""
-    s = jnp.sum(qs[:, :, :, None, :] * k[:, :, None, :, :], axis=-1)                    # [B, Hkv, G, W]
-    s = jnp.where(live[:, None, None, :], s, _NEG)
-    m = jnp.max(s, axis=-1)
-    p = jnp.where(live[:, None, None, :], jnp.exp(s - m[..., None]), 0.0)
-    vl = jnp.where(live[:, None, :, None], v, 0.0)
-    acc = jnp.sum(p[..., None] * vl[:, :, None, :, :], axis=3)                           # [B, Hkv, G, D]
-    return acc[:, :, None], m[:, :, None], jnp.sum(p, axis=-1)[:, :, None]
+        q4 = q.astype(_F32).reshape(b, hkv, hq // hkv, d)
+        live = jnp.arange(nt, dtype=jnp.int32)[None, :] < operand.tail_len[:, None]
+        tail = _dense_partial(q4, jnp.full((b, hkv, hq // hkv), scale, _F32), operand.tail_k.astype(_F32),
+                              operand.tail_v.astype(_F32), live)
+        part = tuple(jnp.concatenate([x, y], axis=2) for x, y in zip(part, tail))
+    return _with_current_token(q, part, hkv, k_new, v_new, sm_scale, out_dtype or _F32)
 
 
 def decode_attention_mgpu_kivi(q, region: Region, *, k_new=None, v_new=None, sm_scale: float | None = None,
