@@ -17,7 +17,7 @@
     format, the layout-1 cache through dispatch (the Pallas Triton region kernel + the ring tail), the planar cache
     through dispatch (the Mosaic kernel reading the cache in place + the ring tail + the logit-offset einsum), and
     the bare Mosaic kernel on the same cache's operands (the quantized rows only, no tail: its error is against the
-    reference over those rows); one process, the device clock of
+    reference over those rows) -- ``--impls`` triton / mosaic / bare; one process, the device clock of
     ``bench_decode_attention.time_program``, rotating input sets.  Bytes = every array of the layer state + the
     query; ``x`` = speed vs cuDNN.
 """
@@ -166,7 +166,7 @@ def timing(args, results, t, rep: int):
                 else:
                     fn = lambda q, s, sch=scheme: dispatch.decode_attention(  # noqa: E731
                         q, sch, s, full, impl="auto", out_dtype=jnp.float32)
-                if getattr(args, "hlo", False) and impl == "dispatch_mosaic" and rep == 0 and args.out:
+                if args.hlo and impl == "dispatch_mosaic" and rep == 0 and args.out:
                     text = jax.jit(fn).lower(q, sets[0]).compile().as_text()
                     with open(os.path.join(args.out, f"hlo_{label}_T{t}.txt"), "w") as f:
                         f.write(text)
@@ -190,6 +190,9 @@ def main(argv=None):
     args = parse_args(argv, __doc__, "triton,mosaic,bare", "triton: the layout-1 cache through dispatch; mosaic: "
                       "the planar cache through dispatch; bare: the Mosaic kernel alone on the planar cache's operands",
                       variants=False, hlo=True)
+    unknown = sorted(args.impls - set(IMPL_OPTION.values()))
+    if unknown:
+        raise SystemExit(f"--impls: unknown {unknown}; known: {', '.join(IMPL_OPTION.values())}")
     ok, _ = run(args, parity, timing)
     return 0 if ok else 1
 

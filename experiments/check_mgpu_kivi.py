@@ -214,8 +214,8 @@ def parse_args(argv, doc: str, impls: str, impls_help: str = "", variants: bool 
     ap.add_argument("--skip-check", action="store_true")
     if hlo:
         ap.add_argument("--hlo", action="store_true",
-                        help="write the compiled (optimized) HLO of each format's dispatch program, first repeat, to "
-                        "OUT/hlo_<format>_T<T>.txt: which fusions the wrapper costs")
+                        help="write the compiled (optimized) HLO of one dispatch call per format (first repeat; "
+                        "an extra compile) to OUT/hlo_<format>_T<T>.txt: which fusions the wrapper costs")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     add_clock_arg(ap)
     args = ap.parse_args(argv)

@@ -246,3 +246,14 @@ def test_gpu_check_script_parity_runs_on_cpu_and_fails_a_broken_route(tmp_path, 
     assert mod.main(["--check-only", "--cases", "2", "--out", str(tmp_path / "broken")]) == 1
     rows = json.loads((tmp_path / "broken" / "results.json").read_text())["rows"]
     assert all(r["served"] == [mod.KERNEL] and r["rel_err"] > mod.BOUND for r in rows)
+
+
+def test_gpu_check_script_refuses_an_unknown_impl(tmp_path):
+    """experiments/check_kivi_planar_gpu.py --impls takes triton / mosaic / bare; a misspelt name is refused by name
+    before anything runs (it used to time nothing, silently)."""
+    from experiment_scripts import load_experiment
+
+    mod = load_experiment("check_kivi_planar_gpu")
+    with pytest.raises(SystemExit, match=r"unknown \['mosiac'\]; known: triton, mosaic, bare"):
+        mod.main(["--impls", "mosaic,mosiac", "--skip-check", "--out", str(tmp_path)])
+    assert not (tmp_path / "results.json").exists()
