@@ -17,7 +17,12 @@ With ``q' = q * sm_scale * log2(e)`` (float32, outside the kernel)::
 * ``B_g = q' * s_g`` (``[D, N]``) is built per token group in registers and stored to SMEM as the wgmma B operand
   (bf16 hi + lo parts with ``precision="bf16x2"``: two wgmmas on the same code registers, ~1e-5 relative).
 * ``c[g]`` (one scalar per group and query column) is ``q' . mn_g``: an einsum in the wrapper (float32, reads
-  ``mn`` once, writes ``T/G x N`` floats; the kernel reads that instead of ``mn``).
+  ``mn`` once, writes ``T/G x N`` floats; the kernel reads that instead of ``mn``).  The top plane's K codes are
+  stored re-centred (below); the kernel reads them back as ``u`` with one bf16 add of ``_TOP_SHIFT`` per code, so
+  ``c`` needs no per-plane correction (until 2026-12-06 ``c`` carried ``2^(bits-1) q' . s_g`` for the top plane's
+  groups: a second einsum, a gather and a scatter in the wrapper).
+* The wrapper's epilogue (:func:`_merge_partials`) merges the split partials, the dense tail and the current
+  token in one softmax without concatenating them.
 * ``p * sv[:, c]`` is the PV B operand, one per V channel group (hi/lo in the duplicated query columns, the v1
   kernel's "dup" trick); the V min term ``z`` is accumulated elementwise beside the softmax denominator (per-row
   partial sums ``[64, N]`` rescaled with it) and reduced once per split; the wrapper adds it to its channels.
@@ -78,8 +83,7 @@ from kvquant_jax.abi.reference import decode_attention_reference as _oracle_f64
 from kvquant_jax.abi.reference import unpack_codes
 from kvquant_jax.abi.regions import KVFormat, Region, check_query
 from pallas_kernels.backend import default_interpret
-from pallas_kernels.decode_attention import _dense_partial
-from pallas_kernels.decode_attention_mgpu import _auto_splits, _tile_transforms, _with_current_token, hopper_unsupported
+from pallas_kernels.decode_attention_mgpu import _auto_splits, _tile_transforms, hopper_unsupported
 
 __all__ = ["KiviMgpuConfig", "KiviMgpuOperands", "kivi_mgpu_unsupported", "prepare_kivi_region",
            "kivi_planar_unsupported", "kivi_planar_layout_unsupported", "planar_operands", "decode_attention_kivi_planar",
@@ -269,6 +273,7 @@ class _KiviSpec:
     parts: int         # 2: B = q*s as bf16 hi + lo (two QK wgmmas); 1: rounded once
     inflight: int = 0  # > 0: wgmma_wait(inflight) after each issue (KiviMgpuConfig.wgmma_inflight)
     qk_batch: int = 0  # planes per QK accumulator scope (KiviMgpuConfig.qk_plane_batch); 0 = all
+    hkv: int = 1       # KV heads (program pid reads the bounds of sequence pid // hkv)
 
     @property
     def planes(self) -> int:
@@ -293,11 +298,20 @@ def _plane_mask(r: int, bits: int) -> int:
     return m - 256 if m >= 128 else m
 
 
-def _plane(x, r: int, bits: int):
+#: what the top plane's signed read is shifted by to give ``u * 2^(bits*r)`` back: ``2^(bits-1) * 2^(8-bits)``
+_TOP_SHIFT = 128.0
+
+
+def _plane(x, r: int, bits: int, unshift_top: bool = False):
     """Plane ``r`` of token-planar int8 bytes -> ``code * 2^(bits*r)`` as bf16 (exact), one AND + the signed
     int8 -> bf16 conversion (Mosaic GPU has no 8-bit shifts; the top plane comes out sign-extended, which the
-    pack-time re-centring of its codes turns into ``(u - 2^(bits-1)) * 2^(bits*r)``)."""
-    return (x & jnp.full(x.shape, _plane_mask(r, bits), x.dtype)).astype(jnp.bfloat16)
+    pack-time re-centring of its codes turns into ``(u - 2^(bits-1)) * 2^(bits*r)``).  ``unshift_top``: on the
+    top plane add ``_TOP_SHIFT`` (one bf16 add, exact: the sum is ``u * 2^(8-bits) <= 255``) so the read is ``u``
+    again -- the K planes, so the logit offsets need no top-plane term."""
+    y = (x & jnp.full(x.shape, _plane_mask(r, bits), x.dtype)).astype(jnp.bfloat16)
+    if unshift_top and r == 8 // bits - 1:
+        y = y + jnp.full(y.shape, _TOP_SHIFT, jnp.bfloat16)
+    return y
 
 
 def _tile_groups(start: int, group: int) -> list[tuple[int, int]]:
@@ -309,7 +323,7 @@ def _tile_groups(start: int, group: int) -> list[tuple[int, int]]:
 
 
 def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
-    """Launch.  ``start, end``: int32 [BH]; ``qt``: f32 [BH, D, N] (q' transposed, dup'd, padded); ``c``: f32 [BH,
+    """Launch.  ``start, end``: int32 [B] (program ``pid`` reads entry ``pid // hkv``); ``qt``: f32 [BH, D, N] (q' transposed, dup'd, padded); ``c``: f32 [BH,
     T/G, N]; ``k``: int8 [BH, T/P, D]; ``v``: int8 [BH, D, T/P]; ``ks``: [BH, T/G, D]; ``vs, vm``: [BH, C, T].
     Returns ``o [BH, S, D, N], z [BH, S, C, N], m [BH, S, N] (log2), l [BH, S, N]`` float32."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -331,8 +345,8 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
     def body(start_ref, end_ref, qt_ref, c_ref, k_ref, v_ref, ks_ref, vs_ref, vm_ref, o_ref, z_ref, m_ref, l_ref):
         pid = lax.axis_index("bh")
         sid = lax.axis_index("split")
-        lo = start_ref[pid]
-        hi = end_ref[pid]
+        lo = start_ref[pid // sp.hkv]
+        hi = end_ref[pid // sp.hkv]
         base = sid * nbs
 
         def scoped(qt_smem, b_smem, p_smem, a_smem, o_smem, z_smem, m_smem, l_smem, q_bar):
@@ -365,7 +379,7 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
                 def qk(planes, *acc_refs):
                     kbytes = k_smem[...]                                         # [64, D] int8, P planes
                     for acc_ref, r in zip(acc_refs, planes):
-                        kr = _plane(kbytes, r, sp.bits)                          # [64, D] bf16 codes
+                        kr = _plane(kbytes, r, sp.bits, unshift_top=True)       # [64, D] bf16 codes u
                         for j in range(dch):
                             plgpu.wgmma(acc_ref, kr[:, j * 64:(j + 1) * 64], b_smem.at[r, j].T)
                             if sp.inflight:
@@ -512,7 +526,7 @@ def _spec_for(ops: KiviMgpuOperands, g: int, cfg: KiviMgpuConfig | None) -> _Kiv
     return _KiviSpec(d=ops.head_dim, g=g, n=n, dup=dup, bits=ops.bits, kg=ops.k_group, vg=ops.v_group, ns=ns,
                      nbs=nb // ns, stages=cfg.max_concurrent_steps, parts=2 if dup else 1,
                      inflight=DEFAULT_INFLIGHT[ops.bits] if cfg.wgmma_inflight is None else cfg.wgmma_inflight,
-                     qk_batch=cfg.qk_plane_batch)
+                     qk_batch=cfg.qk_plane_batch, hkv=ops.num_kv_heads)
 
 
 def _scaled_query_block(q, hkv: int, n: int, dup: int, sm_scale):
@@ -541,11 +555,8 @@ def decode_attention_mgpu_kivi_partials(q, ops: KiviMgpuOperands, *, sm_scale: f
     c = _group_offsets(qb, ops)
     cn = max(sp.n, 128 // (4 * sp.kgroups))         # a TMA tile of >= 128 bytes (one per thread of the warpgroup)
     c = jnp.pad(c, ((0, 0), (0, 0), (0, cn - sp.n)))
-    rows = ops.rows
-    start = jnp.repeat(jnp.clip(ops.start, 0, rows), hkv)
-    end = jnp.repeat(jnp.clip(ops.end, 0, rows), hkv)
-    o, z, m, l = _kivi_call(start, end, jnp.swapaxes(qb, 1, 2), c, ops.k, ops.v, ops.k_scale, ops.v_scale,
-                            ops.v_min, sp)
+    o, z, m, l = _kivi_call(ops.start.astype(jnp.int32), ops.end.astype(jnp.int32), jnp.swapaxes(qb, 1, 2), c,
+                            ops.k, ops.v, ops.k_scale, ops.v_scale, ops.v_min, sp)
     ns = o.shape[1]
     z_cols = jnp.arange(sp.n) < (sp.dup or sp.n)                                  # z once (not in lo columns)
     o = o + jnp.where(z_cols, jnp.repeat(z, sp.vg, axis=2), 0.0)
@@ -555,25 +566,23 @@ def decode_attention_mgpu_kivi_partials(q, ops: KiviMgpuOperands, *, sm_scale: f
 
 
 def _group_offsets(qb, ops: KiviMgpuOperands):
-    """``c [BH, T/G, N]`` float32: per K group and query column, ``q' . mn_g``, plus ``2^(bits-1) q' . s_g`` for the
-    groups of a block's top plane (their codes are re-centred).  ``qb``: ``q' [BH, N, D]`` float32."""
-    hp = lax.Precision.HIGHEST
-    c = jnp.einsum("xnd,xgd->xgn", qb, ops.k_min.astype(_F32), precision=hp)
-    top = _top_plane_rows(ops.rows, ops.bits, ops.k_group)
-    s_top = ops.k_scale[:, top].astype(_F32)                                         # [BH, T/G/P, D]
-    c_top = jnp.einsum("xnd,xgd->xgn", qb, s_top, precision=hp) * (2.0 ** (ops.bits - 1))
-    return c.at[:, top].add(c_top)
+    """``c [BH, T/G, N]`` float32: per K group and query column, ``q' . mn_g`` (one einsum: the kernel reads the
+    top plane's re-centred K codes back as ``u``, so no group needs a correction).  ``qb``: ``q' [BH, N, D]``
+    float32."""
+    return jnp.einsum("xnd,xgd->xgn", qb, ops.k_min.astype(_F32), precision=lax.Precision.HIGHEST)
 
 
-def _planes_as_kernel(packed, bits: int):
-    """The kernel's reading of token-planar bytes ``[BH, T/P, X]``: per plane ``(byte & mask)`` as a signed byte,
-    times ``2^(-bits*r)`` -> ``[BH, T, X]`` float32 (``u``, or ``u - 2^(bits-1)`` on the top plane)."""
+def _planes_as_kernel(packed, bits: int, unshift_top: bool = False):
+    """The kernel's reading of token-planar bytes ``[BH, T/P, X]``: per plane ``(byte & mask)`` as a signed byte
+    (plus ``_TOP_SHIFT`` on the top plane with ``unshift_top``: the K read), times ``2^(-bits*r)`` -> ``[BH, T,
+    X]`` float32 (``u``; ``u - 2^(bits-1)`` on the top plane without ``unshift_top``: the V read)."""
     p = 8 // bits
     bh, tp, x = packed.shape
     b = packed.reshape(bh, tp // _M, 1, _M, x)
     masks = jnp.asarray([_plane_mask(r, bits) for r in range(p)], jnp.int8).reshape(p, 1, 1)
+    shift = jnp.asarray([_TOP_SHIFT if unshift_top and r == p - 1 else 0.0 for r in range(p)], _F32)
     scale = jnp.asarray([2.0 ** (-bits * r) for r in range(p)], _F32).reshape(p, 1, 1)
-    return ((b & masks).astype(_F32) * scale).reshape(bh, tp * p, x)
+    return (((b & masks).astype(_F32) + shift.reshape(p, 1, 1)) * scale).reshape(bh, tp * p, x)
 
 
 def _partials_jnp(q, ops: KiviMgpuOperands, sm_scale):
@@ -586,7 +595,7 @@ def _partials_jnp(q, ops: KiviMgpuOperands, sm_scale):
     t, bits = ops.rows, ops.bits
     hp = lax.Precision.HIGHEST
     qb = _scaled_query_block(q, hkv, g, 0, sm_scale)                                 # [BH, G, D] (log2 units)
-    uk = _planes_as_kernel(ops.k, bits)                                              # [BH, T, D]
+    uk = _planes_as_kernel(ops.k, bits, unshift_top=True)                            # [BH, T, D]
     uv = _planes_as_kernel(jnp.swapaxes(ops.v, 1, 2), bits)                          # [BH, T, D]
     ks = jnp.repeat(ops.k_scale.astype(_F32), ops.k_group, 1)                        # [BH, T, D]
     c = jnp.repeat(_group_offsets(qb, ops), ops.k_group, 1)                          # [BH, T, G]
@@ -614,7 +623,47 @@ def decode_attention_mgpu_kivi_prepared(q, ops: KiviMgpuOperands, *, k_new=None,
     ``q [B, Hq, D]``; ``k_new, v_new`` optional ``[B, Hkv, D]``; returns ``[B, Hq, D]`` (``out_dtype``, default
     ``q.dtype``)."""
     part = decode_attention_mgpu_kivi_partials(q, ops, sm_scale=sm_scale, config=config, interpret=interpret)
-    return _with_current_token(q, part, ops.num_kv_heads, k_new, v_new, sm_scale, out_dtype)
+    return _merge_partials(q, part, ops.num_kv_heads, sm_scale, k_new=k_new, v_new=v_new,
+                           out_dtype=out_dtype or q.dtype)
+
+
+def _merge_partials(q, part, hkv: int, sm_scale, *, tail=None, k_new=None, v_new=None, out_dtype=_F32):
+    """ONE softmax over the kernel's split partials, an optional dense tail and the optional exact current token,
+    with no concatenation (the route's epilogue; ``_combine`` of concatenated partials materialized each
+    concatenate as its own XLA kernel, ~1.4-4.4 us apiece at 4K on an H100, docs/benchmarks_decode.md).
+
+    ``q [B, Hq, D]``; ``part = (acc [B, Hkv, S, G, D], m, l [B, Hkv, S, G])`` float32 (natural-log ``m``, an empty
+    split has ``m = -1e30, l = 0``); ``tail = (k, v [B, Hkv, Nt, D], live bool [B, Nt])`` or None; ``k_new, v_new
+    [B, Hkv, D]`` or None.  Returns ``[B, Hq, D]`` in ``out_dtype`` (zeros where nothing is live)."""
+    b, hq, d = q.shape
+    g = hq // hkv
+    hp = lax.Precision.HIGHEST
+    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
+    acc, m, l = part
+    q4 = q.astype(_F32).reshape(b, hkv, g, d) * scale                                 # [B, Hkv, G, D]
+    m_all = jnp.max(m, axis=2)                                                         # [B, Hkv, G]
+    if tail is not None:
+        tk, tv, live = tail
+        live4 = live[:, None, None, :]
+        s_t = jnp.where(live4, jnp.einsum("bhgd,bhnd->bhgn", q4, tk.astype(_F32), precision=hp), _NEG)
+        m_all = jnp.maximum(m_all, jnp.max(s_t, axis=-1))
+    if k_new is not None:
+        s_c = jnp.sum(q4 * k_new.astype(_F32)[:, :, None, :], axis=-1)                # [B, Hkv, G]
+        m_all = jnp.maximum(m_all, s_c)
+    w = jnp.exp(m - m_all[:, :, None])                                                 # [B, Hkv, S, G]
+    den = jnp.sum(w * l, axis=2)
+    num = jnp.sum(w[..., None] * acc, axis=2)                                          # [B, Hkv, G, D]
+    if tail is not None:
+        p_t = jnp.where(live4, jnp.exp(s_t - m_all[..., None]), 0.0)
+        den = den + jnp.sum(p_t, axis=-1)
+        num = num + jnp.einsum("bhgn,bhnd->bhgd", p_t, jnp.where(live[:, None, :, None], tv.astype(_F32), 0.0),
+                               precision=hp)
+    if k_new is not None:
+        p_c = jnp.exp(s_c - m_all)
+        den = den + p_c
+        num = num + p_c[..., None] * v_new.astype(_F32)[:, :, None, :]
+    out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+    return out.reshape(b, hq, d).astype(out_dtype)
 
 
 def kivi_planar_unsupported(q, fmt: kp.KiviPlanarFormat, operand: kp.KiviPlanarOperand) -> Optional[str]:
@@ -666,17 +715,13 @@ def decode_attention_kivi_planar(q, fmt: kp.KiviPlanarFormat, operand: kp.KiviPl
         raise NotImplementedError(f"decode_attention_kivi_planar: {why}")
     ops = planar_operands(fmt, operand)
     part = decode_attention_mgpu_kivi_partials(q, ops, sm_scale=sm_scale, config=config, interpret=interpret)
-    b, hq, d = q.shape
-    hkv = ops.num_kv_heads
     nt = operand.tail_k.shape[2]
+    tail = None
     if nt:
-        scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
-        q4 = q.astype(_F32).reshape(b, hkv, hq // hkv, d)
         live = jnp.arange(nt, dtype=jnp.int32)[None, :] < operand.tail_len[:, None]
-        tail = _dense_partial(q4, jnp.full((b, hkv, hq // hkv), scale, _F32), operand.tail_k.astype(_F32),
-                              operand.tail_v.astype(_F32), live)
-        part = tuple(jnp.concatenate([x, y], axis=2) for x, y in zip(part, tail))
-    return _with_current_token(q, part, hkv, k_new, v_new, sm_scale, out_dtype or _F32)
+        tail = (operand.tail_k, operand.tail_v, live)
+    return _merge_partials(q, part, ops.num_kv_heads, sm_scale, tail=tail, k_new=k_new, v_new=v_new,
+                           out_dtype=out_dtype or _F32)
 
 
 def decode_attention_mgpu_kivi(q, region: Region, *, k_new=None, v_new=None, sm_scale: float | None = None,

@@ -3,8 +3,10 @@
 * The token-planar pack (``pack_token_planar`` / ``unpack_token_planar``) round-trips, and its bytes match an
   explicit-loop NumPy construction of the documented layout (top plane stored XOR 2^(bits-1)).
 * The plain-JAX twin of the kernel algebra (``decode_attention_mgpu_kivi_reference``: the prepared operands read as
-  the kernel reads them, the top-plane re-centring folded into the logit offsets and the V mins) matches the
-  float64 oracle on ragged, poisoned regions with the current token in the same softmax.
+  the kernel reads them, K's top plane shifted back to ``u`` in the read and V's re-centring folded into the V
+  mins) matches the float64 oracle on ragged, poisoned regions with the current token in the same softmax.
+* The route's epilogue (``_merge_partials``: split partials + dense tail + current token, one softmax, no
+  concatenation) matches a float64 softmax over the same logits, empty splits and all-dead inputs included.
 * ``interpret=True`` runs that twin; the support matrix says why not; a mutation of the top-plane correction is
   caught by the oracle comparison (so the parity bound is not vacuous).
 The kernel itself needs an H200 (experiments/check_mgpu_kivi.py); its lowering is checked in
@@ -88,14 +90,17 @@ def test_pack_token_planar_layout_and_round_trip(rng, bits):
 @pytest.mark.parametrize("bits", [2, 4])
 def test_kernel_plane_read_is_recentred_code(rng, bits):
     """The kernel's read of a plane (``byte & mask`` as a signed byte, times 2^(-bits*r)) is ``u`` on the low
-    planes and ``u - 2^(bits-1)`` on the top plane (what the top-plane corrections assume)."""
+    planes and ``u - 2^(bits-1)`` on the top plane (the V read, what the V-min correction assumes); with
+    ``unshift_top`` (the K read: ``+ _TOP_SHIFT`` on the top plane) it is ``u`` on every plane."""
     p = 8 // bits
     t, x = 64 * p, 3
     u = rng.integers(0, 2 ** bits, (1, t, x), dtype=np.uint8)
-    got = np.asarray(mk._planes_as_kernel(mk.pack_token_planar(jnp.asarray(u), bits), bits))
+    packed = mk.pack_token_planar(jnp.asarray(u), bits)
+    got = np.asarray(mk._planes_as_kernel(packed, bits))
     want = u.astype(np.float64)
     want[:, 64 * (p - 1):] -= 2 ** (bits - 1)
     np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.asarray(mk._planes_as_kernel(packed, bits, unshift_top=True)), u)
 
 
 def test_prepare_kivi_region_codes_and_qparams(rng):
@@ -251,20 +256,15 @@ def test_default_inflight_is_per_bit_width(rng, bits, inflight):
 # ---------------------------------------------------------------------------------------------------------------
 # Mutation: the parity test is sensitive to the top-plane correction
 # ---------------------------------------------------------------------------------------------------------------
-def _offsets_without_top_plane(qb, ops):
-    """``_group_offsets`` with the top-plane term (2^(bits-1) q'.s_g) dropped: only q'.mn."""
-    return jnp.einsum("xnd,xgd->xgn", qb, ops.k_min.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-
-
-@pytest.mark.parametrize("mutation", ["drop_top_plane_offset", "no_top_plane_rows"])
+@pytest.mark.parametrize("mutation", ["no_k_top_shift", "no_top_plane_rows"])
 def test_parity_catches_top_plane_mutation(rng, monkeypatch, mutation):
     q, reg, kn, vn = _case(rng, 2, 32, 32, 128, 4)
     ref = mk.decode_attention_mgpu_kivi_reference_f64(q, reg, k_new=kn, v_new=vn)
     good = mk.decode_attention_mgpu_kivi_reference(q, reg, k_new=kn, v_new=vn, out_dtype=jnp.float32)
     assert _max_rel(good, ref) <= BOUND
-    if mutation == "drop_top_plane_offset":
-        monkeypatch.setattr(mk, "_group_offsets", _offsets_without_top_plane)
-    else:   # forget the re-centring everywhere (K logit offsets and V mins)
+    if mutation == "no_k_top_shift":   # K's top plane read as u - 2^(bits-1), with nothing to correct it
+        monkeypatch.setattr(mk, "_TOP_SHIFT", 0.0)
+    else:   # forget V's top-plane re-centring (the V mins)
         monkeypatch.setattr(mk, "_top_plane_rows", lambda t, bits, group=1: np.zeros(len(range(0, t, group)), bool))
     bad = np.asarray(mk.decode_attention_mgpu_kivi_reference(q, reg, k_new=kn, v_new=vn, out_dtype=jnp.float32))
     err = _max_rel(bad, ref)
@@ -325,3 +325,76 @@ def test_check_script_variants_are_valid_configs_that_differ_from_the_default():
     assert (every["splits x2"].num_splits, every["splits /2"].num_splits) == (8, 2)
     with pytest.raises(SystemExit):
         mod.main(["--skip-check", "--variants", "inflight 3"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The route's epilogue: split partials + dense tail + current token in one softmax
+# ---------------------------------------------------------------------------------------------------------------
+def _partials_of(logits, values, splits):
+    """float64 split partials of ``logits [B, H, G, T]`` over ``values [B, H, T, D]`` in ``splits`` equal chunks
+    (natural-log m; an all-masked chunk (-inf logits) gives m = -1e30, l = 0, acc = 0), as float32."""
+    b, h, g, t = logits.shape
+    acc, m, l = [], [], []
+    for c in np.split(np.arange(t), splits):
+        s = logits[..., c]
+        mc = np.max(s, axis=-1)
+        dead = ~np.isfinite(mc)
+        mc = np.where(dead, -1e30, mc)
+        p = np.where(np.isfinite(s), np.exp(s - mc[..., None]), 0.0)
+        acc.append(np.einsum("bhgt,bhtd->bhgd", p, values[:, :, c]))
+        m.append(mc)
+        l.append(p.sum(-1))
+    return tuple(jnp.asarray(np.stack(x, axis=2), jnp.float32) for x in (acc, m, l))
+
+
+@pytest.mark.parametrize("case", ["all", "no_tail_rows_live", "no_current_token", "only_splits", "nothing_live",
+                                  "tail_dominates"])
+def test_merge_partials_matches_float64_softmax(rng, case):
+    """``_merge_partials`` (no concatenation) against a float64 softmax over the concatenated logits: the splits'
+    rows (one split empty), the tail's live rows (ragged ``live``) and the current token; zeros where nothing is
+    live.  Catches a dropped term, a wrong scale, a max taken over dead rows, and (``tail_dominates``: tail logits
+    ~hundreds above the splits') a running max that leaves the tail out (exp overflows)."""
+    b, hkv, g, d, t, nt, splits = 2, 2, 3, 16, 24, 5, 4
+    scale = 0.3
+    q = rng.standard_normal((b, hkv * g, d))
+    kr, vr = rng.standard_normal((b, hkv, t, d)), rng.standard_normal((b, hkv, t, d))
+    tk, tv = rng.standard_normal((b, hkv, nt, d)), rng.standard_normal((b, hkv, nt, d))
+    if case == "tail_dominates":
+        tk = tk * 200.0
+    kn, vn = rng.standard_normal((b, hkv, d)), rng.standard_normal((b, hkv, d))
+    q4 = q.reshape(b, hkv, g, d) * scale
+    logits = np.einsum("bhgd,bhtd->bhgt", q4, kr)
+    logits[..., t // splits: 2 * t // splits] = -np.inf                 # split 1 holds no live row
+    live = np.array([[True, False, True, True, False], [False, True, False, False, True]])
+    if case in ("no_tail_rows_live", "nothing_live"):
+        live[:] = False
+    if case == "nothing_live":
+        logits[:] = -np.inf
+    parts = _partials_of(logits, vr, splits)
+    with_tail = case not in ("only_splits",)
+    with_cur = case in ("all", "no_tail_rows_live")
+    s_all = [logits]
+    v_all = [vr]
+    if with_tail:
+        s_all.append(np.where(live[:, None, None, :], np.einsum("bhgd,bhnd->bhgn", q4, tk), -np.inf))
+        v_all.append(tv)
+    if with_cur:
+        s_all.append(np.einsum("bhgd,bhd->bhg", q4, kn)[..., None])
+        v_all.append(vn[:, :, None, :])
+    s = np.concatenate(s_all, -1)
+    v = np.concatenate(v_all, 2)
+    mx = np.max(s, -1, keepdims=True)
+    p = np.where(np.isfinite(s), np.exp(s - np.where(np.isfinite(mx), mx, 0.0)), 0.0)
+    den = p.sum(-1)
+    want = np.where(den[..., None] > 0, np.einsum("bhgn,bhnd->bhgd", p, v) / np.where(den > 0, den, 1)[..., None],
+                    0.0).reshape(b, hkv * g, d)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    got = mk._merge_partials(f32(q), parts, hkv, scale,
+                             tail=(f32(tk), f32(tv), jnp.asarray(live)) if with_tail else None,
+                             k_new=f32(kn) if with_cur else None, v_new=f32(vn) if with_cur else None)
+    assert got.dtype == jnp.float32 and got.shape == (b, hkv * g, d)
+    if case == "nothing_live":
+        np.testing.assert_array_equal(np.asarray(got), 0.0)
+    else:
+        assert np.abs(want).max() > 0.1
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=2e-6 * np.abs(want).max())
