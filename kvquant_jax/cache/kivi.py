@@ -399,24 +399,37 @@ class KIVIScheme(SchemeBase):
         tail = region(dense_operand(k_t), dense_operand(v_t), lengths - lo)
         return [main, tail], nt
 
+    def _tail_decodes(self) -> tuple[bool, bool]:
+        """``(K, V)``: whether a tail row of that side can lie below its frontier and so be decoded from codes,
+        given ``lo = min(fk, fv)`` (both callers of :meth:`_tail`).  A side whose frontier is always ``lo`` reads
+        only its ring: "synchronized" (``fk == fv``) both; "kivi" with a residual ``R`` V (``fv = max(len - R, 0)
+        <= fk = floor(len / R) R``); "kivi" without one K (``fk = floor(len / G) G <= fv = len``)."""
+        if self.residual_rule == "kivi":
+            return (True, False) if self.residual else (False, True)
+        return False, False
+
     def _tail(self, state, lo, fk, fv):
         """The dense tail of positions ``[lo, lo + Nt)`` (``Nt = max(S_k, S_v, 1)``, static): ``k_t, v_t float32
         [B, H, Nt, D]`` and ``Nt``.  A position past a frontier reads its ring slot; below it, its decoded codes
         (``[fv, fk)`` under the official rule: K closed, V still in the rolling window).  Rows past the length are
-        garbage, masked by the reader."""
+        garbage, masked by the reader.  ``lo`` must be ``min(fk, fv)``: a side that :meth:`_tail_decodes` says
+        never decodes reads its ring only, so its code gathers and dequantize are not traced at all (on an H100
+        they were 2 gathers + 2 transposes of the V codes per decode call under the "kivi" rule, all discarded by
+        the select)."""
         st, g = state, self.group_size
         s_k, s_v = self.ring_sizes
         nt = max(s_k, s_v, 1)
         pos = lo[:, None] + _rows.arange_rows(nt)[None, :]                                # [B, Nt]
         row = jnp.minimum(pos, self._capacity(st) - 1)
         grp = jnp.minimum(pos // g, st.k_scale.shape[2] - 1)
-        k_t, v_t = self._decoded_rows(st, row, grp)
+        dec_k, dec_v = self._tail_decodes()
+        k_t, v_t = self._decoded_rows(st, row, grp) if (dec_k or dec_v) or not (s_k and s_v) else (None, None)
         if s_k:
-            k_t = jnp.where((pos >= fk[:, None])[:, None, :, None],
-                            _rows.take_rows(st.k_res, pos % s_k).astype(jnp.float32), k_t)
+            k_ring = _rows.take_rows(st.k_res, pos % s_k).astype(jnp.float32)
+            k_t = jnp.where((pos >= fk[:, None])[:, None, :, None], k_ring, k_t) if dec_k else k_ring
         if s_v:
-            v_t = jnp.where((pos >= fv[:, None])[:, None, :, None],
-                            _rows.take_rows(st.v_res, pos % s_v).astype(jnp.float32), v_t)
+            v_ring = _rows.take_rows(st.v_res, pos % s_v).astype(jnp.float32)
+            v_t = jnp.where((pos >= fv[:, None])[:, None, :, None], v_ring, v_t) if dec_v else v_ring
         return k_t, v_t, nt
 
     def _decoded_rows(self, state, row, grp):

@@ -143,6 +143,39 @@ def test_fused_operand_tail_is_the_layout_1_tail_region(case):
                                       np.asarray(want)[live[:, None].repeat(H, 1)])
 
 
+#: every rule / residual combination the tail's static ring-only shortcut (KIVIScheme._tail_decodes) covers
+TAIL_CASES = CASES + [(2, 4, 4, 0, "synchronized", 4, 8), (4, 4, 4, 4, "kivi", 4, 8)]
+
+
+@pytest.mark.parametrize("case", TAIL_CASES, ids=[f"b{c[0]}-G{c[1]}-R{c[3]}-{c[4]}" for c in TAIL_CASES])
+def test_tail_rows_are_the_cache_values_after_every_append(case):
+    """The dense tail (``KIVIScheme._tail``, behind both the layout-1 tail region and the planar operand) holds the
+    cache's values at positions ``[lo, len)`` (``materialize_layer``, which reads every row below its frontier
+    from codes and the rest from the rings) after each append of a ragged sequence: a side that
+    ``_tail_decodes`` says never decodes really never sits below its frontier there, whatever the lengths."""
+    bits, g, gv, r, rule, plane_rows, d = case
+    rng = np.random.default_rng(5)
+    for scheme in _schemes(bits, g, gv, r, rule, plane_rows):
+        cap = -(-48 // scheme.block_t) * scheme.block_t if isinstance(scheme, KIVIPlanarScheme) else 48
+        state, lengths = scheme.init_layer(B, cap, H, d), jnp.zeros((B,), jnp.int32)
+        app = jax.jit(scheme.append_layer)
+        for t, nn in ((5, (5, 3, 0)), (1, (1, 1, 1)), (7, (7, 2, 6)), (1, (0, 1, 1)), (9, (9, 9, 4)),
+                      (1, (1, 1, 1)), (3, (3, 0, 2)), (1, (1, 1, 1))):
+            k = rng.normal(0.3, 1.5, (B, t, H, d)).astype(np.float32)
+            v = rng.normal(-0.2, 0.7, (B, t, H, d)).astype(np.float32)
+            state = app(state, lengths, k, v, jnp.asarray(nn, jnp.int32))
+            lengths = lengths + jnp.asarray(nn, jnp.int32)
+            fk, fv = scheme.frontiers(lengths)
+            lo = jnp.minimum(fk, fv)
+            k_t, v_t, nt = scheme._tail(state, lo, fk, fv)
+            k_all, v_all, _ = scheme.materialize_layer(state, lengths)
+            for bi in range(B):
+                lo_b, n_b = int(lo[bi]), int(lengths[bi] - lo[bi])
+                assert 0 <= n_b <= nt
+                np.testing.assert_array_equal(np.asarray(k_t)[bi, :, :n_b], np.asarray(k_all)[bi, :, lo_b:lo_b + n_b])
+                np.testing.assert_array_equal(np.asarray(v_t)[bi, :, :n_b], np.asarray(v_all)[bi, :, lo_b:lo_b + n_b])
+
+
 #: kernel-sized layouts (64-token planes): (bits, G, Gv, R, rule, D, GQA group)
 KERNEL_CASES = [(2, 32, 32, 32, "kivi", 64, 3), (4, 16, 0, 32, "synchronized", 64, 4), (2, 64, 16, 0, "kivi", 128, 1)]
 
