@@ -55,6 +55,9 @@ float64 oracle 2.8e-6 at worst (``bf16x2``) over 24 cases; B 8 Hq 32 Hkv 8 D 128
 At 0.56 TB/s the kernel is bound neither by bytes nor by its instruction count.  Profiled on an H100 (2026-12-05,
 "The limit, measured" / "The spill fixed" there): latency-bound at two warpgroups per SM; KIVI-2 spilled 507 MB
 per call at 255 registers until ``wgmma_inflight=2`` (now its default): 1.07-1.09x cuDNN at 32K, KIVI-4 1.11x.
+Through the dispatcher on a ``kivi2_planar`` / ``kivi4_planar`` cache, with this module's wrapper (H100,
+2026-12-06, "2026-12-06 (later)" there): 1.05-1.08x / 1.10-1.11x cuDNN at 32K, 0.80-0.81x at 4K, where the kernel
+takes 40-41 of 65-66 us.
 
 Precision: the two split sums ``sum_t u*(p*sv)`` and ``z`` are each O(softmax mass) while ``o`` is an average, so
 their float32 difference loses digits as T grows on flat attention (1.4e-4 / 3.4e-4 relative at 32K on random
