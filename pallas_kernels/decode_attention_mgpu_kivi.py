@@ -538,8 +538,8 @@ def _scaled_query_block(q, hkv: int, n: int, dup: int, sm_scale):
     b, hq, d = q.shape
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
     q4 = q.astype(_F32).reshape(b, hkv, hq // hkv, d) * (scale * _LOG2E)
-    if dup:             # a broadcast, not a concatenate: XLA fuses it into the consumers instead of writing it
-        q4 = jnp.broadcast_to(q4[:, :, None], (b, hkv, 2, hq // hkv, d)).reshape(b, hkv, 2 * (hq // hkv), d)
+    if dup:
+        q4 = jnp.concatenate([q4, q4], axis=2)
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, n - q4.shape[2]), (0, 0)))
     return q4.reshape(b * hkv, n, d)
 
