@@ -326,8 +326,9 @@ def _tile_groups(start: int, group: int) -> list[tuple[int, int]]:
 
 
 def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
-    """Launch.  ``start, end``: int32 [B] (program ``pid`` reads entry ``pid // hkv``); ``qt``: f32 [BH, D, N] (q' transposed, dup'd, padded); ``c``: f32 [BH,
-    T/G, N]; ``k``: int8 [BH, T/P, D]; ``v``: int8 [BH, D, T/P]; ``ks``: [BH, T/G, D]; ``vs, vm``: [BH, C, T].
+    """Launch.  ``start, end``: int32 [B] (program ``pid`` reads entry ``pid // hkv``); ``qt``: f32 [BH, D, N] (q'
+    transposed, dup'd, padded); ``c``: f32 [BH, T/G, N]; ``k``: int8 [BH, T/P, D]; ``v``: int8 [BH, D, T/P];
+    ``ks``: [BH, T/G, D]; ``vs, vm``: [BH, C, T].
     Returns ``o [BH, S, D, N], z [BH, S, C, N], m [BH, S, N] (log2), l [BH, S, N]`` float32."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 

@@ -403,7 +403,8 @@ class KIVIScheme(SchemeBase):
         """``(K, V)``: whether a tail row of that side can lie below its frontier and so be decoded from codes,
         given ``lo = min(fk, fv)`` (both callers of :meth:`_tail`).  A side whose frontier is always ``lo`` reads
         only its ring: "synchronized" (``fk == fv``) both; "kivi" with a residual ``R`` V (``fv = max(len - R, 0)
-        <= fk = floor(len / R) R``); "kivi" without one K (``fk = floor(len / G) G <= fv = len``)."""
+        <= fk = floor(len / R) R``); "kivi" without one K (``fk = floor(len / G) G <= fv = len``).  A side with no
+        ring (``S = 0``: V under "kivi" without a residual) always decodes."""
         if self.residual_rule == "kivi":
             return (True, False) if self.residual else (False, True)
         return False, False
@@ -413,9 +414,9 @@ class KIVIScheme(SchemeBase):
         [B, H, Nt, D]`` and ``Nt``.  A position past a frontier reads its ring slot; below it, its decoded codes
         (``[fv, fk)`` under the official rule: K closed, V still in the rolling window).  Rows past the length are
         garbage, masked by the reader.  ``lo`` must be ``min(fk, fv)``: a side that :meth:`_tail_decodes` says
-        never decodes reads its ring only, so its code gathers and dequantize are not traced at all (on an H100
-        they were 2 gathers + 2 transposes of the V codes per decode call under the "kivi" rule, all discarded by
-        the select)."""
+        never decodes reads its ring only, so its code gathers and dequantize are dead code that XLA drops (on an
+        H100 they were 2 gathers + 2 transposes of the V codes per decode call under the "kivi" rule, all discarded
+        by the select)."""
         st, g = state, self.group_size
         s_k, s_v = self.ring_sizes
         nt = max(s_k, s_v, 1)
@@ -423,7 +424,9 @@ class KIVIScheme(SchemeBase):
         row = jnp.minimum(pos, self._capacity(st) - 1)
         grp = jnp.minimum(pos // g, st.k_scale.shape[2] - 1)
         dec_k, dec_v = self._tail_decodes()
-        k_t, v_t = self._decoded_rows(st, row, grp) if (dec_k or dec_v) or not (s_k and s_v) else (None, None)
+        k_t = v_t = None
+        if dec_k or dec_v:
+            k_t, v_t = self._decoded_rows(st, row, grp)
         if s_k:
             k_ring = _rows.take_rows(st.k_res, pos % s_k).astype(jnp.float32)
             k_t = jnp.where((pos >= fk[:, None])[:, None, :, None], k_ring, k_t) if dec_k else k_ring
