@@ -27,8 +27,10 @@
     when every parity group it depends on (:func:`ws_groups_needed`) finished with all rows OK; the others get
     a "skipped" row.  ``--no-ws-isolate`` runs the ws parity in-process; ``--ws-groups`` picks groups.
 (c) ``--tune PATH`` (after the timing) or ``--tune-from RESULTS_JSON --tune PATH`` (no GPU): the dispatcher's decode
-    tuning table (:mod:`pallas_kernels.decode_tuning`): per (format, T) of the timed shape the fastest Mosaic
-    candidate (v1 or a ws variant) whose parity passed (:func:`tune_refusal`), with v1 default's time.
+    tuning table (:mod:`pallas_kernels.decode_tuning`): per (format, T) of the timed shape the fastest candidate
+    whose parity passed (:func:`tune_refusal`): Mosaic v1 or a ws variant, or, on bf16 / fp16 (a full-precision
+    cache both kernels read in place), the Triton kernel (time it: ``--impls mgpu,triton``); with v1 default's
+    time.
 """
 from __future__ import annotations
 
@@ -383,6 +385,12 @@ def mgpu_ws_fn(cfg):
     return lambda q, o: decode_attention_mgpu_ws_prepared(q, o, config=cfg, out_dtype=jnp.float32)  # noqa: E731
 
 
+def _variant_wanted(args, label: str) -> bool:
+    """``--variant-names``: time only the listed variants (v1 "default" and ws "ws" always run); empty: all."""
+    names = [x.strip() for x in (getattr(args, "variant_names", "") or "").split(",") if x.strip()]
+    return not names or label in names
+
+
 def timing(args, results, t, variants_here=True, tag=""):
     b, hq, hkv, d = args.B, args.hq, args.hkv, args.d
     key, q = timing_query(t, b, hq, d)
@@ -442,6 +450,8 @@ def timing(args, results, t, variants_here=True, tag=""):
                 if PRESETS[name][0].is_int:
                     variants["upcast"] = dataclasses.replace(dflt, upcast=True)
                     variants["upcast splits x2"] = dataclasses.replace(dflt, upcast=True, num_splits=2 * s0)
+                variants = {k if k.startswith("default") else k + tag: v for k, v in variants.items()
+                            if k.startswith("default") or _variant_wanted(args, k)}
             for vname, cfg in variants.items():
                 try:
                     med, lo, hi, out = time_program(mgpu_fn(cfg), q, sets, args.reps)
@@ -453,7 +463,8 @@ def timing(args, results, t, variants_here=True, tag=""):
                     _row(results, args, T=t, impl="mgpu", format=name, variant=vname,
                          error=f"{type(e).__name__}: {e}"[:1500])
             if args.ws:
-                for vname, cfg in ws_variants(kf, variants_here and not tag).items():
+                ws_all = ws_variants(kf, variants_here)
+                for vname, cfg in {k: v for k, v in ws_all.items() if k == "ws" or _variant_wanted(args, k)}.items():
                     missing = sorted(ws_groups_needed(cfg) - args.ws_passed)
                     if missing:
                         _row(results, args, T=t, impl="mgpu_ws", format=name, variant=vname + tag, skipped=True,
@@ -495,15 +506,26 @@ def _parity_failed(results, impl: str, fmt: str, labels) -> str | None:
 
 
 def tune_refusal(results, row) -> str | None:
-    """Why a timing row cannot be a table candidate (None: it can): a Mosaic kernel (v1 or ws), timed, the default
+    """Why a timing row cannot be a table candidate (None: it can).  The Triton region kernel: only on a payload the
+    dispatcher could serve with either kernel (:data:`decode_tuning.DENSE_PAYLOADS`), timed, its own output within
+    the bf16x2 bound of the float32 reference.  A Mosaic kernel (v1 or ws): timed, the default
     numerics (``precision="bf16x2"``: a faster variant that rounds p to bf16 changes the numbers, it is not a
     tuning choice), its own output within :func:`parity_tol` of the float32 reference, and every float64-oracle
     parity row it depends on OK (v1: its precision label; ws: :func:`ws_groups_needed`)."""
     impl = row.get("impl")
-    if impl not in ("mgpu", "mgpu_ws"):
-        return f"impl {impl!r} is not a Mosaic GPU kernel"
+    if impl not in ("mgpu", "mgpu_ws", "triton"):
+        return f"impl {impl!r} is not a kernel the dispatcher can pick"
     if not row.get("us") or row.get("error") or row.get("skipped"):
         return "not timed"
+    if impl == "triton":
+        payload = PRESETS[row["format"]][0].payload if row.get("format") in PRESETS else row.get("format")
+        if payload not in decode_tuning.DENSE_PAYLOADS:
+            return (f"triton on {payload}: the dispatcher reads that payload with the Mosaic kernels only "
+                    "(a transposed-V cache), so the Triton kernel is no alternative there")
+        err, tol = row.get("rel_err"), parity_tol("bfloat16", "bf16x2")
+        if err is None or not math.isfinite(err) or err >= tol:
+            return f"rel err vs float32 {err} is not < {tol}"
+        return None
     cfg = row.get("config") or {}
     prec = cfg.get("precision", "bf16x2")
     if prec != "bf16x2" or cfg.get("split_query"):
@@ -523,12 +545,16 @@ def _base_variant(v: str) -> str:
 
 def tune_table(results, command: str, source: str) -> dict:
     """The decode tuning table (schema: :mod:`pallas_kernels.decode_tuning`) from one results object: per (format,
-    T) of the timed shape, the fastest parity-passing Mosaic candidate (v1 variants and ws variants; repeats of a
+    T) of the timed shape, the fastest parity-passing candidate (Mosaic v1 and ws variants, and on bf16 / fp16 the
+    Triton kernel, which the dispatcher can serve those with too; repeats of a
     variant: the median of their medians; a variant timed fewer times than v1 default there is not compared), with
-    v1 default's time; a point without a passing v1 default row is left out (logged)."""
+    v1 default's time; a point without a passing v1 default row is left out (logged), and so is a bf16 / fp16 point
+    where the Triton kernel was not timed at all (the dispatcher keeps serving it there)."""
     shape = results["shape"]
     d, g = int(shape["d"]), int(shape["hq"]) // int(shape["hkv"])
     points: dict = {}
+    triton_timed = {(r.get("format"), int(r["T"])) for r in results.get("rows", [])
+                    if r.get("impl") == "triton" and r.get("us")}
     for row in results.get("rows", []):
         why = tune_refusal(results, row)
         if why:
@@ -536,7 +562,7 @@ def tune_table(results, command: str, source: str) -> dict:
                 log(f"tune: T={row.get('T')} {row.get('impl')} {row.get('format')} {row.get('variant')!r} "
                     f"not a candidate: {why}")
             continue
-        key = (row["impl"], _base_variant(row.get("variant")))
+        key = (row["impl"], _base_variant(row.get("variant")) or "default")        # Triton rows carry no label
         points.setdefault((row["format"], int(row["T"])), {}).setdefault(key, []).append(row)
     entries = []
     for (fmt, t), cands in sorted(points.items()):
@@ -550,11 +576,16 @@ def tune_table(results, command: str, source: str) -> dict:
         for k in [k for k, rows in cands.items() if len(rows) < n_v1]:
             log(f"tune: T={t} {fmt} {k[0]} {k[1]!r} timed {len(cands[k])}x, v1 default {n_v1}x: not compared")
             del cands[k]
+        payload = PRESETS[fmt][0].payload if fmt in PRESETS else fmt
+        if payload in decode_tuning.DENSE_PAYLOADS and (fmt, t) not in triton_timed:
+            # the dispatcher serves a bf16 / fp16 layer with the Triton kernel unless the table says otherwise: an
+            # entry from a run that never timed it would move those layers to Mosaic unmeasured
+            log(f"tune: T={t} {fmt}: the Triton kernel was not timed here, no entry (it keeps serving {fmt})")
+            continue
         us = {k: statistics.median(r["us"] for r in rows) for k, rows in cands.items()}
         best = min(us, key=lambda k: (us[k], k != ("mgpu", "default")))     # ties: v1 default
-        payload = PRESETS[fmt][0].payload if fmt in PRESETS else fmt
         entries.append(dict(format=payload, head_dim=d, group=g, T=t, impl=best[0], variant=best[1],
-                            config=cands[best][0]["config"], us=round(us[best], 1),
+                            config=cands[best][0].get("config") or {}, us=round(us[best], 1),
                             v1_us=round(us[("mgpu", "default")], 1), candidates=len(us)))
         log(f"tune: T={t} {payload}: {best[0]} {best[1]!r} {us[best]:.1f} us (v1 {us[('mgpu', 'default')]:.1f} us, "
             f"{len(us)} candidates)")
@@ -639,6 +670,12 @@ def main(argv=None):
     ap.add_argument("--variants-at", default="", metavar="T,T",
                     help="with --variants: the T values to time the variants at (default: the largest T); e.g. "
                          "4096,32768 so the tuning table can pick a non-default config at 4K too")
+    ap.add_argument("--variant-names", default="", metavar="NAME,NAME",
+                    help="with --variants: time only these variant labels (v1 default and ws default always run), "
+                         'e.g. "bt 64,stages -1,ws late-v"')
+    ap.add_argument("--repeat-variants", action="store_true",
+                    help="--repeat re-times the variants too (at --variants-at), so the tuning table compares "
+                         "them with v1 default like for like")
     ap.add_argument("--traceback", action="store_true")
     ap.add_argument("--max-sets", type=int, default=8, help="rotating input sets per program (>= 4x L2 anyway)")
     ap.add_argument("--repeat", type=int, default=1, help="re-time the defaults at every T this many times in all")
@@ -702,7 +739,8 @@ def main(argv=None):
             timing(args, results, t, variants_here=t in variants_at)
         for r in range(1, args.repeat):          # every T: the table compares like for like (tune_table)
             for t in args.T:
-                timing(args, results, t, variants_here=False, tag=f" (rep {r + 1})")
+                timing(args, results, t, variants_here=args.repeat_variants and t in variants_at,
+                       tag=f" (rep {r + 1})")
     flush(args, results)
     if args.tune and not args.ws_child:
         try:

@@ -3,8 +3,8 @@
 Issue J, first kernel.  One query token per sequence, ``q: [B, Hq, D]`` attends over ONE region of K/V
 (``[B, Hkv, T, ...]``, live rows ``[start[b], end[b])``) plus, optionally, the exact current token
 ``k_new, v_new: [B, Hkv, D]`` in the same softmax.  Like :mod:`pallas_kernels.decode_attention` (the Pallas
-Triton kernel), the kernel returns split-K partials ``(acc, m, l)`` and the wrapper merges them (and the current
-token's partial) with that module's ``_combine``, so the result is the softmax over the concatenated keys.
+Triton kernel), the kernel returns split-K partials ``(acc, m, l)`` and the wrapper merges them and the current
+token in one softmax (:func:`_merge_partials`, no concatenation), so the result is the softmax over all keys.
 
 Formats (``KVFormat`` pairs, K and V the same family): bf16 (``fp16`` too), per-token symmetric INT8 and INT4
 with one scale per (token, head) (``scale="token", zero="symmetric", group in (0, D)``), FP8 E4M3/E5M2 with
@@ -101,7 +101,6 @@ from jax.experimental import pallas as pl
 from kvquant_jax.abi.reference import decode_attention_reference as _oracle_f64
 from kvquant_jax.abi.reference import unpack_codes
 from kvquant_jax.abi.regions import KVFormat, Region, check_query
-from pallas_kernels.decode_attention import _combine, _dense_partial
 
 __all__ = ["MgpuConfig", "MgpuOperands", "prepare_region", "unprepare_codes", "mgpu_unsupported",
            "decode_attention_mgpu", "decode_attention_mgpu_prepared", "decode_attention_mgpu_partials",
@@ -305,6 +304,7 @@ class _Spec:
     upcast: int = 0                 # 2 / 4: load INT8 / INT4 code tiles in the WGMMA_UPCAST_2X / 4X layout
     v_mask: bool = False            # zero dead V columns in registers (FP8 V can hold NaN in dead rows)
     mma_dtype: Any = jnp.bfloat16   # operand type of both wgmmas (f16 for fp16/FP8 payloads: e4m3 -> f16 is one cvt)
+    hkv: int = 1                    # KV heads: program pid reads start / end of sequence pid // hkv, lscale pid % hkv
 
 
 def _tile_transforms(dtype, minor: int):
@@ -422,7 +422,8 @@ def _block_update(sp: _Spec, q_smem, p_smem, blocks, carry, lo, hi, lsc, col_max
 
 
 def _mgpu_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec):
-    """Launch.  ``start, end, lscale``: [BH]; ``q``: [BH, QS, N, D] (MMA dtype); ``k``: [BH, T, D]; ``v``: [BH, D, T] or
+    """Launch.  ``start, end``: int32 [B] (program ``pid`` reads entry ``pid // sp.hkv``); ``lscale``: f32 [Hkv]
+    (entry ``pid % sp.hkv``); ``q``: [BH, QS, N, D] (MMA dtype); ``k``: [BH, T, D]; ``v``: [BH, D, T] or
     [BH, T, D]; ``ks, vs``: f32 [BH, T] or None.  Returns ``o [BH, S, D, N], m [BH, S, N], l [BH, S, N]`` f32
     (``m`` in log2 units)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -445,9 +446,9 @@ def _mgpu_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec):
         o_ref, m_ref, l_ref = rest
         pid = lax.axis_index("bh")
         sid = lax.axis_index("split")
-        lo = start_ref[pid]
-        hi = end_ref[pid]
-        lsc = ls_ref[pid]
+        lo = start_ref[pid // sp.hkv]
+        hi = end_ref[pid // sp.hkv]
+        lsc = ls_ref[pid % sp.hkv]
         base = sid * nbs
 
         def scoped(q_smem, p_smem, o_smem, m_smem, l_smem, q_bar):
@@ -538,7 +539,7 @@ def _spec_for(ops: MgpuOperands, g: int, cfg: MgpuConfig | None, q_dtype=jnp.bfl
                  v_tok_scale=ops.v_scale is not None,
                  q_split=2 if cfg.split_query and jnp.dtype(q_dtype) != jnp.dtype(mma) else 1,
                  v_mask=vf.payload in ("e4m3", "e5m2"), mma_dtype=mma,
-                 upcast=(4 if kf.bits == 4 else 2) if cfg.upcast and kf.is_int else 0)
+                 upcast=(4 if kf.bits == 4 else 2) if cfg.upcast and kf.is_int else 0, hkv=ops.num_kv_heads)
 
 
 def _query_block(q, hkv: int, sp: _Spec):
@@ -578,15 +579,14 @@ def _kernel_partials(call, q, ops: MgpuOperands, sp: _Spec, sm_scale):
     hkv = ops.num_kv_heads
     g = hq // hkv
     scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
-    lsc = jnp.full((b, hkv), scale * _LOG2E, _F32)
+    lsc = jnp.full((hkv,), scale * _LOG2E, _F32)
     if ops.k_head_scale is not None:
-        lsc = lsc * ops.k_head_scale.astype(_F32)[None, :]
-    lsc = lsc.reshape(b * hkv)
-    rows = ops.rows
-    start = jnp.repeat(jnp.clip(ops.start, 0, rows), hkv)
-    end = jnp.repeat(jnp.clip(ops.end, 0, rows), hkv)
+        lsc = lsc * ops.k_head_scale.astype(_F32)
     qb = _query_block(q, hkv, sp)
-    o, m, l = call(start, end, lsc, qb, ops.k, ops.v, ops.k_scale, ops.v_scale, sp)
+    # bounds per sequence, read by the kernel as entry pid // Hkv (no repeat / clip kernel in the wrapper: a row
+    # outside [0, rows) does not exist, so unclipped bounds select the same rows)
+    o, m, l = call(ops.start.astype(jnp.int32), ops.end.astype(jnp.int32), lsc, qb, ops.k, ops.v, ops.k_scale,
+                   ops.v_scale, sp)
     ns = o.shape[1]
     o = jnp.swapaxes(o, 2, 3).reshape(b, hkv, ns, sp.n, d)                   # [B, Hkv, S', N, D]
     m = m.reshape(b, hkv, ns, sp.n) * _LN2
@@ -637,21 +637,48 @@ def decode_attention_mgpu_prepared(q, ops: MgpuOperands, *, k_new=None, v_new=No
     (default ``q.dtype``).
     """
     part = decode_attention_mgpu_partials(q, ops, sm_scale=sm_scale, config=config, interpret=interpret)
-    return _with_current_token(q, part, ops.num_kv_heads, k_new, v_new, sm_scale, out_dtype)
+    return _merge_partials(q, part, ops.num_kv_heads, sm_scale, k_new=k_new, v_new=v_new,
+                           out_dtype=out_dtype or q.dtype)
 
 
-def _with_current_token(q, part, hkv: int, k_new, v_new, sm_scale, out_dtype):
-    """Merge one region's partials with the exact current token's (when ``k_new`` is given): ONE softmax."""
+def _merge_partials(q, part, hkv: int, sm_scale, *, tail=None, k_new=None, v_new=None, out_dtype=_F32):
+    """ONE softmax over the kernel's split partials, an optional dense tail and the optional exact current token,
+    with no concatenation: the epilogue of every Mosaic GPU route (v1, warp-specialized, KIVI).  ``_combine`` of
+    concatenated partials materialized each concatenate as its own XLA kernel, ~1.4-4.4 us apiece at 4K on an
+    H100 (docs/benchmarks_decode.md, 2026-12-06).
+
+    ``q [B, Hq, D]``; ``part = (acc [B, Hkv, S, G, D], m, l [B, Hkv, S, G])`` float32 (natural-log ``m``, an empty
+    split has ``m = -1e30, l = 0``); ``tail = (k, v [B, Hkv, Nt, D], live bool [B, Nt])`` or None; ``k_new, v_new
+    [B, Hkv, D]`` or None.  Returns ``[B, Hq, D]`` in ``out_dtype`` (zeros where nothing is live)."""
     b, hq, d = q.shape
     g = hq // hkv
-    parts = [part]
+    hp = lax.Precision.HIGHEST
+    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
+    acc, m, l = part
+    q4 = q.astype(_F32).reshape(b, hkv, g, d) * scale                                 # [B, Hkv, G, D]
+    m_all = jnp.max(m, axis=2)                                                         # [B, Hkv, G]
+    if tail is not None:
+        tk, tv, live = tail
+        live4 = live[:, None, None, :]
+        s_t = jnp.where(live4, jnp.einsum("bhgd,bhnd->bhgn", q4, tk.astype(_F32), precision=hp), _NEG)
+        m_all = jnp.maximum(m_all, jnp.max(s_t, axis=-1))
     if k_new is not None:
-        scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
-        q4 = q.astype(_F32).reshape(b, hkv, g, d)
-        qs = jnp.full((b, hkv, g), scale, _F32)
-        parts.append(_dense_partial(q4, qs, k_new.astype(_F32)[:, :, None], v_new.astype(_F32)[:, :, None],
-                                    jnp.ones((b, 1), jnp.bool_)))
-    return _combine(parts).reshape(b, hq, d).astype(out_dtype or q.dtype)
+        s_c = jnp.sum(q4 * k_new.astype(_F32)[:, :, None, :], axis=-1)                # [B, Hkv, G]
+        m_all = jnp.maximum(m_all, s_c)
+    w = jnp.exp(m - m_all[:, :, None])                                                 # [B, Hkv, S, G]
+    den = jnp.sum(w * l, axis=2)
+    num = jnp.sum(w[..., None] * acc, axis=2)                                          # [B, Hkv, G, D]
+    if tail is not None:
+        p_t = jnp.where(live4, jnp.exp(s_t - m_all[..., None]), 0.0)
+        den = den + jnp.sum(p_t, axis=-1)
+        num = num + jnp.einsum("bhgn,bhnd->bhgd", p_t, jnp.where(live[:, None, :, None], tv.astype(_F32), 0.0),
+                               precision=hp)
+    if k_new is not None:
+        p_c = jnp.exp(s_c - m_all)
+        den = den + p_c
+        num = num + p_c[..., None] * v_new.astype(_F32)[:, :, None, :]
+    out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+    return out.reshape(b, hq, d).astype(out_dtype)
 
 
 def decode_attention_mgpu(q, region: Region, *, k_new=None, v_new=None, sm_scale: float | None = None,
@@ -772,6 +799,36 @@ def transposed_v_config_unsupported(fmt, state, head_dim: int, group: int,
     except ValueError as e:
         return str(e)
     return None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A full-precision (bf16 / fp16) region read in place: prepare_region is a reshape, no pass over the rows
+# --------------------------------------------------------------------------------------------------------------
+DENSE_PAYLOADS = ("bf16", "fp16")
+
+
+def dense_region_config_unsupported(reg: Region, group: int, config: MgpuConfig | None = None) -> Optional[str]:
+    """Why this kernel with ``config`` cannot read a full-precision region in place (None when it can): K and V
+    not the same bf16 / fp16 payload, the format / head_dim rules, block_t vs the rows, num_splits (the launch plan
+    of :func:`_spec_for` on the region's shapes; no array is read).  Device independent (CPU-checkable)."""
+    kf, vf = reg.k.fmt, reg.v.fmt
+    if kf.payload not in DENSE_PAYLOADS or vf.payload != kf.payload:
+        return f"not a full-precision region read in place ({kf} / {vf})"
+    why = mgpu_unsupported(reg, reg.k.data.shape[3], config)
+    if why:
+        return why
+    try:
+        _spec_for(jax.eval_shape(prepare_region, reg), group, config)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def dense_region_device_unsupported(q) -> Optional[str]:
+    """The device / query conditions of a Mosaic GPU kernel over a full-precision region: not a Hopper GPU, or a
+    float32 query (the kernels round q to the 16-bit MMA type, ~1e-3 relative; the Triton kernel keeps float32
+    parity for a float32 model).  None when it can."""
+    return transposed_v_device_unsupported(q)
 
 
 def decode_attention_transposed_v(q, fmt, state, lengths, k_new=None, v_new=None, *, sm_scale: float | None = None,

@@ -4,8 +4,8 @@ Issue J.  KIVI stores K per channel over groups of ``G`` tokens (``k = u * s[g, 
 in groups of ``Gv`` channels (``v = u * sv[t, c] + mv[t, c]``), 2- or 4-bit codes ``u``, fp16 qparams.  The Pallas
 Triton kernel (:mod:`pallas_kernels.decode_attention`) runs it at 0.16x cuDNN on the H200 (255 registers, 3 % of
 DRAM bandwidth); this kernel keeps the swap-AB structure of :mod:`pallas_kernels.decode_attention_mgpu` (KV
-tokens = wgmma M, the query-head group = N, one warpgroup, split-K partials merged by the Triton module's
-``_combine``) and moves every per-group factor out of the per-code work.
+tokens = wgmma M, the query-head group = N, one warpgroup, split-K partials merged by that module's
+``_merge_partials``) and moves every per-group factor out of the per-code work.
 
 Where the qparams go (per program: one ``(sequence, KV head)``, one split)
 -------------------------------------------------------------------------
@@ -86,7 +86,7 @@ from kvquant_jax.abi.reference import decode_attention_reference as _oracle_f64
 from kvquant_jax.abi.reference import unpack_codes
 from kvquant_jax.abi.regions import KVFormat, Region, check_query
 from pallas_kernels.backend import default_interpret
-from pallas_kernels.decode_attention_mgpu import _auto_splits, _tile_transforms, hopper_unsupported
+from pallas_kernels.decode_attention_mgpu import _auto_splits, _merge_partials, _tile_transforms, hopper_unsupported
 
 __all__ = ["KiviMgpuConfig", "KiviMgpuOperands", "kivi_mgpu_unsupported", "prepare_kivi_region",
            "kivi_planar_unsupported", "kivi_planar_layout_unsupported", "planar_operands", "decode_attention_kivi_planar",
@@ -629,45 +629,6 @@ def decode_attention_mgpu_kivi_prepared(q, ops: KiviMgpuOperands, *, k_new=None,
     part = decode_attention_mgpu_kivi_partials(q, ops, sm_scale=sm_scale, config=config, interpret=interpret)
     return _merge_partials(q, part, ops.num_kv_heads, sm_scale, k_new=k_new, v_new=v_new,
                            out_dtype=out_dtype or q.dtype)
-
-
-def _merge_partials(q, part, hkv: int, sm_scale, *, tail=None, k_new=None, v_new=None, out_dtype=_F32):
-    """ONE softmax over the kernel's split partials, an optional dense tail and the optional exact current token,
-    with no concatenation (the route's epilogue; ``_combine`` of concatenated partials materialized each
-    concatenate as its own XLA kernel, ~1.4-4.4 us apiece at 4K on an H100, docs/benchmarks_decode.md).
-
-    ``q [B, Hq, D]``; ``part = (acc [B, Hkv, S, G, D], m, l [B, Hkv, S, G])`` float32 (natural-log ``m``, an empty
-    split has ``m = -1e30, l = 0``); ``tail = (k, v [B, Hkv, Nt, D], live bool [B, Nt])`` or None; ``k_new, v_new
-    [B, Hkv, D]`` or None.  Returns ``[B, Hq, D]`` in ``out_dtype`` (zeros where nothing is live)."""
-    b, hq, d = q.shape
-    g = hq // hkv
-    hp = lax.Precision.HIGHEST
-    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
-    acc, m, l = part
-    q4 = q.astype(_F32).reshape(b, hkv, g, d) * scale                                 # [B, Hkv, G, D]
-    m_all = jnp.max(m, axis=2)                                                         # [B, Hkv, G]
-    if tail is not None:
-        tk, tv, live = tail
-        live4 = live[:, None, None, :]
-        s_t = jnp.where(live4, jnp.einsum("bhgd,bhnd->bhgn", q4, tk.astype(_F32), precision=hp), _NEG)
-        m_all = jnp.maximum(m_all, jnp.max(s_t, axis=-1))
-    if k_new is not None:
-        s_c = jnp.sum(q4 * k_new.astype(_F32)[:, :, None, :], axis=-1)                # [B, Hkv, G]
-        m_all = jnp.maximum(m_all, s_c)
-    w = jnp.exp(m - m_all[:, :, None])                                                 # [B, Hkv, S, G]
-    den = jnp.sum(w * l, axis=2)
-    num = jnp.sum(w[..., None] * acc, axis=2)                                          # [B, Hkv, G, D]
-    if tail is not None:
-        p_t = jnp.where(live4, jnp.exp(s_t - m_all[..., None]), 0.0)
-        den = den + jnp.sum(p_t, axis=-1)
-        num = num + jnp.einsum("bhgn,bhnd->bhgd", p_t, jnp.where(live[:, None, :, None], tv.astype(_F32), 0.0),
-                               precision=hp)
-    if k_new is not None:
-        p_c = jnp.exp(s_c - m_all)
-        den = den + p_c
-        num = num + p_c[..., None] * v_new.astype(_F32)[:, :, None, :]
-    out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
-    return out.reshape(b, hq, d).astype(out_dtype)
 
 
 def kivi_planar_unsupported(q, fmt: kp.KiviPlanarFormat, operand: kp.KiviPlanarOperand) -> Optional[str]:

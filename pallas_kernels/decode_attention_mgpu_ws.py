@@ -3,7 +3,7 @@
 Issue J, second kernel.  Same problem, operands and numerics as :mod:`pallas_kernels.decode_attention_mgpu` ("v1":
 read its docstring first): one query token per sequence attends over one region of K/V in the mgpu pack-time
 layout (:func:`~pallas_kernels.decode_attention_mgpu.prepare_region`), split-K partials merged by the same wrapper
-(:func:`~pallas_kernels.decode_attention_mgpu._kernel_partials` / ``_with_current_token``).  The per-block math is
+(:func:`~pallas_kernels.decode_attention_mgpu._kernel_partials` / ``_merge_partials``).  The per-block math is
 v1's :func:`~pallas_kernels.decode_attention_mgpu._block_update` (imported, not copied): swap-AB wgmma (KV tokens
 = M, the query-head group = N), codes loaded from the swizzled TMA tile straight into the wgmma register-A layout,
 per-token K scale after the QK dot, V scale folded into p, log2-domain online softmax, bf16x2 hi/lo p, ragged
@@ -73,7 +73,7 @@ from jax.experimental import pallas as pl
 from kvquant_jax.abi.regions import KVFormat, Region, check_query
 from pallas_kernels.decode_attention_mgpu import (MgpuConfig, MgpuOperands, _auto_splits, _block_update, _F32,
                                                   _formats_unsupported, _kernel_partials, _partials_jnp, _spec_for, _Spec,
-                                                  _tile_transforms, _with_current_token, prepare_region,
+                                                  _merge_partials, _tile_transforms, prepare_region,
                                                   transposed_v_device_unsupported, transposed_v_operands,
                                                   transposed_v_shape)
 
@@ -264,9 +264,9 @@ def _ws_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec, cfg: MgpuWsConfig):
             def _compute_wg():
                 setmaxnreg(cfg.compute_registers, action="increase")
                 w = wg_idx
-                lo = start_ref[pid]
-                hi = end_ref[pid]
-                lsc = ls_ref[pid]
+                lo = start_ref[pid // sp.hkv]
+                hi = end_ref[pid // sp.hkv]
+                lsc = ls_ref[pid % sp.hkv]
                 p_w = p_smem.at[w]
 
                 @pl.when(w == nc - 1)
@@ -353,7 +353,8 @@ def decode_attention_mgpu_ws_prepared(q, ops: MgpuOperands, *, k_new=None, v_new
                                       interpret: Any = False, out_dtype=None):
     """:func:`~pallas_kernels.decode_attention_mgpu.decode_attention_mgpu_prepared` with this kernel."""
     part = decode_attention_mgpu_ws_partials(q, ops, sm_scale=sm_scale, config=config, interpret=interpret)
-    return _with_current_token(q, part, ops.num_kv_heads, k_new, v_new, sm_scale, out_dtype)
+    return _merge_partials(q, part, ops.num_kv_heads, sm_scale, k_new=k_new, v_new=v_new,
+                           out_dtype=out_dtype or q.dtype)
 
 
 def decode_attention_mgpu_ws(q, region: Region, *, k_new=None, v_new=None, sm_scale: float | None = None,
@@ -367,6 +368,23 @@ def decode_attention_mgpu_ws(q, region: Region, *, k_new=None, v_new=None, sm_sc
     ops = prepare_region(region)
     return decode_attention_mgpu_ws_prepared(q, ops, k_new=k_new, v_new=v_new, sm_scale=sm_scale, config=config,
                                              interpret=interpret, out_dtype=out_dtype)
+
+
+def dense_region_ws_config_unsupported(reg: Region, group: int, config: MgpuWsConfig | None = None) -> Optional[str]:
+    """Why this kernel with ``config`` cannot read a full-precision (bf16 / fp16) region in place (None when it
+    can): v1's payload rule, then :func:`mgpu_ws_unsupported` and the launch plan of :func:`_ws_spec` on the
+    region's shapes (no array is read).  Device independent (CPU-checkable)."""
+    kf, vf = reg.k.fmt, reg.v.fmt
+    if kf.payload not in ("bf16", "fp16") or vf.payload != kf.payload:
+        return f"not a full-precision region read in place ({kf} / {vf})"
+    why = mgpu_ws_unsupported(reg, reg.k.data.shape[3], config)
+    if why:
+        return why
+    try:
+        _ws_spec(jax.eval_shape(prepare_region, reg), group, config, jnp.bfloat16)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
-"""Decode-kernel tuning tables: which Mosaic GPU kernel (v1 or warp-specialized) and config serves a layer, by
-measurement.
+"""Decode-kernel tuning tables: which kernel (Mosaic GPU v1, warp-specialized, or, for full-precision caches, the
+Pallas Triton region kernel) and config serves a layer, by measurement.
 
 The tables are JSON files shipped in ``pallas_kernels/tuning/`` (one per device kind, e.g. ``decode_h200.json``),
 written by ``experiments/check_mgpu_decode.py --tune PATH`` (after its timing) or ``--tune-from RESULTS_JSON
 --tune PATH`` (from an existing results file, no GPU): per (format, T, head_dim, group) the fastest
-implementation / variant among Mosaic v1 and the ws variants whose parity against the float64 oracle passed.
-``kvquant_jax.attention.dispatch`` asks :func:`choose` for every transposed-V layer on a GPU and logs the reason.
+implementation / variant among Mosaic v1 and the ws variants whose parity against the float64 oracle passed, and,
+for the full-precision payloads both kernels read in place (:data:`DENSE_PAYLOADS`), the Triton kernel too.
+``kvquant_jax.attention.dispatch`` asks :func:`choose` for every transposed-V layer and every single-region
+bf16 / fp16 layer on a GPU and logs the reason.
 
 Schema (every field required; :func:`validate_table` raises ``ValueError`` naming the file and the field)::
 
@@ -21,18 +23,22 @@ Schema (every field required; :func:`validate_table` raises ``ValueError`` namin
         {"format": "int8",                        # KV payload: "bf16", "int8", "int4", "e4m3", ...
          "head_dim": 128, "group": 4,             # D and query heads per KV head of the timed shape
          "T": 32768,                              # timed rows (tokens per sequence): the bucket key
-         "impl": "mgpu_ws",                       # "mgpu" (v1) or "mgpu_ws" (warp-specialized)
+         "impl": "mgpu_ws",                       # "mgpu" (v1), "mgpu_ws" (warp-specialized) or "triton"
+                                                  # (the Pallas Triton region kernel; DENSE_PAYLOADS only)
          "variant": "ws late-v",                  # the benchmark's variant label of the winner
          "config": {"block_t": 128, ...},          # fields of MgpuConfig ("mgpu") / MgpuWsConfig ("mgpu_ws")
          "us": 158.2,                             # the winner's median µs (the run's clock: device time)
          "v1_us": 169.2,                          # Mosaic v1 default's median µs at the same point
+                                                  # (>= us; equal to it when the winner is v1 "default")
          "candidates": 9}                         # parity-passing candidates timed there
       ]
     }
 
 Bucket rule (:func:`choose`): among the entries of the layer's (format, head_dim, group), the one of the largest
 measured T <= the layer's capacity (rows), else the smallest measured T.  No table for the device kind, or no
-entry for the (format, head_dim, group): v1 with its default config and a reason saying "no table entry".
+entry for the (format, head_dim, group): the caller's ``fallback`` (v1 with its default config for a transposed-V
+layer, which only Mosaic kernels read; the Triton kernel for a full-precision layer, the path it had before it was
+measured) and a reason saying "no table entry".
 """
 from __future__ import annotations
 
@@ -43,17 +49,21 @@ import math
 import os
 from typing import Any, Optional
 
+from pallas_kernels.decode_attention import KernelConfig
 from pallas_kernels.decode_attention_mgpu import MgpuConfig
 from pallas_kernels.decode_attention_mgpu_ws import MgpuWsConfig
 
-__all__ = ["SCHEMA", "TABLE_DIR", "IMPLS", "TuningEntry", "TuningTable", "validate_table", "load_table",
-           "shipped_tables", "table_for", "choose"]
+__all__ = ["SCHEMA", "TABLE_DIR", "IMPLS", "DENSE_PAYLOADS", "TuningEntry", "TuningTable", "validate_table",
+           "load_table", "shipped_tables", "table_for", "choose"]
 
 SCHEMA = "kvquant_jax.decode_tuning/1"
 #: the shipped tables (package data)
 TABLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 #: implementation name -> the config dataclass whose fields an entry's ``config`` holds
-IMPLS: dict[str, type] = {"mgpu": MgpuConfig, "mgpu_ws": MgpuWsConfig}
+IMPLS: dict[str, type] = {"mgpu": MgpuConfig, "mgpu_ws": MgpuWsConfig, "triton": KernelConfig}
+#: payloads both the Mosaic kernels and the Triton region kernel read in place (a full-precision cache): the only
+#: ones whose entries may name "triton"
+DENSE_PAYLOADS = ("bf16", "fp16")
 _META = ("device_kind", "jax", "date", "command", "source")
 
 
@@ -126,6 +136,9 @@ def _entry(name: str, i: int, e: Any) -> TuningEntry:
     impl = e["impl"]
     if impl not in IMPLS:
         _fail(name, f"{at}.impl", f"must be one of {sorted(IMPLS)}, got {impl!r}")
+    if impl == "triton" and e["format"] not in DENSE_PAYLOADS:
+        _fail(name, f"{at}.impl", f"'triton' serves only the payloads {DENSE_PAYLOADS} (read in place by both "
+                                  f"kernels), not {e['format']!r}")
     cfg = e["config"]
     if not isinstance(cfg, dict):
         _fail(name, f"{at}.config", f"must be an object, got {type(cfg).__name__}")
@@ -136,8 +149,10 @@ def _entry(name: str, i: int, e: Any) -> TuningEntry:
         if v is not None and not isinstance(v, (bool, int, str)):
             _fail(name, f"{at}.config.{k}", f"must be null, a boolean, an integer or a string, got {v!r}")
     us, v1 = _pos_float(name, f"{at}.us", e["us"]), _pos_float(name, f"{at}.v1_us", e["v1_us"])
-    if impl == "mgpu" and us != v1:
-        _fail(name, f"{at}.v1_us", f"a v1 winner's v1_us must equal its us ({us} != {v1})")
+    if impl == "mgpu" and e["variant"] == "default" and us != v1:
+        _fail(name, f"{at}.v1_us", f"the v1 default winner's v1_us must equal its us ({us} != {v1})")
+    if us > v1:
+        _fail(name, f"{at}.us", f"a winner cannot be slower than the v1 default it was timed against ({us} > {v1})")
     return TuningEntry(format=_str(name, f"{at}.format", e["format"]),
                        head_dim=_int(name, f"{at}.head_dim", e["head_dim"]),
                        group=_int(name, f"{at}.group", e["group"]), T=_int(name, f"{at}.T", e["T"]), impl=impl,
@@ -213,27 +228,33 @@ def _pick(entries: list[TuningEntry], capacity_rows: int) -> TuningEntry:
 
 
 def choose(device_kind: str, payload: str, head_dim: int, group: int, capacity_rows: int,
-           table: Optional[TuningTable] = None) -> tuple[str, dict[str, Any], str]:
-    """``(impl, config fields, reason)`` for one layer: ``impl`` "mgpu" (v1) or "mgpu_ws"; the fields build its
-    config (``IMPLS[impl](**fields)``; empty: the kernel's defaults); ``reason`` says which table point decided.
+           table: Optional[TuningTable] = None, fallback: str = "mgpu") -> tuple[str, dict[str, Any], str]:
+    """``(impl, config fields, reason)`` for one layer: ``impl`` "mgpu" (v1), "mgpu_ws" or "triton"; the fields
+    build its config (``IMPLS[impl](**fields)``; empty: the kernel's defaults); ``reason`` says which table point
+    decided.
 
     ``device_kind``: ``jax.devices()[0].device_kind``; ``payload``: the KV payload ("int8", "int4", ...);
     ``head_dim``: D; ``group``: query heads per KV head; ``capacity_rows``: the layer's rows (tokens).  ``table``:
-    None -> the shipped table of ``device_kind`` (:func:`table_for`).
+    None -> the shipped table of ``device_kind`` (:func:`table_for`).  ``fallback``: the impl (default config)
+    when nothing was measured for this layer: "mgpu" (v1) or "triton".
     """
+    if fallback not in ("mgpu", "triton"):
+        raise ValueError(f"fallback must be 'mgpu' or 'triton', got {fallback!r}")
+    dflt = "v1 default" if fallback == "mgpu" else "the Triton kernel"
     table = table if table is not None else table_for(device_kind)
     if table is None:
-        return "mgpu", {}, f"no table entry: no decode tuning table for {device_kind!r}: v1 default"
+        return fallback, {}, f"no table entry: no decode tuning table for {device_kind!r}: {dflt}"
     if table.device_kind != device_kind:
-        return "mgpu", {}, (f"no table entry: table {table.name} is for {table.device_kind!r}, not "
-                            f"{device_kind!r}: v1 default")
+        return fallback, {}, (f"no table entry: table {table.name} is for {table.device_kind!r}, not "
+                               f"{device_kind!r}: {dflt}")
     here = [e for e in table.entries if (e.format, e.head_dim, e.group) == (payload, head_dim, group)]
     if not here:
-        return "mgpu", {}, f"no table entry in {table.name} for {payload} D={head_dim} G={group}: v1 default"
+        return fallback, {}, f"no table entry in {table.name} for {payload} D={head_dim} G={group}: {dflt}"
     e = _pick(here, capacity_rows)
     at = f"at T={e.T}" + ("" if e.T == capacity_rows else f" (capacity {capacity_rows})")
-    if e.impl == "mgpu":
+    if e.impl == "mgpu" and e.variant == "default":
         why = f"table {table.name}: v1 {e.variant} {e.us:.1f} µs, fastest of {e.candidates} measured {at}"
     else:
-        why = f"table {table.name}: {e.variant} {e.us:.1f} µs vs v1 {e.v1_us:.1f} µs {at}"
+        label = {"mgpu_ws": e.variant, "mgpu": f"v1 {e.variant}"}.get(e.impl, f"{e.impl} {e.variant}")
+        why = f"table {table.name}: {label} {e.us:.1f} µs vs v1 default {e.v1_us:.1f} µs {at}"
     return e.impl, e.config_fields(), why

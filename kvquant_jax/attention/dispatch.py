@@ -16,9 +16,13 @@ Dispatch by measurement (issue J): a transposed-V layer on a GPU (``impl`` "auto
 v1 or the warp-specialized Mosaic kernel, whichever the shipped tuning table
 (:func:`pallas_kernels.decode_tuning.choose`, written by ``experiments/check_mgpu_decode.py --tune``) measured
 fastest at the nearest timed T for (device kind, payload, head_dim, group); its config from the table; v1 default
-when the table has no entry or the table's config does not fit this layer (capacity, splits).  The reason (the
-table point, or why not) is the logged / :data:`SERVED` reason.  Formats no Mosaic kernel reads keep the Triton
-region kernel; the float reference serves a GPU only with a WARNING.
+when the table has no entry or the table's config does not fit this layer (capacity, splits).  A full-precision
+(bf16 / fp16) layer read as one region (no small dense tail) is a choice between kernels that read the same rows in
+place: Mosaic v1 / ws where the table measured them faster than the Triton region kernel (the table then has a
+Mosaic entry for it), the Triton kernel where it has a "triton" entry, no entry, a float32 query or a layer the
+Mosaic kernels cannot read (``_dense_route``).  The reason (the table point, or why not) is the logged /
+:data:`SERVED` reason.  Formats no Mosaic kernel reads keep the Triton region kernel; the float reference serves a
+GPU only with a WARNING.
 
 This module keeps only: the key-stage guard, the scheme's regions (or fused operand), kernel or reference.  The
 current token's exact ``k_new, v_new`` join the same softmax.  ``impl``: ``"kernel"`` (Pallas; interpreted on
@@ -106,6 +110,44 @@ def _transposed_v_route(q, fmt: TransposedVFormat, state) -> tuple[Any, Any, str
     return mgpu_kernel.decode_attention_transposed_v, cfg, what, reason
 
 
+def _dense_candidate(regions: list[Region], tail_rows: int, interpret) -> bool:
+    """A layer the Mosaic GPU kernels could read in place instead of the Triton region kernel: compiled on a GPU,
+    ONE region (no small dense tail), K and V the same bf16 / fp16 payload."""
+    if platform() != "gpu" or interpret or len(regions) != 1 or tail_rows:
+        return False
+    kp, vp = regions[0].k.fmt.payload, regions[0].v.fmt.payload
+    return kp in decode_tuning.DENSE_PAYLOADS and vp == kp
+
+
+def _dense_route(q, reg: Region) -> tuple[Any, Any, str]:
+    """``(kernel, config, reason)`` for one full-precision (bf16 / fp16) region on a GPU, read in place: Mosaic v1
+    (:func:`~pallas_kernels.decode_attention_mgpu.decode_attention_mgpu`) or the warp-specialized kernel where the
+    tuning table measured it faster than the Triton region kernel; ``kernel`` None: the Triton kernel serves it (no
+    table entry: the path it had before it was measured; or the table's winner; or a Mosaic refusal, named)."""
+    hkv, cap = reg.k.data.shape[1], reg.k.data.shape[2]
+    d, g = q.shape[-1], q.shape[1] // hkv
+    why = mgpu_kernel.dense_region_device_unsupported(q)
+    if why:
+        return None, None, f"Mosaic GPU refused: {why}"
+    impl, fields, reason = decode_tuning.choose(_device_kind(), reg.k.fmt.payload, d, g, cap, fallback="triton")
+    if impl == "triton":
+        return None, None, reason
+    if impl == "mgpu_ws":
+        cfg = ws_kernel.MgpuWsConfig(**fields)
+        why = ws_kernel.dense_region_ws_config_unsupported(reg, g, cfg)
+        if why is None:
+            return ws_kernel.decode_attention_mgpu_ws, cfg, reason
+        reason, fields = f"{reason}, but that ws config does not fit this layer ({why})", {}
+    cfg = mgpu_kernel.MgpuConfig(**fields) if fields else None
+    why = mgpu_kernel.dense_region_config_unsupported(reg, g, cfg)
+    if why and cfg is not None:
+        reason, cfg = f"{reason}, but that v1 config does not fit this layer ({why}): v1 default", None
+        why = mgpu_kernel.dense_region_config_unsupported(reg, g, None)
+    if why:
+        return None, None, f"{reason}; Mosaic v1 refused ({why}): the Triton kernel"
+    return mgpu_kernel.decode_attention_mgpu, cfg, reason
+
+
 def _check_key_stage(scheme) -> None:
     if getattr(scheme, "key_stage", "post_rope") != "post_rope" and not scheme.rotates_stored_keys:
         raise ValueError("decode_attention reads post-RoPE keys; a pre-RoPE cache needs the model to rotate the "
@@ -176,6 +218,14 @@ def decode_attention(q: jax.Array, scheme, layer_state, lengths: jax.Array, k_ne
         impl = "reference" if why else "kernel"
         if why:
             _served("reference", what, q, "; ".join(x for x in (refusal, why) if x))
+    if impl == "kernel" and _dense_candidate(regions, tail_rows, interpret):
+        fn, cfg, reason = _dense_route(q, regions[0])
+        reason = "; ".join(x for x in (refusal, reason) if x)
+        if fn is not None:
+            _served(fn.__name__, f"{what} T={regions[0].k.data.shape[2]}", q, reason)
+            out = fn(q, regions[0], k_new=k_new, v_new=v_new, sm_scale=sm_scale, config=cfg, out_dtype=out_dtype)
+            return out.astype(q.dtype if out_dtype is None else out_dtype)
+        refusal = reason
     if impl == "kernel":
         _served("pallas_decode_v1", what, q, refusal)
     if impl == "reference":

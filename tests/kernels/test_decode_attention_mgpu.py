@@ -101,6 +101,62 @@ def test_spec_swap_ab_shapes(rng):
     assert mg._spec_for(ops, 4, mg.MgpuConfig(num_splits=2)).nbs == 2
 
 
+def _emulated_launch(start, end, lscale, qb, k, v, ks, vs, sp):
+    """The kernel's launch contract (``_mgpu_call``'s docstring) in float64 NumPy: program ``pid`` reads the bounds
+    of sequence ``pid // Hkv`` and the logit scale of head ``pid % Hkv``; split ``sid`` covers its ``nbs`` blocks;
+    ``m`` in log2 units; with the hi/lo duplicate the hi columns carry p and the lo columns 0 (their sum is p)."""
+    f64 = lambda a: None if a is None else np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)  # noqa: E731
+    start, end = np.asarray(start), np.asarray(end)
+    lscale, qb, k, v, ks, vs = (f64(a) for a in (lscale, qb, k, v, ks, vs))
+    bh, n, d, chunk = qb.shape[0], sp.n, sp.d, sp.nbs * sp.bt
+    o = np.zeros((bh, sp.ns, d, n))
+    m = np.full((bh, sp.ns, n), -1e30)
+    l = np.zeros((bh, sp.ns, n))
+    for pid in range(bh):
+        lo, hi, lsc = start[pid // sp.hkv], end[pid // sp.hkv], lscale[pid % sp.hkv]
+        vt = v[pid] if sp.v_regs else v[pid].T                                 # [D, T]
+        for sid in range(sp.ns):
+            rows = np.arange(sid * chunk, (sid + 1) * chunk)
+            s = k[pid, rows] @ qb[pid].sum(axis=0).T * lsc                     # [rows, N] log2 units
+            if ks is not None:
+                s = s * ks[pid, rows][:, None]
+            live = (rows >= lo) & (rows < hi)
+            if not live.any():
+                continue
+            m[pid, sid] = s[live].max(axis=0)
+            p = np.where(live[:, None], np.exp2(s - m[pid, sid]), 0.0)
+            l[pid, sid] = p.sum(axis=0)
+            if vs is not None:
+                p = np.where(live[:, None], p * vs[pid, rows][:, None], 0.0)
+            if sp.dup:
+                p[:, sp.dup:] = 0.0
+            o[pid, sid] = np.where(live[None, :], vt[:, rows], 0.0) @ p         # dead rows may hold NaN
+    return tuple(jnp.asarray(a, jnp.float32) for a in (o, m, l))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_wrapper_launch_contract(rng, name):
+    """``_kernel_partials`` + ``_merge_partials`` around an emulated launch (float64) match the float64 oracle:
+    per-sequence bounds (ragged, different per sequence, 3 sequences x 2 KV heads so ``pid // Hkv`` and ``pid``
+    differ), the per-head logit / V scales of FP8, two splits, the hi/lo query duplicate and the current token.
+    Fails if the wrapper hands the launch per-program arrays the kernel would index by sequence, or the merge
+    drops a partial."""
+    q, reg, kn, vn = _case(rng, name, n=512)
+    if name == "e4m3":
+        hs = jnp.asarray([0.75, 1.5], jnp.float32)
+        reg = Region(k=KVOperand(reg.k.data, hs, None, reg.k.fmt), v=KVOperand(reg.v.data, hs[::-1], None, reg.v.fmt),
+                     start=reg.start, end=reg.end)
+    mma = jnp.float16 if name == "e4m3" else jnp.bfloat16
+    q = q.astype(mma).astype(jnp.float32)                                      # exact in the MMA dtype
+    ops = mg.prepare_region(reg)
+    sp = mg._spec_for(ops, 4, mg.MgpuConfig(num_splits=2), q.dtype)
+    assert sp.hkv == 2 and sp.ns == 2
+    part = mg._kernel_partials(_emulated_launch, q, ops, sp, None)
+    out = mg._merge_partials(q, part, ops.num_kv_heads, None, k_new=kn, v_new=vn, out_dtype=jnp.float32)
+    ref = mg.decode_attention_mgpu_reference_f64(q, reg, k_new=kn, v_new=vn)
+    assert _rel(out, ref) < 1e-5
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: the kernel
 # ---------------------------------------------------------------------------------------------------------------
@@ -137,4 +193,36 @@ def test_kernel_shapes(rng, g, d):
     q = q.astype(jnp.bfloat16)
     ref = decode_attention_reference(q.astype(jnp.float32), [reg], k_new=kn, v_new=vn)
     out = mg.decode_attention_mgpu(q, reg, k_new=kn, v_new=vn, out_dtype=jnp.float32)
+    assert _rel(out, ref) < 1e-3
+
+
+@gpu
+@pytest.mark.parametrize("impl", ["mgpu", "mgpu_ws"])
+def test_dense_layer_served_in_place_through_dispatch(rng, monkeypatch, impl):
+    """A bf16 full-precision layer (ragged lengths, the current token) through ``attention.dispatch`` under jit,
+    routed to the Mosaic kernel (the table's choice forced to ``impl``): the kernel reads the cache in place and
+    matches the float64 oracle over the same rows."""
+    from kvquant_jax.attention import dispatch
+    from kvquant_jax.cache.full import FullPrecisionScheme
+
+    monkeypatch.setattr(dispatch.decode_tuning, "choose", lambda *a, **k: (impl, {}, f"forced {impl}"))
+    b, hkv, g, d, cap = 3, 2, 4, 128, 1024
+    scheme = FullPrecisionScheme(dtype="bf16")
+    st = scheme.init_layer(b, cap, hkv, d)
+    lengths = jnp.zeros((b,), jnp.int32)
+    fill = jnp.asarray([cap - 128, 700, 5], jnp.int32)
+    k = jnp.asarray(rng.standard_normal((b, cap, hkv, d)).astype(np.float32))
+    v = jnp.asarray(rng.standard_normal((b, cap, hkv, d)).astype(np.float32))
+    st = scheme.append_layer(st, lengths, k, v, fill)
+    q = jnp.asarray(rng.standard_normal((b, hkv * g, d)).astype(np.float32)).astype(jnp.bfloat16)
+    kn = jnp.asarray(rng.standard_normal((b, hkv, d)).astype(np.float32))
+    vn = jnp.asarray(rng.standard_normal((b, hkv, d)).astype(np.float32))
+    dispatch.SERVED.clear()
+    out = jax.jit(lambda q, st, ln, kn, vn: dispatch.decode_attention(q, scheme, st, ln, kn, vn,
+                                                                       out_dtype=jnp.float32))(q, st, fill, kn, vn)
+    served = [key[0] for key in dispatch.SERVED]
+    assert served == [{"mgpu": "decode_attention_mgpu", "mgpu_ws": "decode_attention_mgpu_ws"}[impl]], served
+    regions, _ = scheme.decode_regions(st, fill)
+    ref = decode_attention_reference(q.astype(jnp.float32), regions, k_new=kn, v_new=vn)
+    assert np.isfinite(np.asarray(out)).all()
     assert _rel(out, ref) < 1e-3

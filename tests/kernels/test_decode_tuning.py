@@ -45,7 +45,7 @@ def test_bucket_is_the_largest_measured_T_at_or_below_the_capacity(cap, t):
     assert impl == want_impl and f"at T={t}" in why and why.startswith("table t.json: ")
     assert dt.IMPLS[impl](**fields).block_t == want_bt
     if t == 16384:
-        assert fields["compute_wgs"] == 4 and "ws c4 bt64 200.0 µs vs v1 300.0 µs at T=16384" in why
+        assert fields["compute_wgs"] == 4 and "ws c4 bt64 200.0 µs vs v1 default 300.0 µs at T=16384" in why
     if t == 4096:
         assert "v1 default 70.0 µs" in why
 
@@ -83,13 +83,15 @@ MALFORMED = {
     "shape": (_set(["shape", "B"], 0), "'shape.B'"),
     "entries-empty": (_set(["entries"], []), "'entries'"),
     "entry-not-object": (_set(["entries", 1], [1]), "'entries[1]'"),
-    "impl": (_set(["entries", 0, "impl"], "triton"), "'entries[0].impl'"),
+    "impl": (_set(["entries", 0, "impl"], "xla"), "'entries[0].impl'"),
+    "triton-for-a-packed-payload": (_set(["entries", 0, "impl"], "triton"), "'entries[0].impl'"),
     "config-field": (_set(["entries", 0, "config", "warps"], 4), "'entries[0].config.warps'"),
     "config-v1-field-on-ws": (_set(["entries", 2, "config", "split_query"], False), "'entries[2].config.split_query'"),
     "config-value": (_set(["entries", 0, "config", "block_t"], [64]), "'entries[0].config.block_t'"),
     "us": (_set(["entries", 0, "us"], -1.0), "'entries[0].us'"),
     "v1_us-nan": (_set(["entries", 2, "v1_us"], float("nan")), "'entries[2].v1_us'"),
     "v1-winner-v1_us": (_set(["entries", 1, "v1_us"], 71.0), "'entries[1].v1_us'"),
+    "winner-slower-than-v1": (_set(["entries", 0, "us"], 41.0), "'entries[0].us'"),
     "T-zero": (_set(["entries", 1, "T"], 0), "'entries[1].T'"),
     "T-bool": (_set(["entries", 1, "T"], True), "'entries[1].T'"),
     "head_dim-missing": (_set(["entries", 0, "head_dim"], KeyError), "'entries[0].head_dim'"),
@@ -176,7 +178,36 @@ def test_tune_from_picks_the_fastest_parity_passing_candidate(bench, tmp_path):
     assert (e4.impl, e4.variant, e4.us, e4.v1_us) == ("mgpu", "default", 55.0, 55.0)   # median of 60 and 50
     impl, fields, why = dt.choose("NVIDIA H200", "int8", 128, 4, 2048, table)
     assert impl == "mgpu_ws" and fields["max_concurrent_steps"] == 6
-    assert why == "table decode_test.json: ws 80.0 µs vs v1 100.0 µs at T=1024 (capacity 2048)"
+    assert why == "table decode_test.json: ws 80.0 µs vs v1 default 100.0 µs at T=1024 (capacity 2048)"
+
+
+def test_triton_is_a_candidate_only_on_full_precision_payloads(bench, tmp_path):
+    """bf16: the Triton kernel (read in place, like Mosaic) wins where it was faster and loses where it was not or
+    failed its parity; where it was not timed at all the point gets no entry (the Triton kernel keeps serving); int8: a faster Triton row is no candidate (the dispatcher serves INT8 with Mosaic only, a transposed-V cache)."""
+    res = _synthetic_results()
+    res["check"] = [c for c in res["check"] if not (c["format"] == "bf16" and c["impl"] == "mgpu")]
+    res["check"].append(_check("mgpu", "bf16", "bf16x2"))
+    triton = lambda fmt, us, t=1024, err=3e-6: dict(T=t, impl="triton", format=fmt, variant="", us=us,  # noqa: E731
+                                                   rel_err=err)
+    res["rows"] += [triton("bf16", 70.0), triton("int8", 10.0),
+                    dict(_row("mgpu", "bf16", "default", 40.0), T=4096), triton("bf16", 45.0, t=4096),
+                    dict(_row("mgpu", "bf16", "default", 60.0), T=8192), triton("bf16", 30.0, t=8192, err=0.1),
+                    dict(_row("mgpu", "bf16", "default", 60.0), T=16384)]
+    src, out = tmp_path / "results.json", tmp_path / "decode_test.json"
+    src.write_text(json.dumps(res))
+    bench.main(["--tune-from", str(src), "--tune", str(out)])
+    table = dt.load_table(str(out))
+    by = {(e.format, e.T): e for e in table.entries}
+    e = by[("bf16", 1024)]
+    assert (e.impl, e.variant, e.us, e.v1_us, e.candidates) == ("triton", "default", 70.0, 100.0, 3)
+    assert e.config == ()
+    assert by[("bf16", 4096)].impl == "mgpu"                       # v1 40 µs beat Triton 45 µs
+    assert by[("bf16", 8192)].impl == "mgpu"                       # Triton 30 µs, but its own error is too high
+    assert ("bf16", 16384) not in by                               # Triton not timed: no entry, it keeps serving
+    assert by[("int8", 1024)].impl == "mgpu_ws"                    # the 10 µs Triton INT8 row is no candidate
+    impl, fields, why = dt.choose("NVIDIA H200", "bf16", 128, 4, 2048, table, fallback="triton")
+    assert (impl, fields) == ("triton", {})
+    assert why == "table decode_test.json: triton default 70.0 µs vs v1 default 100.0 µs at T=1024 (capacity 2048)"
 
 
 def test_a_failed_ws_child_group_refuses_its_variants(bench):
@@ -187,22 +218,47 @@ def test_a_failed_ws_child_group_refuses_its_variants(bench):
     assert bench.tune_refusal(res, next(r for r in res["rows"] if r.get("variant") == "default")) is None
 
 
-def test_shipped_table_is_the_committed_results_tuned(bench, tmp_path):
-    """pallas_kernels/tuning/decode_h200.json == what --tune-from builds from the committed H200 results."""
-    shipped = json.loads((REPO / "pallas_kernels" / "tuning" / "decode_h200.json").read_text())
-    out = tmp_path / "decode_h200.json"
-    bench.main(["--tune-from", ",".join(str(REPO / p) for p in RESULTS.split(",")), "--tune", str(out)])
+def _assert_rebuilt(bench, tmp_path, table_file, results):
+    """The shipped ``pallas_kernels/tuning/<table_file>`` equals what ``--tune-from <results>`` builds (all but the
+    paths in ``command`` / ``source``), and it names those results."""
+    shipped = json.loads((REPO / "pallas_kernels" / "tuning" / table_file).read_text())
+    out = tmp_path / table_file
+    bench.main(["--tune-from", ",".join(str(REPO / p) for p in results.split(",")), "--tune", str(out)])
     built = json.loads(out.read_text())
     assert {k: v for k, v in built.items() if k not in ("command", "source")} == \
            {k: v for k, v in shipped.items() if k not in ("command", "source")}
-    assert shipped["source"] == RESULTS and f"--tune-from {RESULTS}" in shipped["command"]
+    assert shipped["source"] == results and f"--tune-from {results}" in shipped["command"]
+
+
+def test_shipped_table_is_the_committed_results_tuned(bench, tmp_path):
+    """pallas_kernels/tuning/decode_h200.json == what --tune-from builds from the committed H200 results."""
+    _assert_rebuilt(bench, tmp_path, "decode_h200.json", RESULTS)
     table = dt.table_for("NVIDIA H200")
     assert table is not None and table.name == "decode_h200.json"
     impl, fields, why = dt.choose("NVIDIA H200", "int8", 128, 4, 32768)
     assert impl == "mgpu_ws" and fields["compute_wgs"] == 2 and fields["v_first"] is False
-    assert why == "table decode_h200.json: ws late-v 158.2 µs vs v1 169.2 µs at T=32768"
+    assert why == "table decode_h200.json: ws late-v 158.2 µs vs v1 default 169.2 µs at T=32768"
     assert dt.choose("NVIDIA H200", "int4", 128, 4, 65536)[0] == "mgpu_ws"
     assert dt.choose("NVIDIA H200", "int4", 128, 4, 8192)[0] == "mgpu"      # T = 4096 bucket: v1 won there
+
+
+RESULTS_H100 = ("docs/results/decode_mgpu/2026-12-06-dense-route-h100/b/tune4k/check_mgpu_decode.json,"
+                "docs/results/decode_mgpu/2026-12-06-dense-route-h100/c/tune32k/check_mgpu_decode.json")
+
+
+def test_shipped_h100_table_is_the_committed_results_tuned(bench, tmp_path):
+    """pallas_kernels/tuning/decode_h100.json == what --tune-from builds from the committed H100 results; there
+    Triton was timed on bf16, lost to Mosaic v1 "bt 64" at both T, so a bf16 layer goes to v1 with block_t 64."""
+    _assert_rebuilt(bench, tmp_path, "decode_h100.json", RESULTS_H100)
+    kind = "NVIDIA H100 80GB HBM3"
+    table = dt.table_for(kind)
+    assert table is not None and table.name == "decode_h100.json" and len(table.entries) == 6
+    impl, fields, why = dt.choose(kind, "bf16", 128, 4, 4096, fallback="triton")
+    assert impl == "mgpu" and fields["block_t"] == 64
+    assert why == "table decode_h100.json: v1 bt 64 51.3 µs vs v1 default 53.3 µs at T=4096"
+    assert dt.choose(kind, "int8", 128, 4, 32768)[0] == "mgpu_ws"
+    assert dt.choose(kind, "int4", 128, 4, 8192)[0] == "mgpu"               # T = 4096 bucket: v1 won there
+    assert dt.choose(kind, "fp16", 128, 4, 4096, fallback="triton")[0] == "triton"   # not measured
 
 
 def test_a_variant_timed_fewer_times_than_v1_is_not_compared(bench, tmp_path):
@@ -247,3 +303,14 @@ def test_tune_from_several_runs_pools_their_rows(bench, tmp_path):
     pb.write_text(json.dumps(b))
     with pytest.raises(ValueError, match="differ in clock"):
         bench.main(["--tune-from", f"{pa},{pb}", "--tune", str(out)])
+
+
+def test_a_v1_variant_may_win_and_says_which():
+    """A v1 config other than the default (e.g. "bt 64", bf16 at 4K on the H100) is a winner like any other: its
+    v1_us is v1 default's, and the reason names both."""
+    t = _table()
+    t["entries"][1] = _entry(4096, "mgpu", "bt 64", 60.0, 70.0, config=dict(V1, block_t=64))
+    table = dt.validate_table(t, "t.json")
+    impl, fields, why = dt.choose("NVIDIA H200", "int8", 128, 4, 4096, table)
+    assert impl == "mgpu" and dt.IMPLS[impl](**fields).block_t == 64
+    assert why == "table t.json: v1 bt 64 60.0 µs vs v1 default 70.0 µs at T=4096"
