@@ -53,7 +53,8 @@ def variant_configs(dflt: mk.KiviMgpuConfig, s0: int) -> dict[str, mk.KiviMgpuCo
             "prec bf16": rep(dflt, precision="bf16"),
             **{f"inflight {k}": rep(dflt, wgmma_inflight=k) for k in (0, 1, 2, 4)},
             **{f"qk batch {k}": rep(dflt, qk_plane_batch=k) for k in (1, 2)},
-            "qk batch 1 inflight 0": rep(dflt, qk_plane_batch=1, wgmma_inflight=0)}
+            "qk batch 1 inflight 0": rep(dflt, qk_plane_batch=1, wgmma_inflight=0),
+            **{f"offsets {m}": rep(dflt, offsets=m) for m in mk.OFFSETS if m != dflt.offsets}}
 
 
 #: names of --variants (timed in the first repeat)

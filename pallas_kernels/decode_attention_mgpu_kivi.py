@@ -121,6 +121,13 @@ class KiviMgpuConfig:
     qk_plane_batch: planes whose QK accumulators (64 x N float32 each) share one scope; the scope ends with a
         wait for its wgmmas and the logits of its planes are formed before the next scope starts; 0 = all planes
         of a block in one scope.
+    offsets: how the wrapper computes the logit offsets ``c = q' . mn`` (:func:`_group_offsets`, one of
+        ``OFFSETS``): "highest" (a float32 ``einsum(precision=HIGHEST)``: 17.4 us at 32K on an H100, ~3x the time
+        to read ``mn``); "bf16x3" (ONE bf16 GEMM with float32 accumulation over K = 3D: ``[qh | qh | ql] .
+        [mh | ml | mh]``, the hi / lo bf16 parts of ``q'`` and ``mn``; ~1e-5 relative, CPU-tested, not yet timed);
+        "rows" (one float32 multiply + sum over D per query column: sibling reductions that share ``mn``, not yet
+        timed).  ``einsum(precision=HIGH)`` (8.5 us) and one multiply + sum over a ``[BH, T/G, N, D]`` product
+        (29.8 us) were measured and refused (docs/benchmarks_decode.md, 2026-12-06 (third session)).
     """
 
     num_splits: Optional[int] = None
@@ -128,6 +135,11 @@ class KiviMgpuConfig:
     precision: str = "bf16x2"
     wgmma_inflight: Optional[int] = None
     qk_plane_batch: int = 0
+    offsets: str = "highest"
+
+
+#: the ways :func:`_group_offsets` can compute ``c`` (``KiviMgpuConfig.offsets``)
+OFFSETS = ("highest", "bf16x3", "rows")
 
 
 @struct.dataclass
@@ -194,6 +206,8 @@ def kivi_formats_unsupported(kf: KVFormat, vf: KVFormat, head_dim: int, rows: in
 def _config_unsupported(cfg: KiviMgpuConfig) -> Optional[str]:
     if cfg.precision not in ("bf16x2", "bf16"):
         return f"precision must be 'bf16x2' or 'bf16', got {cfg.precision!r}"
+    if cfg.offsets not in OFFSETS:
+        return f"offsets must be one of {OFFSETS}, got {cfg.offsets!r}"
     for name, none_ok in (("wgmma_inflight", True), ("qk_plane_batch", False)):
         v = getattr(cfg, name)
         if v is None and none_ok:
@@ -549,14 +563,18 @@ def decode_attention_mgpu_kivi_partials(q, ops: KiviMgpuOperands, *, sm_scale: f
                                         config: KiviMgpuConfig | None = None, interpret: Any = False):
     """Split-K partials of one prepared KIVI region.  ``q``: ``[B, Hq, D]``.  Returns ``acc [B, Hkv, S, G, D], m,
     l [B, Hkv, S, G]`` float32 (natural-log ``m``), the format of ``decode_attention._combine``'s inputs."""
+    cfg = config or KiviMgpuConfig()
     if interpret:
-        return _partials_jnp(q, ops, sm_scale)
+        why = _config_unsupported(cfg)
+        if why:
+            raise ValueError(why)
+        return _partials_jnp(q, ops, sm_scale, cfg.offsets)
     b, hq, d = q.shape
     hkv = ops.num_kv_heads
     g = hq // hkv
-    sp = _spec_for(ops, g, config)
+    sp = _spec_for(ops, g, cfg)
     qb = _scaled_query_block(q, hkv, sp.n, sp.dup, sm_scale)                       # [BH, N, D]
-    c = _group_offsets(qb, ops)
+    c = _group_offsets(qb, ops.k_min, cfg.offsets)
     cn = max(sp.n, 128 // (4 * sp.kgroups))         # a TMA tile of >= 128 bytes (one per thread of the warpgroup)
     c = jnp.pad(c, ((0, 0), (0, 0), (0, cn - sp.n)))
     o, z, m, l = _kivi_call(ops.start.astype(jnp.int32), ops.end.astype(jnp.int32), jnp.swapaxes(qb, 1, 2), c,
@@ -569,11 +587,25 @@ def decode_attention_mgpu_kivi_partials(q, ops: KiviMgpuOperands, *, sm_scale: f
     return acc, (m.reshape(b, hkv, ns, sp.n) * _LN2)[..., :g], l.reshape(b, hkv, ns, sp.n)[..., :g]
 
 
-def _group_offsets(qb, ops: KiviMgpuOperands):
-    """``c [BH, T/G, N]`` float32: per K group and query column, ``q' . mn_g`` (one einsum: the kernel reads the
-    top plane's re-centred K codes back as ``u``, so no group needs a correction).  ``qb``: ``q' [BH, N, D]``
-    float32."""
-    return jnp.einsum("xnd,xgd->xgn", qb, ops.k_min.astype(_F32), precision=lax.Precision.HIGHEST)
+def _group_offsets(qb, k_min, method: str = "highest"):
+    """``c [BH, T/G, N]`` float32: per K group and query column, ``q' . mn_g`` (no per-group correction: the kernel
+    reads the top plane's re-centred K codes back as ``u``).  ``qb``: ``q' [BH, N, D]`` float32; ``k_min``: ``mn
+    [BH, T/G, D]`` (fp16 in a serving cache, float32 in tests); ``method``: ``KiviMgpuConfig.offsets``."""
+    mn = k_min.astype(_F32)
+    if method == "highest":
+        return jnp.einsum("xnd,xgd->xgn", qb, mn, precision=lax.Precision.HIGHEST)
+    if method == "bf16x3":
+        # x = hi + lo with hi = bf16(x), lo = bf16(x - hi): exact for an fp16 mn, ~2^-16 relative for float32;
+        # q'.mn = qh.(mh + ml) + ql.mh, dropping ql.ml (~2^-16 of the sum of |q'_d mn_d|), as one GEMM over 3D
+        qh = qb.astype(jnp.bfloat16)
+        ql = (qb - qh.astype(_F32)).astype(jnp.bfloat16)
+        mh = mn.astype(jnp.bfloat16)
+        ml = (mn - mh.astype(_F32)).astype(jnp.bfloat16)
+        return jnp.einsum("xnd,xgd->xgn", jnp.concatenate([qh, qh, ql], axis=-1),
+                          jnp.concatenate([mh, ml, mh], axis=-1), preferred_element_type=_F32)
+    if method == "rows":
+        return jnp.stack([jnp.sum(mn * qb[:, None, j, :], axis=-1) for j in range(qb.shape[1])], axis=-1)
+    raise ValueError(f"offsets must be one of {OFFSETS}, got {method!r}")
 
 
 def _planes_as_kernel(packed, bits: int, unshift_top: bool = False):
@@ -589,10 +621,10 @@ def _planes_as_kernel(packed, bits: int, unshift_top: bool = False):
     return (((b & masks).astype(_F32) + shift.reshape(p, 1, 1)) * scale).reshape(bh, tp * p, x)
 
 
-def _partials_jnp(q, ops: KiviMgpuOperands, sm_scale):
+def _partials_jnp(q, ops: KiviMgpuOperands, sm_scale, offsets: str = "highest"):
     """Plain-JAX partials (one split) in the kernel's algebra, from the prepared operands: the planes read as the
-    kernel reads them, the logit offsets ``c`` of :func:`_group_offsets`, ``p * sv`` and the V min term with the
-    top plane's shifted min, all float32."""
+    kernel reads them, the logit offsets ``c`` of :func:`_group_offsets` (``offsets``: its method), ``p * sv`` and
+    the V min term with the top plane's shifted min, all float32."""
     b, hq, d = q.shape
     hkv = ops.num_kv_heads
     g = hq // hkv
@@ -602,7 +634,7 @@ def _partials_jnp(q, ops: KiviMgpuOperands, sm_scale):
     uk = _planes_as_kernel(ops.k, bits, unshift_top=True)                            # [BH, T, D]
     uv = _planes_as_kernel(jnp.swapaxes(ops.v, 1, 2), bits)                          # [BH, T, D]
     ks = jnp.repeat(ops.k_scale.astype(_F32), ops.k_group, 1)                        # [BH, T, D]
-    c = jnp.repeat(_group_offsets(qb, ops), ops.k_group, 1)                          # [BH, T, G]
+    c = jnp.repeat(_group_offsets(qb, ops.k_min, offsets), ops.k_group, 1)          # [BH, T, G]
     s = jnp.einsum("xgd,xtd->xgt", qb, uk * ks, precision=hp) + jnp.swapaxes(c, 1, 2)
     top = jnp.asarray(_top_plane_rows(t, bits))[None, :, None]
     sv = jnp.repeat(jnp.swapaxes(ops.v_scale.astype(_F32), 1, 2), ops.v_group, 2)   # [BH, T, D]

@@ -398,3 +398,67 @@ def test_merge_partials_matches_float64_softmax(rng, case):
     else:
         assert np.abs(want).max() > 0.1
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The logit offsets c = q'.mn: KiviMgpuConfig.offsets
+# ---------------------------------------------------------------------------------------------------------------
+def _offsets_case(rng, mn_dtype):
+    """``q' [BH, N, D]`` float32 of a softmax-scaled query (log2 units), ``mn [BH, T/G, D]`` K minima of
+    magnitude ~1-4 with a few channel outliers (x20), stored in ``mn_dtype``."""
+    qb = (rng.standard_normal((6, 8, 128)) * (1.4427 / np.sqrt(128))).astype(np.float32)
+    mn = -np.abs(rng.standard_normal((6, 16, 128))) * rng.uniform(1, 4, (6, 16, 1))
+    mn[:, :, rng.choice(128, 4, replace=False)] *= 20
+    return jnp.asarray(qb), jnp.asarray(mn.astype(np.float32)).astype(mn_dtype)
+
+
+def _offsets_err(qb, mn, c) -> float:
+    """max |c - c64| / max sum_d |q'_d mn_d| (the error a float32-accumulated product must stay under)."""
+    q64, m64 = np.asarray(qb, np.float64), np.asarray(mn.astype(jnp.float32), np.float64)
+    ref = np.einsum("xnd,xgd->xgn", q64, m64)
+    mag = np.einsum("xnd,xgd->xgn", np.abs(q64), np.abs(m64)).max()
+    return float(np.abs(np.asarray(c, np.float64) - ref).max() / mag)
+
+
+@pytest.mark.parametrize("mn_dtype", [jnp.float16, jnp.float32], ids=["fp16", "f32"])
+@pytest.mark.parametrize("method,bound", [("highest", 1e-6), ("rows", 1e-6), ("bf16x3", 2e-5)])
+def test_group_offsets_methods_match_float64(rng, mn_dtype, method, bound):
+    qb, mn = _offsets_case(rng, mn_dtype)
+    c = mk._group_offsets(qb, mn, method)
+    assert c.shape == (6, 16, 8) and c.dtype == jnp.float32
+    assert _offsets_err(qb, mn, c) <= bound
+
+
+def test_one_bf16_pass_would_fail_the_offsets_bound(rng):
+    """The bf16x3 bound is tight enough to refuse the one-pass bf16 product (qh . mh) it improves on."""
+    qb, mn = _offsets_case(rng, jnp.float16)
+    one = jnp.einsum("xnd,xgd->xgn", qb.astype(jnp.bfloat16), mn.astype(jnp.bfloat16),
+                     preferred_element_type=jnp.float32)
+    assert _offsets_err(qb, mn, one) > 2e-5
+
+
+@pytest.mark.parametrize("method,bound", [("rows", BOUND), ("bf16x3", 8e-6)])
+def test_offsets_methods_through_the_interpret_entry(rng, method, bound):
+    """Every offsets method, end to end (the twin's algebra, interpret=True) against the float64 oracle; bf16x3
+    adds ~1e-6 (measured 0.7-1.6e-6 over three seeds), well inside the device bound of the bf16x2 kernel (5e-5)."""
+    q, reg, kn, vn = _case(rng, 2, 32, 32, 128, 4, qparam_dtype=jnp.float16)
+    ref = mk.decode_attention_mgpu_kivi_reference_f64(q, reg, k_new=kn, v_new=vn)
+    out = mk.decode_attention_mgpu_kivi(q, reg, k_new=kn, v_new=vn, interpret=True, out_dtype=jnp.float32,
+                                        config=mk.KiviMgpuConfig(offsets=method))
+    assert np.isfinite(np.asarray(out)).all()
+    assert _max_rel(out, ref) <= bound
+
+
+def test_bad_offsets_method_says_why(rng):
+    kf, vf = kivi_formats(2, 32, 32)
+    reg = _region(rng, kf, vf)
+    cfg = mk.KiviMgpuConfig(offsets="tf32")
+    why = mk.kivi_mgpu_unsupported(reg, 128, cfg)
+    assert why and "offsets" in why and "'tf32'" in why and "bf16x3" in why
+    ops = mk.prepare_kivi_region(reg)
+    with pytest.raises(ValueError, match="offsets"):
+        mk._spec_for(ops, 4, cfg)
+    with pytest.raises(ValueError, match="offsets"):
+        mk.decode_attention_mgpu_kivi_prepared(jnp.zeros((2, 8, 128), jnp.float32), ops, config=cfg, interpret=True)
+    with pytest.raises(ValueError, match="offsets"):
+        mk._group_offsets(jnp.zeros((1, 8, 128)), jnp.zeros((1, 2, 128)), "tf32")

@@ -331,7 +331,7 @@ def test_kivi_child_on_cpu(nd, tmp_path):
                     "--config", '{"max_concurrent_steps": 3}'])
     assert info["impl"] == "mgpu_kivi" and info["format"] == "kivi2" and info["interpret"] is True
     assert info["config"] == dict(num_splits=None, max_concurrent_steps=3, precision="bf16x2", wgmma_inflight=None,
-                                  qk_plane_batch=0)
+                                  qk_plane_batch=0, offsets="highest")
     assert info["num_splits"] >= 1 and info["calls"] == 1 and info["compile_s"] > 0
     # the prepared operands (less start / end) + the bf16 query: BH=4, T=512, D=128, 2-bit codes (4 tokens / byte),
     # float16 K scale / min [BH, T/32, D], V scale / min [BH, D/32, T]
