@@ -505,6 +505,11 @@ def _parity_failed(results, impl: str, fmt: str, labels) -> str | None:
     return None
 
 
+def _payload(fmt: str) -> str:
+    """The KV payload of a benchmark format name (``PRESETS``; a name not in it is taken as the payload)."""
+    return PRESETS[fmt][0].payload if fmt in PRESETS else fmt
+
+
 def tune_refusal(results, row) -> str | None:
     """Why a timing row cannot be a table candidate (None: it can).  The Triton region kernel: only on a payload the
     dispatcher could serve with either kernel (:data:`decode_tuning.DENSE_PAYLOADS`), timed, its own output within
@@ -518,7 +523,7 @@ def tune_refusal(results, row) -> str | None:
     if not row.get("us") or row.get("error") or row.get("skipped"):
         return "not timed"
     if impl == "triton":
-        payload = PRESETS[row["format"]][0].payload if row.get("format") in PRESETS else row.get("format")
+        payload = _payload(row.get("format"))
         if payload not in decode_tuning.DENSE_PAYLOADS:
             return (f"triton on {payload}: the dispatcher reads that payload with the Mosaic kernels only "
                     "(a transposed-V cache), so the Triton kernel is no alternative there")
@@ -576,7 +581,7 @@ def tune_table(results, command: str, source: str) -> dict:
         for k in [k for k, rows in cands.items() if len(rows) < n_v1]:
             log(f"tune: T={t} {fmt} {k[0]} {k[1]!r} timed {len(cands[k])}x, v1 default {n_v1}x: not compared")
             del cands[k]
-        payload = PRESETS[fmt][0].payload if fmt in PRESETS else fmt
+        payload = _payload(fmt)
         if payload in decode_tuning.DENSE_PAYLOADS and (fmt, t) not in triton_timed:
             # the dispatcher serves a bf16 / fp16 layer with the Triton kernel unless the table says otherwise: an
             # entry from a run that never timed it would move those layers to Mosaic unmeasured

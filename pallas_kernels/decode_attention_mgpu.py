@@ -807,14 +807,20 @@ def transposed_v_config_unsupported(fmt, state, head_dim: int, group: int,
 DENSE_PAYLOADS = ("bf16", "fp16")
 
 
+def dense_payload_unsupported(reg: Region) -> Optional[str]:
+    """Why ``reg`` is not a full-precision region the Mosaic kernels read in place (None when it is): K and V must
+    hold the same :data:`DENSE_PAYLOADS` payload."""
+    kf, vf = reg.k.fmt, reg.v.fmt
+    if kf.payload not in DENSE_PAYLOADS or vf.payload != kf.payload:
+        return f"not a full-precision region read in place ({kf} / {vf})"
+    return None
+
+
 def dense_region_config_unsupported(reg: Region, group: int, config: MgpuConfig | None = None) -> Optional[str]:
     """Why this kernel with ``config`` cannot read a full-precision region in place (None when it can): K and V
     not the same bf16 / fp16 payload, the format / head_dim rules, block_t vs the rows, num_splits (the launch plan
     of :func:`_spec_for` on the region's shapes; no array is read).  Device independent (CPU-checkable)."""
-    kf, vf = reg.k.fmt, reg.v.fmt
-    if kf.payload not in DENSE_PAYLOADS or vf.payload != kf.payload:
-        return f"not a full-precision region read in place ({kf} / {vf})"
-    why = mgpu_unsupported(reg, reg.k.data.shape[3], config)
+    why = dense_payload_unsupported(reg) or mgpu_unsupported(reg, reg.k.data.shape[3], config)
     if why:
         return why
     try:

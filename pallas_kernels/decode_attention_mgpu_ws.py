@@ -73,9 +73,9 @@ from jax.experimental import pallas as pl
 from kvquant_jax.abi.regions import KVFormat, Region, check_query
 from pallas_kernels.decode_attention_mgpu import (MgpuConfig, MgpuOperands, _auto_splits, _block_update, _F32,
                                                   _formats_unsupported, _kernel_partials, _partials_jnp, _spec_for, _Spec,
-                                                  _merge_partials, _tile_transforms, prepare_region,
-                                                  transposed_v_device_unsupported, transposed_v_operands,
-                                                  transposed_v_shape)
+                                                  _merge_partials, _tile_transforms, dense_payload_unsupported,
+                                                  prepare_region, transposed_v_device_unsupported,
+                                                  transposed_v_operands, transposed_v_shape)
 
 __all__ = ["MgpuWsConfig", "default_ws_config", "register_pool", "mgpu_ws_unsupported", "decode_attention_mgpu_ws",
            "decode_attention_mgpu_ws_prepared", "decode_attention_mgpu_ws_partials",
@@ -374,10 +374,7 @@ def dense_region_ws_config_unsupported(reg: Region, group: int, config: MgpuWsCo
     """Why this kernel with ``config`` cannot read a full-precision (bf16 / fp16) region in place (None when it
     can): v1's payload rule, then :func:`mgpu_ws_unsupported` and the launch plan of :func:`_ws_spec` on the
     region's shapes (no array is read).  Device independent (CPU-checkable)."""
-    kf, vf = reg.k.fmt, reg.v.fmt
-    if kf.payload not in ("bf16", "fp16") or vf.payload != kf.payload:
-        return f"not a full-precision region read in place ({kf} / {vf})"
-    why = mgpu_ws_unsupported(reg, reg.k.data.shape[3], config)
+    why = dense_payload_unsupported(reg) or mgpu_ws_unsupported(reg, reg.k.data.shape[3], config)
     if why:
         return why
     try:

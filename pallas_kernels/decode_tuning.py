@@ -50,7 +50,7 @@ import os
 from typing import Any, Optional
 
 from pallas_kernels.decode_attention import KernelConfig
-from pallas_kernels.decode_attention_mgpu import MgpuConfig
+from pallas_kernels.decode_attention_mgpu import DENSE_PAYLOADS, MgpuConfig
 from pallas_kernels.decode_attention_mgpu_ws import MgpuWsConfig
 
 __all__ = ["SCHEMA", "TABLE_DIR", "IMPLS", "DENSE_PAYLOADS", "TuningEntry", "TuningTable", "validate_table",
@@ -61,9 +61,6 @@ SCHEMA = "kvquant_jax.decode_tuning/1"
 TABLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 #: implementation name -> the config dataclass whose fields an entry's ``config`` holds
 IMPLS: dict[str, type] = {"mgpu": MgpuConfig, "mgpu_ws": MgpuWsConfig, "triton": KernelConfig}
-#: payloads both the Mosaic kernels and the Triton region kernel read in place (a full-precision cache): the only
-#: ones whose entries may name "triton"
-DENSE_PAYLOADS = ("bf16", "fp16")
 _META = ("device_kind", "jax", "date", "command", "source")
 
 

@@ -115,8 +115,7 @@ def _dense_candidate(regions: list[Region], tail_rows: int, interpret) -> bool:
     ONE region (no small dense tail), K and V the same bf16 / fp16 payload."""
     if platform() != "gpu" or interpret or len(regions) != 1 or tail_rows:
         return False
-    kp, vp = regions[0].k.fmt.payload, regions[0].v.fmt.payload
-    return kp in decode_tuning.DENSE_PAYLOADS and vp == kp
+    return mgpu_kernel.dense_payload_unsupported(regions[0]) is None
 
 
 def _dense_route(q, reg: Region) -> tuple[Any, Any, str]:
