@@ -624,9 +624,46 @@ def merge_runs(runs: list) -> dict:
                 ws_child=ws_child)
 
 
-def write_tune(path: str, results, command: str, source: str) -> dict:
-    """Build, validate (:func:`pallas_kernels.decode_tuning.validate_table`) and write the table to ``path``."""
-    table = tune_table(results, command, source)
+def _shape_key(results) -> tuple:
+    return tuple(sorted((k, int(v)) for k, v in results["shape"].items()))
+
+
+def tune_tables(runs: list, command: str, source: str) -> dict:
+    """The table from the runs of ``--tune-from`` (or the one run just timed): the runs grouped by their timed
+    shape, each group's rows pooled (:func:`merge_runs`) and tuned (:func:`tune_table`), the entries of all groups
+    in one table whose ``shape`` lists the groups' shapes (one object when there is one).  The runs must agree on
+    device and clock (ValueError otherwise), and two shapes with the same ``(d, hq / hkv)`` cannot both give an
+    entry at one (format, T): the dispatcher keys entries by head_dim, group and T, not by batch or KV heads."""
+    groups: dict = {}
+    for r in runs:
+        groups.setdefault(_shape_key(r), []).append(r)
+    first = runs[0]
+    for r in runs[1:]:
+        if r.get("device") != first.get("device"):
+            raise ValueError(f"--tune-from: runs differ in device: {first.get('device')} vs {r.get('device')}")
+        if r.get("clock", "host") != first.get("clock", "host"):
+            raise ValueError(f"--tune-from: runs differ in clock: {first.get('clock', 'host')} vs "
+                             f"{r.get('clock', 'host')} (host wall and device time are not comparable)")
+    tables = [tune_table(merge_runs(rs), command, source) for rs in groups.values()]
+    seen: dict = {}
+    for tab in tables:
+        for e in tab["entries"]:
+            key = (e["format"], e["head_dim"], e["group"], e["T"])
+            if key in seen:
+                raise ValueError(f"--tune-from: shapes {seen[key]} and {tab['shape']} both give an entry for "
+                                 f"(format, head_dim, group, T) = {key}; tune them into separate tables")
+            seen[key] = tab["shape"]
+    out = dict(tables[0])
+    out["date"] = max(t["date"] for t in tables)
+    out["shape"] = tables[0]["shape"] if len(tables) == 1 else [t["shape"] for t in tables]
+    out["entries"] = [e for t in tables for e in t["entries"]]
+    return out
+
+
+def write_tune(path: str, runs, command: str, source: str) -> dict:
+    """Build (:func:`tune_tables`; ``runs``: one results object or a list of them), validate
+    (:func:`pallas_kernels.decode_tuning.validate_table`) and write the table to ``path``."""
+    table = tune_tables(runs if isinstance(runs, list) else [runs], command, source)
     decode_tuning.validate_table(table, os.path.basename(path))
     if os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -707,7 +744,7 @@ def main(argv=None):
         for path in [x for x in args.tune_from.split(",") if x]:
             with open(path) as f:
                 runs.append(json.load(f))
-        return write_tune(args.tune, merge_runs(runs), command, args.tune_from)
+        return write_tune(args.tune, runs, command, args.tune_from)
     if args.tune and args.check_only:
         ap.error("--tune needs the timing (drop --check-only)")
     args.T = [int(x) for x in args.T.split(",") if x]

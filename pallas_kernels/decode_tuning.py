@@ -18,8 +18,10 @@ Schema (every field required; :func:`validate_table` raises ``ValueError`` namin
       "date": "2026-12-02T07:06:55+00:00",        # date of the measurement (the results file's)
       "command": "python experiments/check_mgpu_decode.py ...",   # what wrote this table
       "source": "docs/results/.../check_mgpu_decode.json",        # the results it was built from
-      "shape": {"B": 8, "hq": 32, "hkv": 8, "d": 128},          # the timed shape
-      "entries": [                                # at most one per (format, head_dim, group, T)
+      "shape": {"B": 8, "hq": 32, "hkv": 8, "d": 128},          # the timed shape, or a list of them (a table
+                                                  # pooled from runs of several shapes: --tune-from A.json,B.json)
+      "entries": [                                # at most one per (format, head_dim, group, T); each entry's
+                                                  # (head_dim, group) is (d, hq / hkv) of one of the shapes
         {"format": "int8",                        # KV payload: "bf16", "int8", "int4", "e4m3", ...
          "head_dim": 128, "group": 4,             # D and query heads per KV head of the timed shape
          "T": 32768,                              # timed rows (tokens per sequence): the bucket key
@@ -93,7 +95,7 @@ class TuningTable:
     date: str
     command: str
     source: str
-    shape: tuple[tuple[str, int], ...]
+    shapes: tuple[tuple[tuple[str, int], ...], ...]      # the timed shapes (sorted (key, value) pairs each)
     entries: tuple[TuningEntry, ...]
 
 
@@ -172,11 +174,8 @@ def validate_table(obj: Any, name: str = "<table>") -> TuningTable:
     if obj["schema"] != SCHEMA:
         _fail(name, "schema", f"must be {SCHEMA!r}, got {obj['schema']!r}")
     meta = {k: _str(name, k, obj[k]) for k in _META}
-    shape = obj["shape"]
-    if not isinstance(shape, dict) or not shape:
-        _fail(name, "shape", f"must be a non-empty object, got {shape!r}")
-    for k, v in shape.items():
-        _int(name, f"shape.{k}", v)
+    shapes = _shapes(name, obj["shape"])
+    timed = {(dict(sh)["d"], dict(sh)["hq"] // dict(sh)["hkv"]) for sh in shapes}
     entries = obj["entries"]
     if not isinstance(entries, list) or not entries:
         _fail(name, "entries", f"must be a non-empty list, got {entries!r}")
@@ -187,8 +186,41 @@ def validate_table(obj: Any, name: str = "<table>") -> TuningTable:
         if key in seen:
             _fail(name, f"entries[{i}]", f"duplicates entries[{seen[key]}] (format, head_dim, group, T) = {key}")
         seen[key] = i
+        if (ent.head_dim, ent.group) not in timed:
+            _fail(name, f"entries[{i}]", f"(head_dim, group) = {(ent.head_dim, ent.group)} is not (d, hq / hkv) of "
+                                         f"a timed shape ({sorted(timed)})")
         out.append(ent)
-    return TuningTable(name=name, shape=tuple(sorted(shape.items())), entries=tuple(out), **meta)
+    return TuningTable(name=name, shapes=shapes, entries=tuple(out), **meta)
+
+
+_SHAPE_KEYS = ("B", "hq", "hkv", "d")
+
+
+def _shapes(name: str, shape: Any) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """The ``shape`` field (one object or a non-empty list of them, each with exactly ``B, hq, hkv, d``, ``hkv``
+    dividing ``hq``) as sorted pair tuples, in the file's order."""
+    one = isinstance(shape, dict)
+    if not one and (not isinstance(shape, list) or not shape):
+        _fail(name, "shape", f"must be an object or a non-empty list of objects, got {shape!r}")
+    out = []
+    for i, sh in enumerate([shape] if one else shape):
+        at = "shape" if one else f"shape[{i}]"
+        if not isinstance(sh, dict):
+            _fail(name, at, f"must be an object, got {sh!r}")
+        for k in _SHAPE_KEYS:
+            if k not in sh:
+                _fail(name, f"{at}.{k}", "missing")
+        extra = sorted(set(sh) - set(_SHAPE_KEYS))
+        if extra:
+            _fail(name, f"{at}.{extra[0]}", f"unknown field (known: {', '.join(_SHAPE_KEYS)})")
+        for k in _SHAPE_KEYS:
+            _int(name, f"{at}.{k}", sh[k])
+        if sh["hq"] % sh["hkv"]:
+            _fail(name, f"{at}.hkv", f"must divide hq ({sh['hq']}), got {sh['hkv']}")
+        out.append(tuple(sorted(sh.items())))
+    if len(set(out)) != len(out):
+        _fail(name, "shape", "lists a shape twice")
+    return tuple(out)
 
 
 def load_table(path: str) -> TuningTable:

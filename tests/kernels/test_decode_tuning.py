@@ -81,6 +81,14 @@ MALFORMED = {
     "command-not-str": (_set(["command"], 3), "'command'"),
     "unknown-top": (_set(["extra"], 1), "'extra'"),
     "shape": (_set(["shape", "B"], 0), "'shape.B'"),
+    "shape-missing-key": (_set(["shape", "d"], KeyError), "'shape.d'"),
+    "shape-unknown-key": (_set(["shape", "T"], 4), "'shape.T'"),
+    "shape-hkv-not-dividing": (_set(["shape", "hkv"], 5), "'shape.hkv'"),
+    "shape-list-empty": (_set(["shape"], []), "'shape'"),
+    "shape-list-item": (_set(["shape"], [dict(B=8, hq=32, hkv=8, d=128), dict(B=64, hq=9, hkv=3, d=-64)]),
+                        "'shape[1].d'"),
+    "shape-listed-twice": (_set(["shape"], [dict(B=8, hq=32, hkv=8, d=128)] * 2), "'shape'"),
+    "entry-of-no-timed-shape": (_set(["entries", 1, "head_dim"], 64), "'entries[1]'"),
     "entries-empty": (_set(["entries"], []), "'entries'"),
     "entry-not-object": (_set(["entries", 1], [1]), "'entries[1]'"),
     "impl": (_set(["entries", 0, "impl"], "xla"), "'entries[0].impl'"),
@@ -314,3 +322,47 @@ def test_a_v1_variant_may_win_and_says_which():
     impl, fields, why = dt.choose("NVIDIA H200", "int8", 128, 4, 4096, table)
     assert impl == "mgpu" and dt.IMPLS[impl](**fields).block_t == 64
     assert why == "table t.json: v1 bt 64 60.0 µs vs v1 default 70.0 µs at T=4096"
+
+
+def test_a_table_of_several_shapes_keys_entries_by_head_dim_and_group():
+    """``shape`` as a list: each entry belongs to the shape of its (head_dim, group); ``choose`` keeps them apart."""
+    t = _table()
+    t["shape"] = [dict(B=8, hq=32, hkv=8, d=128), dict(B=64, hq=9, hkv=3, d=64)]
+    t["entries"].append(dict(_entry(8192, "mgpu", "bt 64", 90.0, 95.0, config=dict(V1, block_t=64)), head_dim=64,
+                             group=3))
+    table = dt.validate_table(t, "t.json")
+    assert len(table.shapes) == 2 and dict(table.shapes[1]) == dict(B=64, hq=9, hkv=3, d=64)
+    impl, fields, why = dt.choose("NVIDIA H200", "int8", 64, 3, 32768, table)
+    assert (impl, fields["block_t"]) == ("mgpu", 64) and "v1 bt 64 90.0 µs vs v1 default 95.0 µs at T=8192" in why
+    impl, fields, why = dt.choose("NVIDIA H200", "int8", 128, 4, 32768, table)
+    assert (impl, fields["block_t"]) == ("mgpu_ws", 64)
+    impl, fields, why = dt.choose("NVIDIA H200", "int8", 64, 4, 32768, table)
+    assert (impl, fields) == ("mgpu", {}) and "no table entry" in why
+
+
+def test_tune_from_runs_of_two_shapes_lists_both(bench, tmp_path):
+    """--tune-from A,B with A and B timed at different shapes: one table, ``shape`` a list, the entries of each
+    shape keyed by its (d, hq / hkv); two shapes with the same (d, hq / hkv) at one (format, T), or runs on two
+    devices, are refused."""
+    a = _synthetic_results()
+    b = _synthetic_results()
+    b["shape"] = dict(B=64, hq=9, hkv=3, d=64)
+    b["date"] = "2026-12-03T00:00:00+00:00"
+    pa, pb, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "decode_test.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    bench.main(["--tune-from", f"{pa},{pb}", "--tune", str(out)])
+    table = dt.load_table(str(out))
+    assert [dict(sh) for sh in table.shapes] == [a["shape"], b["shape"]] and table.date.startswith("2026-12-03")
+    keys = sorted((e.format, e.head_dim, e.group) for e in table.entries)
+    assert keys == [("int4", 64, 3), ("int4", 128, 4), ("int8", 64, 3), ("int8", 128, 4)]
+    c = _synthetic_results()
+    c["shape"] = dict(B=16, hq=32, hkv=8, d=128)                        # same (d, group) as a at the same T
+    pc = tmp_path / "c.json"
+    pc.write_text(json.dumps(c))
+    with pytest.raises(ValueError, match=r"both give an entry for \(format, head_dim, group, T\)"):
+        bench.main(["--tune-from", f"{pa},{pc}", "--tune", str(out)])
+    b["device"] = "gpu:NVIDIA H100 80GB HBM3"
+    pb.write_text(json.dumps(b))
+    with pytest.raises(ValueError, match="runs differ in device"):
+        bench.main(["--tune-from", f"{pa},{pb}", "--tune", str(out)])
