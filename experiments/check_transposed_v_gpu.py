@@ -1,14 +1,17 @@
-"""The transposed-V per-token cache (int8_vt / int4_vt) served by the Mosaic GPU kernel through the dispatcher (H200).
+"""The transposed-V caches (int8_vt / int4_vt, fp8_e4m3_vt / fp8_e5m2_vt) served by the Mosaic GPU kernels through the
+dispatcher (Hopper).
 
     python experiments/check_transposed_v_gpu.py [--T 4096 32768] [--reps 10] [--out DIR]
+    python experiments/check_transposed_v_gpu.py --parity-schemes fp8_e4m3_vt fp8_e5m2_vt \
+        --schemes fp8_e4m3_vt fp8_e4m3 --T 4096 32768            # FP8: Mosaic (in place) vs Triton (layout 1)
 
 (a) Parity: ragged random caches built by the scheme's own appends (odd lengths, several appends), GQA 4 and 3,
     D 64 / 128, bf16 and float32 queries, the current token in the same softmax:
     ``attention.dispatch.decode_attention(impl="auto")`` against the float64 oracle on the scheme's materialized
     K/V; a bf16 query must be served by the Mosaic kernel, a float32 one by the float32 reference (the kernel
     would round it to bf16), checked in ``dispatch.SERVED``.
-(b) Timing at B=8, Hq=32, Hkv=8, D=128: the same dispatcher call for int4_vt / int8_vt against the layout-1
-    int4 / int8 caches (Pallas Triton kernel) and cuDNN bf16, rotating-input-set method of
+(b) Timing at B=8, Hq=32, Hkv=8, D=128: the same dispatcher call for int4_vt / int8_vt (fp8_*_vt) against the
+    layout-1 int4 / int8 (fp8_*) caches (Pallas Triton kernel) and cuDNN bf16, rotating-input-set method of
     ``experiments/bench_decode_attention.py`` (imported), every call including its own scale casts; and the
     one-token append of each scheme (donated, in place).
 """
@@ -50,9 +53,9 @@ def filled_state(scheme, key, b, hkv, t, d, lengths, chunks=1):
     return st, done
 
 
-def parity(rows, log):
+def parity(rows, log, names=("int8_vt", "int4_vt")):
     key = jax.random.PRNGKey(0)
-    for name in ("int8_vt", "int4_vt"):
+    for name in names:
         scheme = make_scheme(name)
         # the last two at the capacities the tuning table keys (4K, 32K rows at D 128, G 4): there the table may
         # route to the warp-specialized kernel (``SERVED`` names which one served)
@@ -85,7 +88,8 @@ def parity(rows, log):
 
 def append_us(scheme, st, b, hkv, d, reps=50):
     f = jax.jit(lambda st, L, k, v: scheme.append_layer(st, L, k, v, jnp.ones((b,), jnp.int32)), donate_argnums=0)
-    L = jnp.full((b,), st.k_codes.shape[2] // 2 + 1, jnp.int32)
+    cap = (st.k_codes if hasattr(st, "k_codes") else st.k).shape[2]          # the FP8 layout-1 state holds ``k``
+    L = jnp.full((b,), cap // 2 + 1, jnp.int32)
     k = jnp.ones((b, 1, hkv, d), jnp.bfloat16)
     st = f(st, L, k, k)
     jax.block_until_ready(st)
@@ -136,6 +140,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, nargs="*", default=[4096, 32768])
     ap.add_argument("--schemes", nargs="*", default=["int4_vt", "int4", "int8_vt", "int8"])
+    ap.add_argument("--parity-schemes", nargs="*", default=["int8_vt", "int4_vt"])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-parity", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
@@ -145,7 +150,7 @@ def main():
     log(f"{jax.devices()[0].device_kind} JAX {jax.__version__} {datetime.date.today()}; "
         f"copy probe {hbm_copy_tbps():.2f} TB/s")
     if not args.no_parity:
-        parity(rows, log)
+        parity(rows, log, args.parity_schemes)
     timing(args, rows, log)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

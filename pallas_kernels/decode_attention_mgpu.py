@@ -101,6 +101,7 @@ from jax.experimental import pallas as pl
 from kvquant_jax.abi.reference import decode_attention_reference as _oracle_f64
 from kvquant_jax.abi.reference import unpack_codes
 from kvquant_jax.abi.regions import KVFormat, Region, check_query
+from kvquant_jax.abi.transposed_v import fp8_codes
 
 __all__ = ["MgpuConfig", "MgpuOperands", "prepare_region", "unprepare_codes", "mgpu_unsupported",
            "decode_attention_mgpu", "decode_attention_mgpu_prepared", "decode_attention_mgpu_partials",
@@ -724,14 +725,27 @@ def _reinterpret(codes_u8, bits: int, count: int):
     return x.reshape(codes_u8.shape[:-1] + (count,))
 
 
+def transposed_v_kv_format(fmt) -> KVFormat:
+    """The :class:`KVFormat` of a transposed-V layer's K and V (``fmt``: ``abi.transposed_v.TransposedVFormat``):
+    per-token symmetric INT, or FP8 with one scale per KV head."""
+    return KVFormat(fmt.payload, "head") if fmt.fp8 else KVFormat(fmt.payload, "token", "symmetric")
+
+
 def transposed_v_operands(fmt, state, lengths) -> MgpuOperands:
     """:class:`MgpuOperands` over a transposed-V layer (``fmt``: ``abi.transposed_v.TransposedVFormat``; ``state``
     with ``k_codes [B, Hkv, C, D*b/8]``, ``v_codes [B, Hkv, D, C*b/8]``, ``k_scale, v_scale [B, Hkv, C, 1]``),
     live rows ``[0, lengths[b])``.  Codes are reinterpreted in place; the scales are cast to float32 (a pass over
-    ``4 * C`` bytes per head, ~3 % of an INT4 layer)."""
+    ``4 * C`` bytes per head, ~3 % of an INT4 layer).  FP8 (``fmt.fp8``): the uint8 codes are the FP8 bytes
+    (bitcast in place) and ``k_scale, v_scale`` float32 ``[Hkv]`` the per-head scales."""
     b, hkv, c, pk = state.k_codes.shape
     d = pk * 8 // fmt.bits
-    kf = KVFormat(fmt.payload, "token", "symmetric")
+    kf = transposed_v_kv_format(fmt)
+    if fmt.fp8:
+        k = fp8_codes(state.k_codes, fmt.fp8).reshape(b * hkv, c, d)
+        v = fp8_codes(state.v_codes, fmt.fp8).reshape(b * hkv, d, c)
+        return MgpuOperands(k=k, v=v, k_scale=None, v_scale=None, k_head_scale=state.k_scale.astype(_F32),
+                            v_head_scale=state.v_scale.astype(_F32), start=jnp.zeros((b,), jnp.int32),
+                            end=lengths.astype(jnp.int32), kf=kf, vf=kf, num_kv_heads=hkv)
     k = _reinterpret(state.k_codes, fmt.bits, d).reshape(b * hkv, c, d)
     v = _reinterpret(state.v_codes, fmt.bits, c).reshape(b * hkv, d, c)
     ks = state.k_scale.astype(_F32).reshape(b * hkv, c)
@@ -770,7 +784,7 @@ def transposed_v_unsupported(q, fmt, state) -> Optional[str]:
         return why
     c = state.k_codes.shape[-2]
     d = q.shape[-1]
-    bt = default_mgpu_config(KVFormat(fmt.payload, "token", "symmetric")).block_t
+    bt = default_mgpu_config(transposed_v_kv_format(fmt)).block_t
     if d % 64:
         return f"head_dim {d} is not a multiple of 64"
     if c % bt:
@@ -790,7 +804,7 @@ def transposed_v_config_unsupported(fmt, state, head_dim: int, group: int,
     """Why this kernel with ``config`` cannot read a transposed-V layer of this shape (None when it can): the
     format / head_dim rules, block_t vs the capacity, num_splits (the launch plan of :func:`_spec_for`).  Device
     independent (CPU-checkable); :func:`transposed_v_unsupported` adds the device and query checks."""
-    kf = KVFormat(fmt.payload, "token", "symmetric")
+    kf = transposed_v_kv_format(fmt)
     why = _formats_unsupported(kf, kf, head_dim)
     if why:
         return why

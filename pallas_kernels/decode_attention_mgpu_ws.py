@@ -75,7 +75,7 @@ from pallas_kernels.decode_attention_mgpu import (MgpuConfig, MgpuOperands, _aut
                                                   _formats_unsupported, _kernel_partials, _partials_jnp, _spec_for, _Spec,
                                                   _merge_partials, _tile_transforms, dense_payload_unsupported,
                                                   prepare_region, transposed_v_device_unsupported,
-                                                  transposed_v_operands, transposed_v_shape)
+                                                  transposed_v_kv_format, transposed_v_operands, transposed_v_shape)
 
 __all__ = ["MgpuWsConfig", "default_ws_config", "register_pool", "mgpu_ws_unsupported", "decode_attention_mgpu_ws",
            "decode_attention_mgpu_ws_prepared", "decode_attention_mgpu_ws_partials",
@@ -394,7 +394,7 @@ def transposed_v_ws_config_unsupported(fmt, state, head_dim: int, group: int,
     num_splits and ring slots (the launch plan of :func:`_ws_spec` on the layer's shapes; no array is read).
     Device independent (CPU-checkable); :func:`transposed_v_ws_unsupported` adds the device and query checks.
     ``state``: the layer's arrays (``k_codes [B, Hkv, C, D*b/8]``, ...), ``group``: query heads per KV head."""
-    kf = KVFormat(fmt.payload, "token", "symmetric")
+    kf = transposed_v_kv_format(fmt)
     why = _formats_unsupported(kf, kf, head_dim)
     if why:
         return why

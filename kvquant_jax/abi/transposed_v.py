@@ -26,10 +26,15 @@ import jax.numpy as jnp
 
 from kvquant_jax.quant.packing import pack_bits, unpack_bits
 
-__all__ = ["TransposedVFormat", "pack_signed", "unpack_signed", "materialize"]
+__all__ = ["TransposedVFormat", "pack_signed", "unpack_signed", "materialize", "fp8_codes", "fp8_bytes",
+           "FP8_PAYLOADS", "FP8_LAYOUT_TAG"]
 
 #: the physical-layout tag every schema of this layout records (``CacheSchema.extra``)
 LAYOUT_TAG = "k_rows_signed+v_token_minor_signed"
+#: the tag of the FP8 variant (FP8 bytes, K rows token-major, V token-minor)
+FP8_LAYOUT_TAG = "k_rows_fp8+v_token_minor_fp8"
+#: the FP8 payloads the layout stores
+FP8_PAYLOADS = ("e4m3", "e5m2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,19 +43,28 @@ class TransposedVFormat:
 
     Attributes:
       bits: 8 or 4.
-      qparam_dtype: scale storage ("fp16", "bf16" or "fp32").
+      qparam_dtype: scale storage ("fp16", "bf16" or "fp32"; "fp32" for FP8).
+      fp8: "" (integer codes) or "e4m3" / "e5m2": FP8 codes (``bits`` 8), stored as their bytes (uint8, a bitcast
+        of ``float8_e4m3fn`` / ``float8_e5m2``) in the same two arrays, with ONE float32 scale per KV head and
+        tensor instead of per-token scales (the FP8 layout below).
     """
 
     bits: int
     qparam_dtype: str = "fp16"
+    fp8: str = ""
 
     def __post_init__(self):
         if self.bits not in (4, 8):
             raise ValueError(f"transposed-V layout: bits must be 4 or 8, got {self.bits!r}")
+        if self.fp8 not in FP8_PAYLOADS + ("",):
+            raise ValueError(f"transposed-V layout: fp8 must be '' or one of {FP8_PAYLOADS}, got {self.fp8!r}")
+        if self.fp8 and (self.bits, self.qparam_dtype) != (8, "fp32"):
+            raise ValueError(f"transposed-V layout: FP8 codes are 8 bits with float32 per-head scales, got bits "
+                             f"{self.bits}, qparam_dtype {self.qparam_dtype!r}")
 
     @property
     def payload(self) -> str:
-        return f"int{self.bits}"
+        return self.fp8 or f"int{self.bits}"
 
 
 def pack_signed(q: jax.Array, bits: int, axis: int = -1) -> jax.Array:
@@ -67,10 +81,34 @@ def unpack_signed(codes: jax.Array, bits: int, axis: int = -1, count: int | None
     return jnp.bitwise_xor(u, half) - half
 
 
+def fp8_codes(codes_u8: jax.Array, fp8: str) -> jax.Array:
+    """FP8 bytes (uint8) -> the ``float8_e4m3fn`` / ``float8_e5m2`` array they are (a bitcast, same shape)."""
+    return jax.lax.bitcast_convert_type(codes_u8, FP8_DTYPES[fp8])
+
+
+def fp8_bytes(codes: jax.Array) -> jax.Array:
+    """Inverse of :func:`fp8_codes`: an FP8 array -> its bytes (uint8)."""
+    return jax.lax.bitcast_convert_type(codes, jnp.uint8)
+
+
+#: jnp dtype of each FP8 payload
+FP8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+
+
 def materialize(fmt: TransposedVFormat, k_codes, v_codes, k_scale, v_scale, lengths):
     """Float32 ``(k, v, valid)``: ``k, v [B, Hkv, C, D]`` (rows at or past ``lengths[b]`` zero), ``valid [B, C]``.
 
-    The reference view of the layout (transposes V back to token-major: for the oracle and the CPU path only)."""
+    The reference view of the layout (transposes V back to token-major: for the oracle and the CPU path only).
+    INT: ``k_scale, v_scale [B, Hkv, C, 1]``; FP8 (``fmt.fp8``): ``k_codes uint8 [B, Hkv, C, D]``, ``v_codes uint8
+    [B, Hkv, D, C]``, ``k_scale, v_scale`` float32 ``[Hkv]``."""
+    if fmt.fp8:
+        c = k_codes.shape[2]
+        hs = lambda s: s.astype(jnp.float32)[None, :, None, None]  # noqa: E731
+        k = fp8_codes(k_codes, fmt.fp8).astype(jnp.float32) * hs(k_scale)
+        v = jnp.swapaxes(fp8_codes(v_codes, fmt.fp8).astype(jnp.float32), 2, 3) * hs(v_scale)
+        valid = jnp.arange(c, dtype=jnp.int32)[None, :] < lengths[:, None]
+        m = valid[:, None, :, None]
+        return jnp.where(m, k, 0.0), jnp.where(m, v, 0.0), valid
     b, h, c, packed_d = k_codes.shape
     d = packed_d * 8 // fmt.bits
     k = unpack_signed(k_codes, fmt.bits, axis=-1, count=d).astype(jnp.float32) * k_scale.astype(jnp.float32)

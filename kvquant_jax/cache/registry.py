@@ -8,6 +8,7 @@ new file plus one entry here (docs/architecture.md, "Adding a scheme").
 
 * a name (:data:`NAMES`): "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "int3"...,
   "int8_vt", "int4_vt" (the same per-token codes in the Mosaic GPU kernel's transposed-V layout),
+  "fp8_e4m3_vt", "fp8_e5m2_vt" (the FP8 codes and per-head scales in that layout),
   "static_int4", "qserve4", "kivi2", "kivi4", "kivi2_planar", "kivi4_planar" (the same KIVI codes stored
   token-planar for the Mosaic GPU KIVI kernel), "kvquant", "kivi_axes" (the simulated axis ablation), "prefix",
   "window" (a sliding-window ring around any body: ``{"name": "window", "window": 512, "body": "int4"}``),
@@ -31,6 +32,7 @@ import yaml
 from kvquant_jax.cache import mixed
 from kvquant_jax.cache.axis_ablation import AxisAblationScheme
 from kvquant_jax.cache.fp8 import FP8Scheme
+from kvquant_jax.cache.fp8_vt import FP8TransposedVScheme
 from kvquant_jax.cache.full import FullPrecisionScheme
 from kvquant_jax.cache.interface import CacheScheme
 from kvquant_jax.cache.kivi import KIVIScheme
@@ -46,7 +48,8 @@ from kvquant_jax.cache.window import WindowScheme
 from kvquant_jax.quant.ledger import LedgerShape, ledger_table
 
 #: every registered scheme class (one entry per family)
-SCHEME_CLASSES: tuple[type, ...] = (FullPrecisionScheme, FP8Scheme, PerTokenScheme, TransposedVPerTokenScheme,
+SCHEME_CLASSES: tuple[type, ...] = (FullPrecisionScheme, FP8Scheme, FP8TransposedVScheme, PerTokenScheme,
+                                    TransposedVPerTokenScheme,
                                     PerTokenAnyBitsScheme, StaticIntScheme, QServeScheme, KIVIScheme, KIVIPlanarScheme,
                                     KVQuantScheme,
                                     PrefixScheme, AxisAblationScheme, WindowScheme, KVSplitScheme)

@@ -5,6 +5,7 @@ KIVI = {"name": "kivi2", "group_size": 8, "v_group_size": 8, "residual": 16}
 SPECS = {
     "full": "bf16",
     "fp8": "fp8_e4m3:scales=warmup,axis=head",
+    "fp8_vt": "fp8_e4m3_vt:scales=warmup,axis=head",
     "per_token": "int4:group_size=8",
     "per_token_vt": "int4_vt",
     "per_token_any": "int3",

@@ -38,6 +38,7 @@ KIVI = {"name": "kivi2", "group_size": 4, "v_group_size": 4, "residual": 8}
 EXTRA = {
     "int3": "int3",
     "int4_vt": "int4_vt",
+    "fp8_e4m3_vt": "fp8_e4m3_vt:scales=warmup",
     "static_int4": "static_int4",
     "kvquant": {"name": "kvquant", "bits": 3, "k_sparse_capacity": 1, "v_outliers": 1, "sink": 1},
     "prefix_kivi": {"name": "prefix", "prefix_len": 2, "body": KIVI},

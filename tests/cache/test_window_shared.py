@@ -252,6 +252,7 @@ BODY_SPECS = {
     "static_int": "static_int4",
     "qserve": "qserve4",
     "per_token_vt": "int4_vt",
+    "fp8_vt_warmup_head": "fp8_e4m3_vt:scales=warmup,axis=head",
     "kvquant": SPECS["kvquant"],
 }
 
