@@ -116,6 +116,31 @@ def test_v1_config_that_does_not_fit_the_layer_falls_back_to_v1_default(calls, m
     assert why.startswith("table t.json: x, but that v1 config does not fit this layer (") and "256" in why
 
 
+def test_fp8_transposed_v_layer_asks_the_table_by_its_fp8_payload(calls, monkeypatch):
+    """``fp8_e4m3_vt`` takes the transposed-V route: the table is asked for payload "e4m3" (no entry in the shipped
+    tables: v1 default), and an "e4m3" entry's config reaches the kernel."""
+    from kvquant_jax.cache.registry import make_scheme
+    scheme = make_scheme("fp8_e4m3_vt")
+    asked = []
+    real_choose = dispatch.decode_tuning.choose
+
+    def spy(kind, payload, *a, **kw):
+        asked.append(payload)
+        return real_choose(kind, payload, *a, **kw)
+
+    monkeypatch.setattr(dispatch.decode_tuning, "choose", spy)
+    key, why = _serve_scheme(scheme, 4096, 128, 4)
+    assert asked == ["e4m3"] and calls == [("decode_attention_transposed_v", None)] and "no table entry" in why
+    assert "fp8='e4m3'" in key[1] and "C=4096" in key[1]
+    calls.clear()
+    dispatch.SERVED.clear()
+    monkeypatch.setattr(dispatch.decode_tuning, "choose",
+                        lambda kind, payload, *a, **kw: ("mgpu", {"block_t": 128}, f"table t.json: {payload}"))
+    _, why = _serve_scheme(scheme, 4096, 128, 4)
+    [(entry, cfg)] = calls
+    assert entry == "decode_attention_transposed_v" and cfg.block_t == 128 and why == "table t.json: e4m3"
+
+
 def test_cpu_does_not_consult_the_table(calls, monkeypatch):
     monkeypatch.setattr(dispatch, "platform", lambda: "cpu")
     key, why = _serve(8, 32768, impl="kernel")
