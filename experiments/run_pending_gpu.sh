@@ -32,6 +32,15 @@
 #   decode_shapes  J: the decode kernels at SmolLM2's shape (B 64, Hq 9, Hkv 3, D 64) and Gemma-3's (B 8, Hq 4,
 #                  Hkv 1, D 256) at T = 8K / 32K against cuDNN (SmolLM2's ran 2026-12-04; Gemma-3's --check ran out
 #                  of a 130 s limit before its timing: give it >= 300 s); ALONE
+#   mosaic_shapes  J: Mosaic v1 / ws against the Triton kernel on bf16 / int8 / int4 at SmolLM2's and Gemma-3's
+#                  shapes (8K / 32K, variants at both), for the tuning table of several shapes: then
+#                  `check_mgpu_decode.py --tune-from <the D 128 runs>,<these two> --tune pallas_kernels/tuning/decode_<dev>.json`
+#                  (not yet run: written 2026-12-06); ALONE
+#   fp8_tune       J: FP8 (e4m3) on Mosaic v1 and ws variants at 4K / 32K, three repeats, for a table entry
+#                  (fp8_e4m3_vt runs v1 default since 2026-12-06: 1.43x / 1.50x cuDNN on an H100); ALONE
+#   kivi_offsets   J: the KIVI kernel's logit offsets computed as one bf16 GEMM over 3D ("offsets bf16x3") or as
+#                  sibling reductions ("offsets rows") against the HIGHEST einsum, 4K and 32K, three runs (written
+#                  2026-12-06, untimed: the one try got no machine time); ALONE
 #   kivi_block     J: KIVI-2/4 with the opt-in whole-block update (`kivi_update=block`, one softmax update + one
 #                  PV per block) against today's per-group path and cuDNN at 32K (timed twice, 2026-12-03 / 04:
 #                  no gain; rerun only to repeat it); ALONE
@@ -55,7 +64,7 @@ JOBS=${*:-engine_kivi2 engine_smollm2 sweeps fixed_order decode ws}
 PY=${PY:-python3}
 
 SEQUENTIAL=${SEQUENTIAL:-0}      # 1: the jobs run one after another (timing jobs: each alone on the GPU)
-KNOWN="paged_check engine engine_static engine_kivi2 engine_smollm2 engine_probe tv_check decode_shapes kivi_block gemma_passkey sweeps intactkv fixed_order decode ws ncu"
+KNOWN="paged_check engine engine_static engine_kivi2 engine_smollm2 engine_probe tv_check decode_shapes mosaic_shapes fp8_tune kivi_offsets kivi_block gemma_passkey sweeps intactkv fixed_order decode ws ncu"
 for job in $JOBS; do                # every name checked before anything starts
   case " $KNOWN " in *" $job "*) ;; *) echo "unknown job $job ($KNOWN)" >&2; exit 2 ;; esac
 done
@@ -104,7 +113,9 @@ for job in $JOBS; do
         --slots 64 --prompt 1024 --decode-steps 8 --chunk 512 --prefill-slots 8 \
         --out docs/results/engine/probe_engine_step_formats.json ;;
     tv_check)
-      start_job tv_check 0.30 $PY experiments/check_transposed_v_gpu.py --out docs/results/decode_mgpu/pending-tv ;;
+      start_job tv_check 0.30 $PY experiments/check_transposed_v_gpu.py \
+        --parity-schemes int8_vt int4_vt fp8_e4m3_vt fp8_e5m2_vt --schemes int4_vt int4 int8_vt int8 fp8_e4m3_vt \
+        fp8_e4m3 --out docs/results/decode_mgpu/pending-tv ;;
     gemma_passkey)
       start_job gemma_passkey 0.20 $PY experiments/gemma3_passkey.py --dtype bf16 --trials 20 --batch 10 \
         --policies kivi2 "local kivi2 + global bf16" "fp8_e4m3 (warm-up per-head scales)" \
@@ -131,6 +142,21 @@ for job in $JOBS; do
         --hkv 3 --d 64 --check-d 64 --T 8192,32768 --out docs/results/decode_attention/pending-smollm2-shape; \
         $PY experiments/bench_decode_attention.py --check --B 8 --hq 4 --hkv 1 --d 256 --check-d 256 \
         --T 8192,32768 --out docs/results/decode_attention/pending-gemma3-shape" ;;
+    mosaic_shapes)
+      V="--impls mgpu,triton --ws --ws-groups ws --quick --variants --variants-at 8192,32768"
+      start_job mosaic_shapes 0.20 bash -c "$PY experiments/check_mgpu_decode.py --B 64 --hq 9 --hkv 3 --d 64 \
+        --T 8192,32768 --formats bf16,int8,int4 $V --variant-names 'bt 64,bt 128,splits x2,ws late-v' \
+        --out docs/results/decode_mgpu/pending-smollm2-shape; \
+        $PY experiments/check_mgpu_decode.py --B 8 --hq 4 --hkv 1 --d 256 --T 8192,32768 --formats bf16,int8,int4 \
+        $V --variant-names 'bt 64,splits x2,ws late-v' --out docs/results/decode_mgpu/pending-gemma3-shape" ;;
+    fp8_tune)
+      start_job fp8_tune 0.10 $PY experiments/check_mgpu_decode.py --ws --quick --T 4096,32768 --formats e4m3 \
+        --impls mgpu --reps 8 --variants --variants-at 4096,32768 --repeat 3 --repeat-variants \
+        --out docs/results/decode_mgpu/pending-fp8-tune ;;
+    kivi_offsets)
+      start_job kivi_offsets 0.10 bash -c "for i in 1 2 3; do $PY experiments/check_mgpu_kivi.py --skip-check \
+        --T 4096,32768 --impls mgpu --variants 'offsets bf16x3,offsets rows' \
+        --out docs/results/decode_mgpu/pending-kivi-offsets/run\$i; done" ;;
     kivi_block)
       start_job kivi_block 0.10 $PY experiments/bench_decode_attention.py --T 32768 --baselines cudnn --reps 8 \
         --formats kivi2,kivi2:kivi_update=block,kivi2:kivi_update=block:block_t=128,kivi4,kivi4:kivi_update=block,kivi4:kivi_update=block:block_t=128 \
