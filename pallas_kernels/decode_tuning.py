@@ -121,17 +121,22 @@ def _str(name, field, x) -> str:
     return x
 
 
+def _object(name: str, at: str, obj: Any, keys: tuple[str, ...]) -> None:
+    """``obj`` must be a JSON object with exactly ``keys`` (the field ``at`` named on failure)."""
+    if not isinstance(obj, dict):
+        _fail(name, at, f"must be an object, got {type(obj).__name__}")
+    for k in keys:
+        if k not in obj:
+            _fail(name, f"{at}.{k}", "missing")
+    extra = sorted(set(obj) - set(keys))
+    if extra:
+        _fail(name, f"{at}.{extra[0]}", f"unknown field (known: {', '.join(keys)})")
+
+
 def _entry(name: str, i: int, e: Any) -> TuningEntry:
     at = f"entries[{i}]"
-    if not isinstance(e, dict):
-        _fail(name, at, f"must be an object, got {type(e).__name__}")
-    need = ("format", "head_dim", "group", "T", "impl", "variant", "config", "us", "v1_us", "candidates")
-    for k in need:
-        if k not in e:
-            _fail(name, f"{at}.{k}", "missing")
-    extra = sorted(set(e) - set(need))
-    if extra:
-        _fail(name, f"{at}.{extra[0]}", f"unknown field (known: {', '.join(need)})")
+    _object(name, at, e, ("format", "head_dim", "group", "T", "impl", "variant", "config", "us", "v1_us",
+                          "candidates"))
     impl = e["impl"]
     if impl not in IMPLS:
         _fail(name, f"{at}.impl", f"must be one of {sorted(IMPLS)}, got {impl!r}")
@@ -205,14 +210,7 @@ def _shapes(name: str, shape: Any) -> tuple[tuple[tuple[str, int], ...], ...]:
     out = []
     for i, sh in enumerate([shape] if one else shape):
         at = "shape" if one else f"shape[{i}]"
-        if not isinstance(sh, dict):
-            _fail(name, at, f"must be an object, got {sh!r}")
-        for k in _SHAPE_KEYS:
-            if k not in sh:
-                _fail(name, f"{at}.{k}", "missing")
-        extra = sorted(set(sh) - set(_SHAPE_KEYS))
-        if extra:
-            _fail(name, f"{at}.{extra[0]}", f"unknown field (known: {', '.join(_SHAPE_KEYS)})")
+        _object(name, at, sh, _SHAPE_KEYS)
         for k in _SHAPE_KEYS:
             _int(name, f"{at}.{k}", sh[k])
         if sh["hq"] % sh["hkv"]:

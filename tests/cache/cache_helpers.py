@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from kvquant_jax.cache import mixed, ops
@@ -202,3 +203,23 @@ def jax_tree_index(group_state, layer: int, b: int, scheme):
         a = np.asarray(getattr(group_state, name))[layer]
         fields[name] = a if name in scheme.unbatched_fields else a[b]
     return _View(fields)
+
+
+#: the ragged append schedule of the layout-twin tests: (rows per call, valid rows per sequence of a 3-sequence
+#: batch); odd lengths, empty and one-row appends, so byte-shared V columns and ragged frontiers both occur
+RAGGED_APPENDS = ((5, (5, 3, 0)), (1, (1, 1, 1)), (4, (2, 4, 3)), (1, (1, 0, 1)), (7, (7, 6, 5)))
+
+
+def ragged_twins(schemes, batch: int, heads: int, head_dim: int, capacity: int, seed: int = 0):
+    """The same :data:`RAGGED_APPENDS` (K ~ N(0, 1.5), V ~ N(0, 0.7)) appended into each scheme of ``schemes``
+    (layout twins: e.g. a transposed-V scheme and its layout-1 original); returns ``(states, lengths)``."""
+    rng = np.random.default_rng(seed)
+    states = [sc.init_layer(batch, capacity, heads, head_dim) for sc in schemes]
+    lengths = jnp.zeros((batch,), jnp.int32)
+    for t, nn in RAGGED_APPENDS:
+        k = rng.normal(0, 1.5, (batch, t, heads, head_dim)).astype(np.float32)
+        v = rng.normal(0, 0.7, (batch, t, heads, head_dim)).astype(np.float32)
+        nn = jnp.asarray(nn[:batch], jnp.int32)
+        states = [sc.append_layer(st, lengths, k, v, nn) for sc, st in zip(schemes, states)]
+        lengths = lengths + nn
+    return states, lengths

@@ -16,6 +16,8 @@ from kvquant_jax.cache.fp8_vt import FP8TransposedVScheme
 from kvquant_jax.cache.registry import make_scheme
 from pallas_kernels import decode_attention_mgpu as mg
 
+from cache_helpers import ragged_twins
+
 B, H, D, C = 3, 2, 16, 32
 SPECS = {
     "e4m3-uncalibrated": "fp8_e4m3",
@@ -36,17 +38,8 @@ def _vt_spec(spec):
 def _appends(spec, seed=0):
     """Ragged multi-row and one-row appends into the transposed-V scheme and the layout-1 FP8 scheme of the same
     spec; returns both schemes, both final states and the lengths."""
-    rng = np.random.default_rng(seed)
     vt, ref = make_scheme(_vt_spec(spec)), make_scheme(spec)
-    s_vt, s_ref = vt.init_layer(B, C, H, D), ref.init_layer(B, C, H, D)
-    lengths = jnp.zeros((B,), jnp.int32)
-    for t, nn in ((5, [5, 3, 0]), (1, [1, 1, 1]), (4, [2, 4, 3]), (1, [1, 0, 1]), (7, [7, 6, 5])):
-        k = rng.normal(0, 1.5, (B, t, H, D)).astype(np.float32)
-        v = rng.normal(0, 0.7, (B, t, H, D)).astype(np.float32)
-        nn = jnp.asarray(nn, jnp.int32)
-        s_vt = vt.append_layer(s_vt, lengths, k, v, nn)
-        s_ref = ref.append_layer(s_ref, lengths, k, v, nn)
-        lengths = lengths + nn
+    (s_vt, s_ref), lengths = ragged_twins((vt, ref), B, H, D, C, seed)
     return vt, ref, s_vt, s_ref, lengths
 
 
@@ -91,7 +84,8 @@ def test_kernel_operands_are_prepare_region_of_the_layout_1_region(fmt):
     for a, b, axis in ((got.k, want.k, 1), (got.v, want.v, 2)):
         assert a.dtype == b.dtype and a.shape == b.shape
         m = live[:, :, None] if axis == 1 else live[:, None, :]
-        np.testing.assert_array_equal(np.where(m, np.asarray(a, np.float32), 0), np.where(m, np.asarray(b, np.float32), 0))
+        np.testing.assert_array_equal(np.where(m, np.asarray(a, np.float32), 0),
+                                      np.where(m, np.asarray(b, np.float32), 0))
     np.testing.assert_array_equal(np.asarray(got.k_head_scale), np.asarray(want.k_head_scale))
     np.testing.assert_array_equal(np.asarray(got.v_head_scale), np.asarray(want.v_head_scale))
     assert got.k_scale is None and got.kf == want.kf and got.vf == want.vf

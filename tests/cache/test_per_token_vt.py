@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,24 +16,17 @@ from kvquant_jax.cache.per_token_vt import TransposedVPerTokenScheme
 from kvquant_jax.cache.registry import make_scheme
 from kvquant_jax.quant.packing import unpack_bits
 
+from cache_helpers import ragged_twins
+
 B, H, D, C = 3, 2, 16, 32
 
 
 def _appends(bits, seed=0):
     """Ragged multi-row and one-row appends (odd lengths, so INT4 V bytes are shared across appends) into the
     transposed-V scheme and the layout-1 per-token scheme; returns both final states and lengths."""
-    rng = np.random.default_rng(seed)
     vt = TransposedVPerTokenScheme(bits=bits)
     ref = make_scheme(f"int{bits}")
-    s_vt, s_ref = vt.init_layer(B, C, H, D), ref.init_layer(B, C, H, D)
-    lengths = jnp.zeros((B,), jnp.int32)
-    for t, nn in ((5, [5, 3, 0]), (1, [1, 1, 1]), (4, [2, 4, 3]), (1, [1, 0, 1]), (7, [7, 6, 5])):
-        k = rng.normal(0, 1.5, (B, t, H, D)).astype(np.float32)
-        v = rng.normal(0, 0.7, (B, t, H, D)).astype(np.float32)
-        nn = jnp.asarray(nn, jnp.int32)
-        s_vt = vt.append_layer(s_vt, lengths, k, v, nn)
-        s_ref = ref.append_layer(s_ref, lengths, k, v, nn)
-        lengths = lengths + nn
+    (s_vt, s_ref), lengths = ragged_twins((vt, ref), B, H, D, C, seed)
     return vt, ref, s_vt, s_ref, lengths
 
 
