@@ -16,6 +16,11 @@ nothing: ``experiments/probe_subbyte_append.py``, 2026-12-01).  One layer (``[B,
 with ``q = clip(rint(x / scale), -qmax, qmax)``, ``qmax = 2^(bits-1) - 1`` (the per-token quantizer of
 ``kvquant_jax.cache.per_token``; only the byte layout differs from ``layout_version`` 1, whose codes are
 offset-binary and whose V rows are token-major).  An empty slot holds code 0 (byte 0) and scale 1.
+
+FP8 variant (``TransposedVFormat(fp8="e4m3" | "e5m2")``, ``kvquant_jax.cache.fp8_vt``): the same two code arrays
+hold FP8 bytes, one per element (``k_codes uint8 [B, Hkv, C, D]``, ``v_codes uint8 [B, Hkv, D, C]``; a bitcast of
+the ``float8_e4m3fn`` / ``float8_e5m2`` codes of ``kvquant_jax.cache.fp8``), and the scales are float32 ``[Hkv]``,
+one per KV head and tensor: ``x = float(code) * scale[h]``.  An empty slot holds byte 0 (+0.0).
 """
 from __future__ import annotations
 
