@@ -599,6 +599,19 @@ def tune_table(results, command: str, source: str) -> dict:
                 shape={k: int(v) for k, v in shape.items()}, entries=entries)
 
 
+def _check_runs_agree(runs: list, keys: tuple[str, ...]) -> None:
+    """ValueError unless every run has the first run's ``keys`` and clock (host wall and device time are not
+    comparable)."""
+    first = runs[0]
+    for r in runs[1:]:
+        for k in keys:
+            if r.get(k) != first.get(k):
+                raise ValueError(f"--tune-from: runs differ in {k}: {first.get(k)} vs {r.get(k)}")
+        if r.get("clock", "host") != first.get("clock", "host"):
+            raise ValueError(f"--tune-from: runs differ in clock: {first.get('clock', 'host')} vs "
+                             f"{r.get('clock', 'host')} (host wall and device time are not comparable)")
+
+
 def merge_runs(runs: list) -> dict:
     """Several runs' results as one (``--tune-from A.json,B.json``): the rows and parity rows of all, each row
     tagged with its run's index; a ws parity group passes only if it passed in every run that ran it; the runs
@@ -606,13 +619,7 @@ def merge_runs(runs: list) -> dict:
     if len(runs) == 1:
         return runs[0]
     first = runs[0]
-    for r in runs[1:]:
-        for k in ("device", "shape"):
-            if r.get(k) != first.get(k):
-                raise ValueError(f"--tune-from: runs differ in {k}: {first.get(k)} vs {r.get(k)}")
-        if r.get("clock", "host") != first.get("clock", "host"):
-            raise ValueError(f"--tune-from: runs differ in clock: {first.get('clock', 'host')} vs "
-                             f"{r.get('clock', 'host')} (host wall and device time are not comparable)")
+    _check_runs_agree(runs, ("device", "shape"))
     ws_child: dict = {}
     for r in runs:
         for group, v in (r.get("ws_child") or {}).items():
@@ -637,13 +644,7 @@ def tune_tables(runs: list, command: str, source: str) -> dict:
     groups: dict = {}
     for r in runs:
         groups.setdefault(_shape_key(r), []).append(r)
-    first = runs[0]
-    for r in runs[1:]:
-        if r.get("device") != first.get("device"):
-            raise ValueError(f"--tune-from: runs differ in device: {first.get('device')} vs {r.get('device')}")
-        if r.get("clock", "host") != first.get("clock", "host"):
-            raise ValueError(f"--tune-from: runs differ in clock: {first.get('clock', 'host')} vs "
-                             f"{r.get('clock', 'host')} (host wall and device time are not comparable)")
+    _check_runs_agree(runs, ("device",))
     tables = [tune_table(merge_runs(rs), command, source) for rs in groups.values()]
     seen: dict = {}
     for tab in tables:

@@ -29,6 +29,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from kvquant_jax.abi.regions import FP8_PAYLOADS
+from kvquant_jax.quant.fp8 import fp8_dtype
 from kvquant_jax.quant.packing import pack_bits, unpack_bits
 
 __all__ = ["TransposedVFormat", "pack_signed", "unpack_signed", "materialize", "fp8_codes", "fp8_bytes",
@@ -38,8 +40,6 @@ __all__ = ["TransposedVFormat", "pack_signed", "unpack_signed", "materialize", "
 LAYOUT_TAG = "k_rows_signed+v_token_minor_signed"
 #: the tag of the FP8 variant (FP8 bytes, K rows token-major, V token-minor)
 FP8_LAYOUT_TAG = "k_rows_fp8+v_token_minor_fp8"
-#: the FP8 payloads the layout stores
-FP8_PAYLOADS = ("e4m3", "e5m2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +88,7 @@ def unpack_signed(codes: jax.Array, bits: int, axis: int = -1, count: int | None
 
 def fp8_codes(codes_u8: jax.Array, fp8: str) -> jax.Array:
     """FP8 bytes (uint8) -> the ``float8_e4m3fn`` / ``float8_e5m2`` array they are (a bitcast, same shape)."""
-    return jax.lax.bitcast_convert_type(codes_u8, FP8_DTYPES[fp8])
+    return jax.lax.bitcast_convert_type(codes_u8, fp8_dtype(fp8))
 
 
 def fp8_bytes(codes: jax.Array) -> jax.Array:
@@ -96,24 +96,12 @@ def fp8_bytes(codes: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(codes, jnp.uint8)
 
 
-#: jnp dtype of each FP8 payload
-FP8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
-
 
 def materialize(fmt: TransposedVFormat, k_codes, v_codes, k_scale, v_scale, lengths):
     """Float32 ``(k, v, valid)``: ``k, v [B, Hkv, C, D]`` (rows at or past ``lengths[b]`` zero), ``valid [B, C]``.
 
-    The reference view of the layout (transposes V back to token-major: for the oracle and the CPU path only).
-    INT: ``k_scale, v_scale [B, Hkv, C, 1]``; FP8 (``fmt.fp8``): ``k_codes uint8 [B, Hkv, C, D]``, ``v_codes uint8
-    [B, Hkv, D, C]``, ``k_scale, v_scale`` float32 ``[Hkv]``."""
-    if fmt.fp8:
-        c = k_codes.shape[2]
-        hs = lambda s: s.astype(jnp.float32)[None, :, None, None]  # noqa: E731
-        k = fp8_codes(k_codes, fmt.fp8).astype(jnp.float32) * hs(k_scale)
-        v = jnp.swapaxes(fp8_codes(v_codes, fmt.fp8).astype(jnp.float32), 2, 3) * hs(v_scale)
-        valid = jnp.arange(c, dtype=jnp.int32)[None, :] < lengths[:, None]
-        m = valid[:, None, :, None]
-        return jnp.where(m, k, 0.0), jnp.where(m, v, 0.0), valid
+    The reference view of the INT layout (transposes V back to token-major: for the oracle and the CPU path only;
+    the FP8 variant's view is ``FP8Scheme.materialize_layer`` over :func:`fp8_codes`)."""
     b, h, c, packed_d = k_codes.shape
     d = packed_d * 8 // fmt.bits
     k = unpack_signed(k_codes, fmt.bits, axis=-1, count=d).astype(jnp.float32) * k_scale.astype(jnp.float32)

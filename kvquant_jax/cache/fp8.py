@@ -185,18 +185,25 @@ class FP8Scheme(SchemeBase):
         scale = (HEADS,) if self.scale_axis == "head" else (HEADS_REPLICATED,)
         return {"k": (BATCH, HEADS, None, None), "v": (BATCH, HEADS, None, None), "k_scale": scale, "v_scale": scale}
 
+    def _stored_codes(self, state):
+        """The layer's K and V codes as FP8 ``[B, Hkv, C, D]`` arrays (the storage hook the views below read; the
+        transposed-V subclass stores bytes with V token-minor)."""
+        return state.k, state.v
+
     def materialize_layer(self, state, lengths):
-        valid = _rows.valid_rows(lengths, state.k.shape[2])
+        kc, vc = self._stored_codes(state)
+        valid = _rows.valid_rows(lengths, kc.shape[2])
         m = valid[:, None, :, None]
-        k = jnp.where(m, dequantize_fp8(state.k, state.k_scale, head_axis=1), jnp.float32(0))
-        v = jnp.where(m, dequantize_fp8(state.v, state.v_scale, head_axis=1), jnp.float32(0))
+        k = jnp.where(m, dequantize_fp8(kc, state.k_scale, head_axis=1), jnp.float32(0))
+        v = jnp.where(m, dequantize_fp8(vc, state.v_scale, head_axis=1), jnp.float32(0))
         return k, v, valid
 
     def validate_layer(self, state, lengths):
-        for name, codes, scale in (("K", state.k, state.k_scale), ("V", state.v, state.v_scale)):
-            checks.static_scales(f"fp8 {name}", scale, per_tensor=self.scale_axis == "tensor",
+        kc, vc = self._stored_codes(state)
+        for name, codes, scale in (("K", kc, state.k_scale), ("V", vc, state.v_scale)):
+            checks.static_scales(f"{self.family} {name}", scale, per_tensor=self.scale_axis == "tensor",
                                  uncalibrated=self.scales == "uncalibrated")
-            checks.finite_rows(f"fp8 {name} codes", codes, lengths)
+            checks.finite_rows(f"{self.family} {name} codes", codes, lengths)
 
     def layer_nbytes(self, state):
         return {"codes": _rows.nbytes(state.k, state.v), "qparams": _rows.nbytes(state.k_scale, state.v_scale)}

@@ -28,9 +28,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvquant_jax.abi import transposed_v as tv
-from kvquant_jax.cache import _rows, checks
+from kvquant_jax.cache import _rows
 from kvquant_jax.cache.fp8 import FP8Scheme
-from kvquant_jax.cache.interface import BATCH, HEADS, HEADS_REPLICATED
 from kvquant_jax.cache.per_token_vt import _write_token_columns
 from kvquant_jax.cache.schema import CacheSchema
 from kvquant_jax.quant.fp8 import quantize_fp8
@@ -51,8 +50,10 @@ class FP8TransposedVLayerState:
 class FP8TransposedVScheme(FP8Scheme):
     """FP8 K/V with :class:`FP8Scheme`'s scales and quantizer, stored for the Mosaic GPU kernels (module doc).
 
-    Attributes: those of :class:`FP8Scheme` (``fmt``, ``scales``, ``scale_axis``, ``k_scales``, ``v_scales``,
-    ``calibration_id``); ``kernel_family`` "mosaic_gpu_swap_ab" (recorded in the schema).
+    Changes only the storage hooks (``init_layer``, ``_encode``, ``_stored_codes``, ``field_axes``,
+    ``layer_nbytes``) and the decode route.  Attributes: those of :class:`FP8Scheme` (``fmt``, ``scales``,
+    ``scale_axis``, ``k_scales``, ``v_scales``, ``calibration_id``); ``kernel_family`` "mosaic_gpu_swap_ab"
+    (recorded in the schema).
     """
 
     family = "fp8_vt"
@@ -87,23 +88,15 @@ class FP8TransposedVScheme(FP8Scheme):
         return state.replace(k_codes=_rows.write_rows(state.k_codes, kc, pos, mask),
                              v_codes=_write_token_columns(state.v_codes, vc, pos, mask, 8))
 
+    def _stored_codes(self, state):
+        """The stored bytes as FP8 ``[B, Hkv, C, D]`` (V transposed back): what :class:`FP8Scheme`'s
+        ``materialize_layer`` and ``validate_layer`` read."""
+        return tv.fp8_codes(state.k_codes, self.fmt), jnp.swapaxes(tv.fp8_codes(state.v_codes, self.fmt), 2, 3)
+
     def field_axes(self, state):
-        """Codes ``[B, Hkv, C, D]`` / ``[B, Hkv, D, C]``; scales ``[Hkv]`` as :meth:`FP8Scheme.field_axes`."""
-        scale = (HEADS,) if self.scale_axis == "head" else (HEADS_REPLICATED,)
-        return {"k_codes": (BATCH, HEADS, None, None), "v_codes": (BATCH, HEADS, None, None), "k_scale": scale,
-                "v_scale": scale}
-
-    def materialize_layer(self, state, lengths):
-        return tv.materialize(self.kernel_format, state.k_codes, state.v_codes, state.k_scale, state.v_scale,
-                              lengths)
-
-    def validate_layer(self, state, lengths):
-        k = tv.fp8_codes(state.k_codes, self.fmt)
-        v = jnp.swapaxes(tv.fp8_codes(state.v_codes, self.fmt), -1, -2)
-        for name, codes, scale in (("K", k, state.k_scale), ("V", v, state.v_scale)):
-            checks.static_scales(f"fp8_vt {name}", scale, per_tensor=self.scale_axis == "tensor",
-                                 uncalibrated=self.scales == "uncalibrated")
-            checks.finite_rows(f"fp8_vt {name} codes", codes, lengths)
+        """:meth:`FP8Scheme.field_axes` under this state's field names (codes ``[B, Hkv, ...]``, scales ``[Hkv]``)."""
+        axes = super().field_axes(state)
+        return {"k_codes": axes["k"], "v_codes": axes["v"], "k_scale": axes["k_scale"], "v_scale": axes["v_scale"]}
 
     def layer_nbytes(self, state):
         return {"codes": _rows.nbytes(state.k_codes, state.v_codes),
