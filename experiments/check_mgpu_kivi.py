@@ -142,6 +142,16 @@ def timing_row(results, args, widths=(8, 6, 14), **row):
 
 
 def timing(args, results, t, rep: int):
+    """KIVI-2 / KIVI-4 (``kivi<bits>`` names, K groups 32, V groups 32) at one T: :func:`timing_formats`."""
+    timing_formats(args, results, t, rep, lambda name: kivi_formats(int(name[len("kivi"):]), 32, 32),
+                   mk.prepare_kivi_region, mk.decode_attention_mgpu_kivi_prepared, variant_configs)
+
+
+def timing_formats(args, results, t, rep: int, formats_of, prepare, prepared_entry, variants_of):
+    """One T of the timing: cuDNN bf16, then per ``args.formats`` name (``formats_of(name) -> (kf, vf)``) the
+    Triton kernel on the layout-v1 regions and the Mosaic kernel on ``prepare(region)`` (converted outside the
+    timed program) through ``prepared_entry(q, ops, config=, out_dtype=)``, its default config and, in the first
+    repeat, ``variants_of(default, splits)``'s configs named by ``--variants``."""
     b, hq, hkv, d = args.B, args.hq, args.hkv, args.d
     key, q = timing_query(t, b, hq, d)
     tag = f" r{rep}" if args.repeat > 1 else ""
@@ -152,45 +162,45 @@ def timing(args, results, t, rep: int):
         med, lo, hi, _ = time_program(baseline_fns()["cudnn"], q, sets, args.reps)
         base["cudnn"] = med
         timing_row(results, args, T=t, impl="cudnn", format="bf16", variant=tag, us=med * 1e6, us_min=lo * 1e6,
-             us_max=hi * 1e6, bytes=bf16_bytes, tbps=bf16_bytes / med / 1e12, speedup_vs_cudnn=1.0)
+                   us_max=hi * 1e6, bytes=bf16_bytes, tbps=bf16_bytes / med / 1e12, speedup_vs_cudnn=1.0)
         del sets
     except Exception as e:  # noqa: BLE001
         timing_row(results, args, T=t, impl="cudnn", format="bf16", error=f"{type(e).__name__}: {e}"[:800])
     for name in args.formats:
-        bits = int(name[len("kivi"):])
-        kf, vf = kivi_formats(bits, 32, 32)
+        kf, vf = formats_of(name)
         regs, set_bytes = bench.region_sets(key, kf, vf, b, hkv, t, d)
         ref = np.asarray(jax.jit(lambda q, r: decode_attention_jnp(q.astype(jnp.float32), [r]))(q, regs[0]))
         if "triton" in args.impls:
             try:
                 med, lo, hi, out = time_program(triton_fn(), q, regs, args.reps)
                 read = set_bytes + q.size * 2
-                timing_row(results, args, T=t, impl="triton", format=name, variant=tag, us=med * 1e6, us_min=lo * 1e6,
-                     us_max=hi * 1e6, bytes=read, tbps=read / med / 1e12, rel_err=rel_err(out, ref),
-                     speedup_vs_cudnn=base.get("cudnn", float("nan")) / med)
+                timing_row(results, args, T=t, impl="triton", format=name, variant=tag, us=med * 1e6,
+                           us_min=lo * 1e6, us_max=hi * 1e6, bytes=read, tbps=read / med / 1e12,
+                           rel_err=rel_err(out, ref), speedup_vs_cudnn=base.get("cudnn", float("nan")) / med)
             except Exception as e:  # noqa: BLE001
                 timing_row(results, args, T=t, impl="triton", format=name, error=f"{type(e).__name__}: {e}"[:800])
-        sets = [jax.block_until_ready(jax.jit(mk.prepare_kivi_region)(r)) for r in regs]
+        if "mgpu" not in args.impls:
+            continue
+        sets = [jax.block_until_ready(jax.jit(prepare)(r)) for r in regs]
         del regs
         read = mgpu_read_bytes(sets[0], q)
         dflt = mk.KiviMgpuConfig()
         s0 = mk._spec_for(sets[0], hq // hkv, dflt).ns
         variants = {"default": dflt}
         if args.variants and rep == 0:
-            every = variant_configs(dflt, s0)
+            every = variants_of(dflt, s0)
             variants.update(every if args.variants == "all" else {v: every[v] for v in args.variants})
         for vname, cfg in variants.items():
             try:
-                fn = lambda q, o, cfg=cfg: mk.decode_attention_mgpu_kivi_prepared(  # noqa: E731
-                    q, o, config=cfg, out_dtype=jnp.float32)
+                fn = lambda q, o, cfg=cfg: prepared_entry(q, o, config=cfg, out_dtype=jnp.float32)  # noqa: E731
                 med, lo, hi, out = time_program(fn, q, sets, args.reps)
                 timing_row(results, args, T=t, impl="mgpu", format=name, variant=vname + tag, us=med * 1e6,
-                     us_min=lo * 1e6, us_max=hi * 1e6, bytes=read, tbps=read / med / 1e12,
-                     rel_err=rel_err(out, ref), speedup_vs_cudnn=base.get("cudnn", float("nan")) / med,
-                     config=dataclasses.asdict(cfg))
+                           us_min=lo * 1e6, us_max=hi * 1e6, bytes=read, tbps=read / med / 1e12,
+                           rel_err=rel_err(out, ref), speedup_vs_cudnn=base.get("cudnn", float("nan")) / med,
+                           config=dataclasses.asdict(cfg))
             except Exception as e:  # noqa: BLE001
                 timing_row(results, args, T=t, impl="mgpu", format=name, variant=vname,
-                     error=f"{type(e).__name__}: {e}"[:1500])
+                           error=f"{type(e).__name__}: {e}"[:1500])
         del sets
 
 

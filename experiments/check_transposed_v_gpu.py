@@ -1,9 +1,11 @@
-"""The transposed-V caches (int8_vt / int4_vt, fp8_e4m3_vt / fp8_e5m2_vt) served by the Mosaic GPU kernels through the
-dispatcher (Hopper).
+"""The transposed-V caches (int8_vt / int4_vt, fp8_e4m3_vt / fp8_e5m2_vt) and the token-planar per-token caches
+(int2_planar / int4_planar) served by the Mosaic GPU kernels through the dispatcher (Hopper).
 
     python experiments/check_transposed_v_gpu.py [--T 4096 32768] [--reps 10] [--out DIR]
     python experiments/check_transposed_v_gpu.py --parity-schemes fp8_e4m3_vt fp8_e5m2_vt \
         --schemes fp8_e4m3_vt fp8_e4m3 --T 4096 32768            # FP8: Mosaic (in place) vs Triton (layout 1)
+    python experiments/check_transposed_v_gpu.py --parity-schemes int2_planar int4_planar \
+        --schemes int2_planar int2 --T 4096 32768                # INT2: the token-planar kernel vs Triton
 
 (a) Parity: ragged random caches built by the scheme's own appends (odd lengths, several appends), GQA 4 and 3,
     D 64 / 128, bf16 and float32 queries, the current token in the same softmax:
@@ -53,6 +55,11 @@ def filled_state(scheme, key, b, hkv, t, d, lengths, chunks=1):
     return st, done
 
 
+#: the dispatcher entry that must serve each layout's layers on a Hopper GPU, and whether it serves float32 queries
+MOSAIC_ENTRY = {"TransposedVFormat": ("decode_attention_transposed_v", False),
+                "TokenPlanarFormat": ("decode_attention_token_planar", True)}
+
+
 def parity(rows, log, names=("int8_vt", "int4_vt")):
     key = jax.random.PRNGKey(0)
     for name in names:
@@ -61,6 +68,8 @@ def parity(rows, log, names=("int8_vt", "int4_vt")):
         # route to the warp-specialized kernel (``SERVED`` names which one served)
         for (b, hkv, g, d, t) in ((3, 2, 4, 128, 512), (2, 3, 3, 64, 384), (4, 8, 4, 128, 1024),
                                   (2, 8, 4, 128, 4096), (2, 8, 4, 128, 32768)):
+            blk = getattr(scheme, "block_t", 1)                  # token-planar capacities: whole blocks
+            t = -(-t // blk) * blk
             lengths = [t - 1, t // 3 + 1, 129, 7][:b]
             st, L = filled_state(scheme, jax.random.fold_in(key, t + d), b, hkv, t, d, lengths, chunks=3)
             k, v, _ = scheme.materialize_layer(st, L)
@@ -76,10 +85,13 @@ def parity(rows, log, names=("int8_vt", "int4_vt")):
                                                   [region(dense_operand(k), dense_operand(v), L)],
                                                   k_new=np.asarray(kn), v_new=np.asarray(vn))
                 err = rel_err(out.astype(jnp.float32), want)
-                # bf16 queries: the Mosaic kernel (exact q); float32 queries: refused by the kernel (it would round q
-                # to bf16, ~1e-3) and served by the float32 reference, keeping float32 models at float32 parity
-                mosaic = any(p.startswith("decode_attention_transposed_v") for p in served)   # v1 or ws (table)
-                ok = err < (1e-4 if qd == jnp.bfloat16 else 1e-5) and mosaic == (qd == jnp.bfloat16)
+                # transposed-V: bf16 queries the Mosaic kernel (exact q); float32 queries refused by the kernel (it
+                # would round q to bf16, ~1e-3) and served by the float32 reference, keeping float32 models at
+                # float32 parity.  Token-planar: the kernel serves both (q' as bf16 hi + lo parts, ~1e-5)
+                entry, f32_too = MOSAIC_ENTRY[type(scheme.kernel_format).__name__]
+                mosaic = any(p.startswith(entry) for p in served)                       # v1 or ws (table)
+                want_mosaic = qd == jnp.bfloat16 or f32_too
+                ok = err < (1e-5 if qd == jnp.float32 and not f32_too else 1e-4) and mosaic == want_mosaic
                 rows.append(dict(kind="parity", scheme=name, B=b, Hkv=hkv, G=g, D=d, T=t, q=jnp.dtype(qd).name,
                                  rel_err=err, served=served, ok=bool(ok)))
                 log(f"parity {name:8s} B{b} Hkv{hkv} G{g} D{d} T{t} q={jnp.dtype(qd).name:8s} "
@@ -88,7 +100,9 @@ def parity(rows, log, names=("int8_vt", "int4_vt")):
 
 def append_us(scheme, st, b, hkv, d, reps=50):
     f = jax.jit(lambda st, L, k, v: scheme.append_layer(st, L, k, v, jnp.ones((b,), jnp.int32)), donate_argnums=0)
-    cap = (st.k_codes if hasattr(st, "k_codes") else st.k).shape[2]          # the FP8 layout-1 state holds ``k``
+    # rows: the FP8 layout-1 state holds ``k``; token-planar codes hold 8/bits tokens per byte row (scales: one each)
+    cap = (st.k_scale.shape[-1] if hasattr(scheme, "block_t") else
+           (st.k_codes if hasattr(st, "k_codes") else st.k).shape[2])
     L = jnp.full((b,), cap // 2 + 1, jnp.int32)
     k = jnp.ones((b, 1, hkv, d), jnp.bfloat16)
     st = f(st, L, k, k)

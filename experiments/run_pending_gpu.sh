@@ -41,6 +41,10 @@
 #   kivi_offsets   J: the KIVI kernel's logit offsets computed as one bf16 GEMM over 3D ("offsets bf16x3") or as
 #                  sibling reductions ("offsets rows") against the HIGHEST einsum, 4K and 32K, three runs (written
 #                  2026-12-06, untimed: the one try got no machine time); ALONE
+#   planar         J: the token-planar kernel (per-token INT2 / INT4 / QServe, decode_attention_mgpu_planar): every
+#                  parity case, 3 timing repeats at 4K / 32K vs Triton and cuDNN, then the int2_planar /
+#                  qserve4_planar caches through the dispatcher (H100 2026-12-07: one run each, 16/16 + 20/20
+#                  parity; INT2 1.78x / 1.88x, QServe 1.70x / 1.87x cuDNN); ALONE
 #   kivi_block     J: KIVI-2/4 with the opt-in whole-block update (`kivi_update=block`, one softmax update + one
 #                  PV per block) against today's per-group path and cuDNN at 32K (timed twice, 2026-12-03 / 04:
 #                  no gain; rerun only to repeat it); ALONE
@@ -64,7 +68,7 @@ JOBS=${*:-engine_kivi2 engine_smollm2 sweeps fixed_order decode ws}
 PY=${PY:-python3}
 
 SEQUENTIAL=${SEQUENTIAL:-0}      # 1: the jobs run one after another (timing jobs: each alone on the GPU)
-KNOWN="paged_check engine engine_static engine_kivi2 engine_smollm2 engine_probe tv_check decode_shapes mosaic_shapes fp8_tune kivi_offsets kivi_block gemma_passkey sweeps intactkv fixed_order decode ws ncu"
+KNOWN="paged_check engine engine_static engine_kivi2 engine_smollm2 engine_probe tv_check decode_shapes mosaic_shapes fp8_tune kivi_offsets planar kivi_block gemma_passkey sweeps intactkv fixed_order decode ws ncu"
 for job in $JOBS; do                # every name checked before anything starts
   case " $KNOWN " in *" $job "*) ;; *) echo "unknown job $job ($KNOWN)" >&2; exit 2 ;; esac
 done
@@ -157,6 +161,11 @@ for job in $JOBS; do
       start_job kivi_offsets 0.10 bash -c "for i in 1 2 3; do $PY experiments/check_mgpu_kivi.py --skip-check \
         --T 4096,32768 --impls mgpu --variants 'offsets bf16x3,offsets rows' \
         --out docs/results/decode_mgpu/pending-kivi-offsets/run\$i; done" ;;
+    planar)
+      start_job planar 0.20 bash -c "$PY experiments/check_mgpu_planar.py --T 4096,32768 --repeat 3 \
+        --out docs/results/decode_mgpu/pending-planar; $PY experiments/check_transposed_v_gpu.py \
+        --parity-schemes int2_planar int4_planar qserve4_planar --schemes int2_planar int2 qserve4_planar qserve4 \
+        --T 4096 32768 --out docs/results/decode_mgpu/pending-planar-route" ;;
     kivi_block)
       start_job kivi_block 0.10 $PY experiments/bench_decode_attention.py --T 32768 --baselines cudnn --reps 8 \
         --formats kivi2,kivi2:kivi_update=block,kivi2:kivi_update=block:block_t=128,kivi4,kivi4:kivi_update=block,kivi4:kivi_update=block:block_t=128 \

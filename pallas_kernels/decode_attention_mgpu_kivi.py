@@ -64,6 +64,10 @@ their float32 difference loses digits as T grows on flat attention (1.4e-4 / 3.4
 data, ~3.6e-6 of max |v|); ``experiments/probe_kivi_cancellation.py`` shows the mechanism on CPU and that
 re-centred codes would cut it 4-14x.
 
+Per-token keys: with ``_KiviSpec.k_zero`` set the same kernel reads per-token K (a scale row and an optional zero
+row per block instead of K groups; ``B = q'`` built once per program, the scale applied to the logits, ``m_t sum
+q'`` added): :mod:`pallas_kernels.decode_attention_mgpu_planar` (per-token INT2 / INT4, QServe) is that entry.
+
 Interpret mode runs :func:`_partials_jnp` (the same arithmetic on the prepared operands, plain JAX); only the H200
 runs the kernel (``experiments/check_mgpu_kivi.py``: parity against the float64 oracle + timing).
 """
@@ -142,22 +146,9 @@ class KiviMgpuConfig:
 OFFSETS = ("highest", "bf16x3", "rows")
 
 
-@struct.dataclass
-class KiviMgpuOperands:
-    """One KIVI region in the kivi mgpu layout (module docstring); shapes in the field comments."""
-
-    k: jax.Array          # int8 [BH, T/P, D] token-planar K codes
-    v: jax.Array          # int8 [BH, D, T/P] token-planar V^T codes
-    k_scale: jax.Array    # [BH, T/G, D]
-    k_min: jax.Array      # [BH, T/G, D]
-    v_scale: jax.Array    # [BH, C, T]
-    v_min: jax.Array      # [BH, C, T]
-    start: jax.Array      # int32 [B]
-    end: jax.Array        # int32 [B]
-    bits: int = struct.field(pytree_node=False, default=2)
-    k_group: int = struct.field(pytree_node=False, default=32)   # G tokens per K scale row
-    v_group: int = struct.field(pytree_node=False, default=32)   # Gv channels per V scale
-    num_kv_heads: int = struct.field(pytree_node=False, default=1)
+class _PlanarOperandShape:
+    """Shape properties of token-planar kernel operands (``k: int8 [BH, T/P, D]`` and a static ``bits``): this
+    module's KIVI operands and ``decode_attention_mgpu_planar.TokenPlanarOperands``."""
 
     @property
     def planes(self) -> int:
@@ -174,6 +165,24 @@ class KiviMgpuOperands:
     @property
     def head_dim(self) -> int:
         return self.k.shape[2]
+
+
+@struct.dataclass
+class KiviMgpuOperands(_PlanarOperandShape):
+    """One KIVI region in the kivi mgpu layout (module docstring); shapes in the field comments."""
+
+    k: jax.Array          # int8 [BH, T/P, D] token-planar K codes
+    v: jax.Array          # int8 [BH, D, T/P] token-planar V^T codes
+    k_scale: jax.Array    # [BH, T/G, D]
+    k_min: jax.Array      # [BH, T/G, D]
+    v_scale: jax.Array    # [BH, C, T]
+    v_min: jax.Array      # [BH, C, T]
+    start: jax.Array      # int32 [B]
+    end: jax.Array        # int32 [B]
+    bits: int = struct.field(pytree_node=False, default=2)
+    k_group: int = struct.field(pytree_node=False, default=32)   # G tokens per K scale row
+    v_group: int = struct.field(pytree_node=False, default=32)   # Gv channels per V scale
+    num_kv_heads: int = struct.field(pytree_node=False, default=1)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -291,6 +300,11 @@ class _KiviSpec:
     inflight: int = 0  # > 0: wgmma_wait(inflight) after each issue (KiviMgpuConfig.wgmma_inflight)
     qk_batch: int = 0  # planes per QK accumulator scope (KiviMgpuConfig.qk_plane_batch); 0 = all
     hkv: int = 1       # KV heads (program pid reads the bounds of sequence pid // hkv)
+    k_zero: str = ""   # "": KIVI keys (per-channel groups); per-token keys (``ks`` rows: scale [, zero]) with
+                       # the zero convention "symmetric" (m = -2^(bits-1) s), "offset" (row 1 = o, m = -o s) or
+                       # "min" (row 1 = m): ``k = u s_t + m_t``
+    v_zero: str = "min"  # V's ``vm`` operand: "min" (mv as read), "offset" (o: mv = -o sv), "symmetric" (not
+                         # read: mv = -2^(bits-1) sv)
 
     @property
     def planes(self) -> int:
@@ -301,7 +315,15 @@ class _KiviSpec:
         return _M * self.planes
 
     @property
-    def kgroups(self) -> int:         # K scale rows per block
+    def k_token(self) -> bool:        # per-token keys (decode_attention_mgpu_planar), not KIVI's channel groups
+        return bool(self.k_zero)
+
+    @property
+    def k_rows(self) -> int:          # rows of the per-token ``ks`` operand
+        return 1 if self.k_zero == "symmetric" else 2
+
+    @property
+    def kgroups(self) -> int:         # K scale rows per block (KIVI keys)
         return self.bt // self.kg
 
     @property
@@ -341,26 +363,48 @@ def _tile_groups(start: int, group: int) -> list[tuple[int, int]]:
 
 def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
     """Launch.  ``start, end``: int32 [B] (program ``pid`` reads entry ``pid // hkv``); ``qt``: f32 [BH, D, N] (q'
-    transposed, dup'd, padded); ``c``: f32 [BH, T/G, N]; ``k``: int8 [BH, T/P, D]; ``v``: int8 [BH, D, T/P];
-    ``ks``: [BH, T/G, D]; ``vs, vm``: [BH, C, T].
+    transposed, dup'd, padded); ``k``: int8 [BH, T/P, D]; ``v``: int8 [BH, D, T/P]; ``vs, vm``: [BH, C, T].
+    KIVI keys (``sp.k_zero == ""``): ``c`` f32 [BH, T/G, N], ``ks`` [BH, T/G, D].  Per-token keys: ``c`` None,
+    ``ks`` [BH, k_rows, T] (scale, then the zero of ``sp.k_zero``), and ``B = q'`` is built once per program
+    instead of once per K group.  ``vm`` (``sp.v_zero``: min or offset rows) is None when symmetric.
     Returns ``o [BH, S, D, N], z [BH, S, C, N], m [BH, S, N] (log2), l [BH, S, N]`` float32."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     bh = qt.shape[0]
     d, n, bt, ns, nbs, pln = sp.d, sp.n, sp.bt, sp.ns, sp.nbs, sp.planes
-    nkg, nvg, parts = sp.kgroups, sp.vgroups, sp.parts
+    nvg, parts, tok = sp.vgroups, sp.parts, sp.k_token
     bf16 = jnp.bfloat16
     wg = plgpu.Layout.WGMMA
     k_tf = _tile_transforms(jnp.int8, d)
     v_tf = _tile_transforms(jnp.int8, _M)
     b_tf = _tile_transforms(bf16, 64)
     dch = d // 64                     # 64-wide chunks of D (QK contraction; PV M tiles)
-    kslots = [_tile_groups(r * _M, sp.kg) for r in range(pln)]     # K groups met by each plane's 64 tokens
+    # K groups met by each plane's 64 tokens (one slot: the whole plane, for per-token keys)
+    kslots = [[(0, 0)] if tok else _tile_groups(r * _M, sp.kg) for r in range(pln)]
     vslots = [_tile_groups(j * _M, sp.vg) for j in range(dch)]     # V channel groups met by each d-tile
     nsl, nvs = len(kslots[0]), len(vslots[0])
     nq = parts * nsl * n                                           # QK wgmma N
+    nb_planes = 1 if tok else pln                                  # B operands in SMEM (per plane for KIVI)
+    # the pipelined inputs in order, and which are present
+    names = ["k", "v", "ks", "vs"] + ([] if tok else ["c"]) + ([] if sp.v_zero == "symmetric" else ["vm"])
+    half = 2.0 ** (sp.bits - 1)
+    arrays = dict(k=k, v=v, ks=ks, vs=vs, c=c, vm=vm)
 
-    def body(start_ref, end_ref, qt_ref, c_ref, k_ref, v_ref, ks_ref, vs_ref, vm_ref, o_ref, z_ref, m_ref, l_ref):
+    def b_parts(bg):
+        """f32 [D, N] -> the bf16 part(s) of a B operand (hi, then lo with bf16x2)."""
+        hi16 = bg.astype(bf16)
+        return [hi16] if parts == 1 else [hi16, (bg - hi16.astype(_F32)).astype(bf16)]
+
+    def store_b(b_smem, r, si, halves):
+        for pi, h in enumerate(halves):
+            off = (pi * nsl + si) * n
+            for j in range(dch):
+                b_smem.at[r, j, pl.ds(off, n)].T[...] = plgpu.layout_cast(
+                    h[j * 64:(j + 1) * 64], plgpu.Layout.WGMMA_TRANSPOSED)
+
+    def body(start_ref, end_ref, qt_ref, *refs):
+        in_refs = dict(zip(names, refs[:len(names)]))
+        o_ref, z_ref, m_ref, l_ref = refs[len(names):]
         pid = lax.axis_index("bh")
         sid = lax.axis_index("split")
         lo = start_ref[pid // sp.hkv]
@@ -371,25 +415,28 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
             plgpu.copy_gmem_to_smem(qt_ref.at[pid], qt_smem, q_bar)
             plgpu.barrier_wait(q_bar)
             qt = plgpu.load(qt_smem, (), layout=wg, optimized=False)          # q'^T [D, N] f32
-
-            def step(indices, k_smem, v_smem, ks_smem, c_smem, vs_smem, vm_smem, carry):
-                (i,) = indices
-                accs, m_i, l_i, zs = carry
-                row0 = (base + i) * bt
-                # 1. B = q' * s_g of the groups each plane meets, stacked along N (hi parts, then lo parts):
-                #    b_smem[r, j] rows [(pi * nsl + si) * n, +n) = part pi of slot si's group, D chunk j
-                for r in range(pln):
-                    for si, (gidx, _) in enumerate(kslots[r]):
-                        sg = plgpu.load(ks_smem.at[gidx], (), layout=wg.reduce(1), optimized=False).astype(_F32)
-                        bg = qt * lax.broadcast_in_dim(sg, (d, n), [0])
-                        hi16 = bg.astype(bf16)
-                        halves = [hi16] if parts == 1 else [hi16, (bg - hi16.astype(_F32)).astype(bf16)]
-                        for pi, h in enumerate(halves):
-                            off = (pi * nsl + si) * n
-                            for j in range(dch):
-                                b_smem.at[r, j, pl.ds(off, n)].T[...] = plgpu.layout_cast(
-                                    h[j * 64:(j + 1) * 64], plgpu.Layout.WGMMA_TRANSPOSED)
+            qsum = None
+            if tok:                     # B = q' for every block; sum_d q' for the per-token min term
+                store_b(b_smem, 0, 0, b_parts(qt))
                 plgpu.commit_smem()
+                for j in range(dch):
+                    part = qt[j * 64:(j + 1) * 64].sum(axis=0)
+                    qsum = part if qsum is None else qsum + part
+
+            def step(indices, *args):
+                (i,) = indices
+                sm = dict(zip(names, args[:len(names)]))
+                k_smem, v_smem, ks_smem, vs_smem = sm["k"], sm["v"], sm["ks"], sm["vs"]
+                accs, m_i, l_i, zs = args[len(names)]
+                row0 = (base + i) * bt
+                if not tok:
+                    # 1. B = q' * s_g of the groups each plane meets, stacked along N (hi parts, then lo parts):
+                    #    b_smem[r, j] rows [(pi * nsl + si) * n, +n) = part pi of slot si's group, D chunk j
+                    for r in range(pln):
+                        for si, (gidx, _) in enumerate(kslots[r]):
+                            sg = plgpu.load(ks_smem.at[gidx], (), layout=wg.reduce(1), optimized=False).astype(_F32)
+                            store_b(b_smem, r, si, b_parts(qt * lax.broadcast_in_dim(sg, (d, n), [0])))
+                    plgpu.commit_smem()
 
                 # 2. S^T per plane: ONE wgmma per D chunk (N = parts * slots * n), rows pick their group's columns
                 #    (planes in batches of sp.qk_batch: one accumulator scope each, so only a batch's
@@ -399,7 +446,7 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
                     for acc_ref, r in zip(acc_refs, planes):
                         kr = _plane(kbytes, r, sp.bits, unshift_top=True)       # [64, D] bf16 codes u
                         for j in range(dch):
-                            plgpu.wgmma(acc_ref, kr[:, j * 64:(j + 1) * 64], b_smem.at[r, j].T)
+                            plgpu.wgmma(acc_ref, kr[:, j * 64:(j + 1) * 64], b_smem.at[0 if tok else r, j].T)
                             if sp.inflight:
                                 plgpu.wgmma_wait(sp.inflight)
                     return [a_[...] for a_ in acc_refs]
@@ -415,8 +462,24 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
                         s = None
                         for si, (gidx, off) in enumerate(kslots[r]):
                             sg = sum(raw_r[:, (pi * nsl + si) * n:(pi * nsl + si + 1) * n] for pi in range(parts))
-                            cg = plgpu.load(c_smem.at[gidx, pl.ds(0, n)], (), layout=wg.reduce(0), optimized=False)
-                            sg = sg * (2.0 ** (-sp.bits * r)) + lax.broadcast_in_dim(cg, (_M, n), [1])
+                            sg = sg * (2.0 ** (-sp.bits * r))
+                            if tok:             # logit = s_t (u . q') + m_t sum(q')
+                                rows_ = pl.ds(r * _M, _M)
+                                st = plgpu.load(ks_smem.at[0, rows_], (), layout=wg.reduce(1),
+                                                optimized=False).astype(_F32)
+                                if sp.k_zero == "symmetric":
+                                    mt = st * (-half)
+                                else:
+                                    mt = plgpu.load(ks_smem.at[1, rows_], (), layout=wg.reduce(1),
+                                                    optimized=False).astype(_F32)
+                                    if sp.k_zero == "offset":
+                                        mt = -mt * st
+                                sg = (sg * lax.broadcast_in_dim(st, (_M, n), [0])
+                                      + lax.broadcast_in_dim(mt, (_M, n), [0]) * lax.broadcast_in_dim(qsum, (_M, n), [1]))
+                            else:
+                                cg = plgpu.load(sm["c"].at[gidx, pl.ds(0, n)], (), layout=wg.reduce(0),
+                                                optimized=False)
+                                sg = sg + lax.broadcast_in_dim(cg, (_M, n), [1])
                             s = sg if s is None else jnp.where(rows_t >= off, sg, s)
                         rows = rows_t + (row0 + r * _M)
                         valid = (rows >= lo) & (rows < hi)
@@ -440,12 +503,18 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
                     for ci in range(nvg):
                         sv = plgpu.load(vs_smem.at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1),
                                         optimized=False).astype(_F32)
-                        mv = plgpu.load(vm_smem.at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1),
-                                        optimized=False).astype(_F32)
-                        if r == pln - 1:        # re-centred top-plane codes: v = (u - 2^(b-1)) sv + (mv + 2^(b-1) sv)
-                            mv = mv + (2.0 ** (sp.bits - 1)) * sv
+                        if sp.v_zero == "symmetric":  # mv = -2^(b-1) sv; 0 on the re-centred top plane
+                            mv = None if r == pln - 1 else sv * (-half)
+                        else:
+                            mv = plgpu.load(sm["vm"].at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1),
+                                            optimized=False).astype(_F32)
+                            if sp.v_zero == "offset":
+                                mv = -mv * sv
+                            if r == pln - 1:    # re-centred top-plane codes: v = (u - 2^(b-1)) sv + (mv + 2^(b-1) sv)
+                                mv = mv + half * sv
                         sv = sv * (2.0 ** (-sp.bits * r))   # the plane's codes come out times 2^(bits*r)
-                        zs[ci] = zs[ci] + jnp.where(valids[r], p * lax.broadcast_in_dim(mv, (_M, n), [0]), 0.0)
+                        if mv is not None:
+                            zs[ci] = zs[ci] + jnp.where(valids[r], p * lax.broadcast_in_dim(mv, (_M, n), [0]), 0.0)
                         pv = jnp.where(valids[r], p * lax.broadcast_in_dim(sv, (_M, n), [0]), 0.0)
                         if sp.dup:
                             pv = jnp.where(cols < sp.dup, pv, pv - pv.astype(bf16).astype(_F32))
@@ -474,21 +543,24 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
                 accs = list(pl.run_state(pv_fn)([plgpu.ACC.init(a_) for a_ in accs]))
                 return accs, m_new, l_i, zs
 
-            ks_blk = (nkg, d)
-            specs = [plgpu.BlockSpec((_M, d), lambda i: (base + i, 0), transforms=k_tf),
-                     plgpu.BlockSpec((d, _M), lambda i: (0, base + i), transforms=v_tf),
-                     plgpu.BlockSpec(ks_blk, lambda i: (base + i, 0)),
-                     plgpu.BlockSpec((nkg, c.shape[-1]), lambda i: (base + i, 0)),
-                     plgpu.BlockSpec((nvg, bt), lambda i: (0, base + i)),
-                     plgpu.BlockSpec((nvg, bt), lambda i: (0, base + i))]
-            refs = [k_ref.at[pid], v_ref.at[pid], ks_ref.at[pid], c_ref.at[pid], vs_ref.at[pid], vm_ref.at[pid]]
+            blk = lambda i: (base + i, 0)            # noqa: E731  (token rows first)
+            blk_t = lambda i: (0, base + i)          # noqa: E731  (tokens last)
+            spec_of = {
+                "k": plgpu.BlockSpec((_M, d), blk, transforms=k_tf),
+                "v": plgpu.BlockSpec((d, _M), blk_t, transforms=v_tf),
+                "ks": plgpu.BlockSpec((sp.k_rows, bt), blk_t) if tok else plgpu.BlockSpec((sp.kgroups, d), blk),
+                "vs": plgpu.BlockSpec((nvg, bt), blk_t),
+                "c": None if tok else plgpu.BlockSpec((sp.kgroups, arrays["c"].shape[-1]), blk),
+                "vm": plgpu.BlockSpec((nvg, bt), blk_t)}
+            specs = [spec_of[nm] for nm in names]
+            refs_in = [in_refs[nm].at[pid] for nm in names]
             zero_t = lambda w=n: plgpu.layout_cast(jnp.full((_M, w), 0.0, _F32), wg)  # noqa: E731
             accs0 = [zero_t(nvs * n) for _ in range(dch)]
             m0 = plgpu.layout_cast(jnp.full((n,), _NEG, _F32), wg.reduce(0))
             carry0 = (accs0, m0, zero_t(), [zero_t() for _ in range(nvg)])
             accs, m_i, l_i, zs = plgpu.emit_pipeline(
                 step, grid=(nbs,), in_specs=specs, max_concurrent_steps=min(sp.stages, nbs),
-                init_carry=carry0)(*refs)
+                init_carry=carry0)(*refs_in)
             rows_t = plgpu.broadcasted_iota(jnp.int32, (_M, n), 0, layout=wg)
             for j in range(dch):
                 o = None
@@ -510,7 +582,7 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
         pl.run_scoped(
             scoped,
             plgpu.SMEM((d, n), _F32),
-            plgpu.SMEM((pln, dch, nq, 64), bf16, transforms=b_tf),
+            plgpu.SMEM((nb_planes, dch, nq, 64), bf16, transforms=b_tf),
             plgpu.SMEM((pln, dch, nvs * n, 64), bf16, transforms=b_tf),
             plgpu.SMEM((nvs * n,), _F32),
             plgpu.SMEM((d, n), _F32),
@@ -524,7 +596,7 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
                 jax.ShapeDtypeStruct((bh, ns, n), _F32), jax.ShapeDtypeStruct((bh, ns, n), _F32))
     fn = plgpu.kernel(body, out_type=out_type, grid=(bh, ns), grid_names=("bh", "split"),
                       compiler_params=plgpu.CompilerParams(approx_math=True))
-    return fn(start, end, qt, c, k, v, ks, vs, vm)
+    return fn(start, end, qt, *[arrays[nm] for nm in names])
 
 
 def _spec_for(ops: KiviMgpuOperands, g: int, cfg: KiviMgpuConfig | None) -> _KiviSpec:
@@ -577,9 +649,17 @@ def decode_attention_mgpu_kivi_partials(q, ops: KiviMgpuOperands, *, sm_scale: f
     c = _group_offsets(qb, ops.k_min, cfg.offsets)
     cn = max(sp.n, 128 // (4 * sp.kgroups))         # a TMA tile of >= 128 bytes (one per thread of the warpgroup)
     c = jnp.pad(c, ((0, 0), (0, 0), (0, cn - sp.n)))
-    o, z, m, l = _kivi_call(ops.start.astype(jnp.int32), ops.end.astype(jnp.int32), jnp.swapaxes(qb, 1, 2), c,
-                            ops.k, ops.v, ops.k_scale, ops.v_scale, ops.v_min, sp)
-    ns = o.shape[1]
+    out = _kivi_call(ops.start.astype(jnp.int32), ops.end.astype(jnp.int32), jnp.swapaxes(qb, 1, 2), c,
+                     ops.k, ops.v, ops.k_scale, ops.v_scale, ops.v_min, sp)
+    return _kernel_partials(out, sp, b, hkv)
+
+
+def _kernel_partials(out, sp: _KiviSpec, b: int, hkv: int):
+    """The kernel's outputs ``(o [BH, S, D, N], z [BH, S, C, N], m, l [BH, S, N])`` -> the partials ``acc [B, Hkv,
+    S, G, D], m, l [B, Hkv, S, G]`` (natural-log ``m``): V's min term ``z`` added to its channels (once: not in the
+    lo columns), the hi + lo column halves of ``bf16x2`` summed, the padding columns dropped."""
+    o, z, m, l = out
+    ns, d, g = o.shape[1], sp.d, sp.g
     z_cols = jnp.arange(sp.n) < (sp.dup or sp.n)                                  # z once (not in lo columns)
     o = o + jnp.where(z_cols, jnp.repeat(z, sp.vg, axis=2), 0.0)
     o = jnp.swapaxes(o, 2, 3).reshape(b, hkv, ns, sp.n, d)
@@ -640,8 +720,17 @@ def _partials_jnp(q, ops: KiviMgpuOperands, sm_scale, offsets: str = "highest"):
     sv = jnp.repeat(jnp.swapaxes(ops.v_scale.astype(_F32), 1, 2), ops.v_group, 2)   # [BH, T, D]
     mv = jnp.repeat(jnp.swapaxes(ops.v_min.astype(_F32), 1, 2), ops.v_group, 2)
     mv = jnp.where(top, mv + (2.0 ** (bits - 1)) * sv, mv)
+    return _twin_softmax_pv(s, uv, sv, mv, ops.start, ops.end, b, hkv)
+
+
+def _twin_softmax_pv(s, uv, sv, mv, start, end, b: int, hkv: int):
+    """The plain-JAX twins' second half (one split): ``s [BH, G, T]`` log2-unit logits, ``uv`` the V planes as the
+    kernel reads them, ``sv, mv [BH, T, D]`` (``mv`` with the top plane's shift), live rows ``[start, end)`` (``[B]``
+    each) -> ``acc [B, Hkv, 1, G, D], m, l [B, Hkv, 1, G]`` float32 (natural-log ``m``)."""
+    hp = lax.Precision.HIGHEST
+    g, t = s.shape[1], s.shape[2]
     rows = jnp.arange(t, dtype=jnp.int32)[None, :]
-    valid = jnp.repeat((rows >= ops.start[:, None]) & (rows < ops.end[:, None]), hkv, 0)[:, None, :]
+    valid = jnp.repeat((rows >= start[:, None]) & (rows < end[:, None]), hkv, 0)[:, None, :]
     s = jnp.where(valid, s, _NEG)
     m = jnp.max(s, axis=-1)                                                          # [BH, G]
     p = jnp.where(valid, jnp.exp2(s - m[..., None]), 0.0)
@@ -649,7 +738,7 @@ def _partials_jnp(q, ops: KiviMgpuOperands, sm_scale, offsets: str = "highest"):
     acc = (jnp.einsum("xgt,xtd->xgd", p, jnp.where(live, uv * sv, 0.0), precision=hp)
            + jnp.einsum("xgt,xtd->xgd", p, jnp.where(live, mv, 0.0), precision=hp))
     sh = (b, hkv, 1, g)
-    return acc.reshape(sh + (d,)), (m * _LN2).reshape(sh), jnp.sum(p, axis=-1).reshape(sh)
+    return acc.reshape(sh + (uv.shape[-1],)), (m * _LN2).reshape(sh), jnp.sum(p, axis=-1).reshape(sh)
 
 
 def decode_attention_mgpu_kivi_prepared(q, ops: KiviMgpuOperands, *, k_new=None, v_new=None,

@@ -34,15 +34,35 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-__all__ = ["LAYOUT_TAG", "KiviPlanarFormat", "KiviPlanarOperand", "planar_index", "pack_token_planar",
+__all__ = ["LAYOUT_TAG", "PlaneBlocks", "KiviPlanarFormat", "KiviPlanarOperand", "planar_index", "pack_token_planar",
            "unpack_token_planar", "write_planar", "take_planar"]
 
 #: the physical-layout tag every schema of this layout records (``CacheSchema.extra``)
 LAYOUT_TAG = "kivi_token_planar_k+v_token_minor"
 
 
+class PlaneBlocks:
+    """Block geometry of a token-planar layout (fields ``bits`` and ``plane_rows``): ``planes = 8 / bits`` tokens
+    per byte, ``block_t`` tokens per block; :meth:`_check_planes` refuses widths and plane sizes the layout has no
+    meaning for.  Shared by :class:`KiviPlanarFormat` and ``abi.token_planar.TokenPlanarFormat``."""
+
+    def _check_planes(self, what: str) -> None:
+        if self.bits not in (2, 4):
+            raise ValueError(f"{what}: bits must be 2 or 4, got {self.bits!r}")
+        if self.plane_rows < 1:
+            raise ValueError(f"{what}: plane_rows must be >= 1, got {self.plane_rows!r}")
+
+    @property
+    def planes(self) -> int:
+        return 8 // self.bits
+
+    @property
+    def block_t(self) -> int:
+        return self.plane_rows * self.planes
+
+
 @dataclasses.dataclass(frozen=True)
-class KiviPlanarFormat:
+class KiviPlanarFormat(PlaneBlocks):
     """Static description of one layer in the token-planar KIVI layout (hashable: a jit static / dispatch key).
 
     Attributes:
@@ -60,18 +80,7 @@ class KiviPlanarFormat:
     qparam_dtype: str = "fp16"
 
     def __post_init__(self):
-        if self.bits not in (2, 4):
-            raise ValueError(f"kivi planar layout: bits must be 2 or 4, got {self.bits!r}")
-        if self.plane_rows < 1:
-            raise ValueError(f"kivi planar layout: plane_rows must be >= 1, got {self.plane_rows!r}")
-
-    @property
-    def planes(self) -> int:
-        return 8 // self.bits
-
-    @property
-    def block_t(self) -> int:
-        return self.plane_rows * self.planes
+        self._check_planes("kivi planar layout")
 
     @property
     def payload(self) -> str:

@@ -7,7 +7,8 @@ layer state is read in place (docs/architecture.md, "Physical layouts"): every s
 A scheme whose format has its own fused kernel also answers ``fused_decode_operand(state) -> (format, arrays)``;
 this module routes by the format's type (:data:`FUSED_KERNELS`: KVQuant's LUT + sparse + in-kernel RoPE kernel; the
 Mosaic GPU swap-AB kernel for per-token INT8/INT4 stored in its transposed-V layout; the Mosaic GPU KIVI kernel for
-KIVI-2/4 stored token-planar, ``kivi2_planar`` / ``kivi4_planar``).
+KIVI-2/4 stored token-planar, ``kivi2_planar`` / ``kivi4_planar``, and its per-token-key variant for per-token
+INT2/INT4 stored token-planar, ``int2_planar`` / ``int4_planar``).
 
 Which path served each layer is logged once per (path, format, shape) on the ``kvquant_jax.attention`` logger at
 trace time (INFO; a WARNING when a GPU falls back to the float materialize path) and kept in :data:`SERVED`.
@@ -42,11 +43,13 @@ from kvquant_jax.abi.kivi_planar import KiviPlanarFormat
 from kvquant_jax.abi.kvquant import KVQuantFormat
 from kvquant_jax.abi.reference import decode_attention_jnp
 from kvquant_jax.abi.regions import Region
+from kvquant_jax.abi.token_planar import TokenPlanarFormat
 from kvquant_jax.abi.transposed_v import TransposedVFormat
 from pallas_kernels import decode_attention as kernel
 from pallas_kernels import decode_attention_kvquant as kvquant_kernel
 from pallas_kernels import decode_attention_mgpu as mgpu_kernel
 from pallas_kernels import decode_attention_mgpu_kivi as mgpu_kivi_kernel
+from pallas_kernels import decode_attention_mgpu_planar as mgpu_planar_kernel
 from pallas_kernels import decode_attention_mgpu_ws as ws_kernel
 from pallas_kernels import decode_tuning
 from pallas_kernels.backend import platform
@@ -64,6 +67,8 @@ FUSED_KERNELS: dict[type, tuple[Any, tuple[str, ...], Any]] = {
     TransposedVFormat: (mgpu_kernel.decode_attention_transposed_v, ("gpu",), mgpu_kernel.transposed_v_unsupported),
     KiviPlanarFormat: (mgpu_kivi_kernel.decode_attention_kivi_planar, ("gpu",),
                        mgpu_kivi_kernel.kivi_planar_unsupported),
+    TokenPlanarFormat: (mgpu_planar_kernel.decode_attention_token_planar, ("gpu",),
+                        mgpu_planar_kernel.token_planar_layer_unsupported),
 }
 
 #: ``(path, format description, q shape) -> reason`` for every decode-attention trace so far (what served what)

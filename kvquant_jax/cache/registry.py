@@ -9,6 +9,8 @@ new file plus one entry here (docs/architecture.md, "Adding a scheme").
 * a name (:data:`NAMES`): "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "int3"...,
   "int8_vt", "int4_vt" (the same per-token codes in the Mosaic GPU kernel's transposed-V layout),
   "fp8_e4m3_vt", "fp8_e5m2_vt" (the FP8 codes and per-head scales in that layout),
+  "int2_planar", "int4_planar", "qserve4_planar" (the per-token / QServe codes stored token-planar for the Mosaic
+  GPU planar kernel),
   "static_int4", "qserve4", "kivi2", "kivi4", "kivi2_planar", "kivi4_planar" (the same KIVI codes stored
   token-planar for the Mosaic GPU KIVI kernel), "kvquant", "kivi_axes" (the simulated axis ablation), "prefix",
   "window" (a sliding-window ring around any body: ``{"name": "window", "window": 512, "body": "int4"}``),
@@ -44,12 +46,13 @@ from kvquant_jax.cache.per_token_vt import TransposedVPerTokenScheme
 from kvquant_jax.cache.prefix import PrefixScheme
 from kvquant_jax.cache.qserve import QServeScheme
 from kvquant_jax.cache.static_int import PerTokenAnyBitsScheme, StaticIntScheme
+from kvquant_jax.cache.token_planar import QServePlanarScheme, TokenPlanarScheme
 from kvquant_jax.cache.window import WindowScheme
 from kvquant_jax.quant.ledger import LedgerShape, ledger_table
 
 #: every registered scheme class (one entry per family)
 SCHEME_CLASSES: tuple[type, ...] = (FullPrecisionScheme, FP8Scheme, FP8TransposedVScheme, PerTokenScheme,
-                                    TransposedVPerTokenScheme,
+                                    TransposedVPerTokenScheme, TokenPlanarScheme, QServePlanarScheme,
                                     PerTokenAnyBitsScheme, StaticIntScheme, QServeScheme, KIVIScheme, KIVIPlanarScheme,
                                     KVQuantScheme,
                                     PrefixScheme, AxisAblationScheme, WindowScheme, KVSplitScheme)

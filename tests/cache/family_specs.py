@@ -8,6 +8,9 @@ SPECS = {
     "fp8_vt": "fp8_e4m3_vt:scales=warmup,axis=head",
     "per_token": "int4:group_size=8",
     "per_token_vt": "int4_vt",
+    # token-planar per-token INT2 with 2-row planes (8-token blocks: capacities and page sizes multiples of 8)
+    "token_planar": {"name": "int2_planar", "plane_rows": 2},
+    "qserve_planar": {"name": "qserve4_planar", "plane_rows": 4},
     "per_token_any": "int3",
     "static_int": "static_int4",
     "qserve": "qserve4",

@@ -46,6 +46,8 @@ EXTRA = {
     "kivi_axes": {"name": "kivi_axes", "k_axis": "token", "group_size": 4, "token_group_size": 4, "residual": 8},
     "kv_int8_kivi2": {"name": "kv", "k": "int8", "v": KIVI},
     "kivi2_planar": {**KIVI, "name": "kivi2_planar", "plane_rows": 1},     # 4-token blocks: one per page
+    "int2_planar": {"name": "int2_planar", "plane_rows": 1},                 # 4-token blocks: one per page
+    "qserve4_planar": {"name": "qserve4_planar", "plane_rows": 2},           # 4-token blocks: one per page
 }
 #: families the paged layout refuses, and why (a test checks the refusal)
 NOT_PAGED = {"window": "a sliding-window ring keeps a bounded number of rows per sequence: no field grows with "

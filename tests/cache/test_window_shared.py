@@ -252,6 +252,8 @@ BODY_SPECS = {
     "static_int": "static_int4",
     "qserve": "qserve4",
     "per_token_vt": "int4_vt",
+    "token_planar": {"name": "int2_planar", "plane_rows": 2},
+    "qserve_planar": {"name": "qserve4_planar", "plane_rows": 4},
     "fp8_vt_warmup_head": "fp8_e4m3_vt:scales=warmup,axis=head",
     "kvquant": SPECS["kvquant"],
 }

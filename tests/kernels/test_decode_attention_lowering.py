@@ -195,3 +195,22 @@ def test_kivi_planar_route_lowers_for_cuda(name, q_dtype):
 
     text = _lower_cuda(fn, q, st, jnp.array([700, 1000], jnp.int32), kn)
     assert text.count("mosaic_gpu") >= 1 and "body_mosaic_gpu" in text
+
+
+# pallas_kernels/decode_attention_mgpu_planar.py (per-token INT2 / INT4 on the token-planar kernel): every zero
+# convention of K and V (symmetric reads no zero array; offset / min one row), V groups, D 64 / 128 / 256
+@pytest.mark.parametrize("bits,kz,vz,vg,d,g,precision", [
+    (2, "symmetric", "symmetric", 0, 128, 4, "bf16x2"), (4, "offset", "offset", 0, 128, 4, "bf16x2"),
+    (2, "min", "offset", 16, 64, 3, "bf16"), (4, "symmetric", "min", 64, 256, 8, "bf16x2"),
+    (2, "offset", "symmetric", 32, 64, 1, "bf16x2")])
+def test_mgpu_planar_kernel_lowers_for_cuda(rng, bits, kz, vz, vg, d, g, precision):
+    from kvquant_jax.abi.regions import KVFormat
+    from pallas_kernels import decode_attention_mgpu_kivi as mk
+    from pallas_kernels import decode_attention_mgpu_planar as mp
+
+    kf, vf = KVFormat(f"int{bits}", "token", kz), KVFormat(f"int{bits}", "token", vz, vg)
+    reg = random_region(rng, kf, vf, 2, 2, 1024, d, [0, 0], [300, 1024], poison=False, qparam_dtype=jnp.float16)
+    q = jnp.asarray(rng.standard_normal((2, 2 * g, d)).astype(np.float32)).astype(jnp.bfloat16)
+    cfg = mk.KiviMgpuConfig(num_splits=2, precision=precision)
+    text = _lower_cuda(lambda q, r: mp.decode_attention_mgpu_planar(q, r, config=cfg, interpret=False), q, reg)
+    assert "mosaic_gpu" in text

@@ -167,7 +167,8 @@ def test_prefill_impl_resolution():
         forward(PARAMS, CFG, jnp.asarray(PROMPTS[:, :1]), _cache("fp32"), attention_impl="flash")
 
 
-@pytest.mark.parametrize("spec", ["bf16", "fp32", "int4", "int4_vt", "int8_vt", "kivi2:residual=16,group_size=8"])
+@pytest.mark.parametrize("spec", ["bf16", "fp32", "int4", "int4_vt", "int8_vt", "kivi2:residual=16,group_size=8",
+                                  "int2_planar", "qserve4_planar"])
 def test_decode_step_updates_the_donated_cache_in_place(spec):
     """Compiled decode step in the serving layout: every cache buffer is aliased input -> output and no HLO copy
     produces an array of a cache buffer's type (a per-layer copy per step is what this layout removes).

@@ -1,0 +1,110 @@
+"""Mosaic GPU per-token INT2 / INT4 decode attention (issue J): float64-oracle parity + timing vs cuDNN and Triton.
+
+    python experiments/check_mgpu_planar.py --out $OUT/planar                  # (a) parity, (b) timing at 4K, 32K
+    python experiments/check_mgpu_planar.py --check-only
+    python experiments/check_mgpu_planar.py --skip-check --T 32768 --formats int2,qserve --variants "stages 3"
+
+The kernel: ``pallas_kernels/decode_attention_mgpu_planar.py`` (the token-planar KIVI kernel with per-token keys).
+(a) Small ragged cases (B=3, Hkv=2, T=512, poisoned dead rows: NaN qparams, the current token in the same softmax)
+    against the float64 NumPy oracle: INT2 / INT4, zero conventions symmetric / offset (QServe) / min, V groups
+    16 / 32 / 64 / D, D 64 / 128 / 256, GQA 1 / 3 / 4 / 8, bf16 and float32 queries, both precisions.  Bounds:
+    ``bf16x2`` 5e-5 relative (max-abs / max-abs), ``bf16`` 4e-3.
+(b) B=8, Hq=32, Hkv=8, D=128 (or --B/--hq/--hkv/--d) at each --T: cuDNN bf16, the Triton kernel on the layout-v1
+    region and the Mosaic kernel on the prepared token-planar operands (converted outside the timed program, as a
+    cache would store them; fp16 qparams) in ONE process with ``bench_decode_attention.py``'s rotating input sets
+    and clock.  Formats: ``int2`` (symmetric), ``qserve`` (int4, floating offset), ``int4`` (symmetric: against
+    v1's int4 in ``check_mgpu_decode.py``).  Bytes = the prepared arrays + the query; ``x`` = speed vs cuDNN.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import check_mgpu_kivi as ck  # noqa: E402
+from kvquant_jax.abi.regions import KVFormat  # noqa: E402
+from kvquant_jax.attention.synthetic import PRESETS, random_region  # noqa: E402
+from pallas_kernels import decode_attention_mgpu_kivi as mk  # noqa: E402
+from pallas_kernels import decode_attention_mgpu_planar as mp  # noqa: E402
+
+#: (bits, K zero, V zero, V group, D, GQA group) of the parity cases
+PARITY_CASES = [(2, "symmetric", "symmetric", 0, 128, 4), (4, "offset", "offset", 0, 128, 4),
+                (2, "min", "offset", 16, 64, 3), (4, "symmetric", "min", 64, 256, 8),
+                (2, "offset", "symmetric", 32, 64, 1), (4, "symmetric", "symmetric", 0, 128, 4)]
+BOUND = ck.BOUND
+TIMED = {"int2": PRESETS["int2"], "qserve": PRESETS["qserve"], "int4": PRESETS["int4"]}
+
+
+def variant_configs(dflt: mk.KiviMgpuConfig, s0: int) -> dict[str, mk.KiviMgpuConfig]:
+    """--variants: name -> config (changes from ``dflt``; ``s0`` = the default's splits)."""
+    rep = dataclasses.replace
+    return {"stages 3": rep(dflt, max_concurrent_steps=3), "stages 4": rep(dflt, max_concurrent_steps=4),
+            "splits x2": rep(dflt, num_splits=2 * s0), "splits /2": rep(dflt, num_splits=max(1, s0 // 2)),
+            "prec bf16": rep(dflt, precision="bf16"),
+            **{f"inflight {k}": rep(dflt, wgmma_inflight=k) for k in (0, 1, 2)},
+            "qk batch 1": rep(dflt, qk_plane_batch=1)}
+
+
+VARIANTS = tuple(variant_configs(mk.KiviMgpuConfig(), 1))
+
+
+def parity(args, results) -> bool:
+    rng = np.random.default_rng(0)
+    interp = jax.devices()[0].platform != "gpu"      # CPU: the plain-JAX twin
+    ok_all = True
+    for ci, (bits, kz, vz, vg, d, g) in enumerate(PARITY_CASES):
+        if args.cases is not None and ci not in args.cases:
+            continue
+        kf, vf = KVFormat(f"int{bits}", "token", kz), KVFormat(f"int{bits}", "token", vz, vg)
+        t, hkv = 512, 2
+        reg = random_region(rng, kf, vf, 3, hkv, t, d, [0, 5, 130], [300, 512, 131], poison=True,
+                            qparam_dtype=jnp.float16)
+        kn = jnp.asarray(rng.standard_normal((3, hkv, d)).astype(np.float32))
+        vn = jnp.asarray(rng.standard_normal((3, hkv, d)).astype(np.float32))
+        q32 = jnp.asarray(rng.standard_normal((3, hkv * g, d)).astype(np.float32))
+        for qname, q in (("f32", q32), ("bf16", q32.astype(jnp.bfloat16))):
+            ref = mp.decode_attention_mgpu_planar_reference_f64(q, reg, k_new=kn, v_new=vn)
+            for prec in ("bf16x2", "bf16"):
+                cfg = mk.KiviMgpuConfig(precision=prec, num_splits=2)
+                row = dict(kind="parity", case=ci, bits=bits, k_zero=kz, v_zero=vz, v_group=vg, d=d, g=g, q=qname,
+                           precision=prec)
+                serve = lambda q=q, cfg=cfg: (jax.jit(lambda q, r, kn, vn: mp.decode_attention_mgpu_planar(  # noqa: E731
+                    q, r, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32, interpret=interp))(
+                    q, reg, kn, vn), {}, True)
+                ok_all &= ck.parity_row(args, results, row, serve, ref, BOUND[prec],
+                                        f"case {ci} int{bits} K {kz} V {vz} Gv={vg} D={d} g={g} q={qname} {prec}")
+    return ok_all
+
+
+def timing(args, results, t, rep: int):
+    """``int2`` / ``qserve`` / ``int4`` (:data:`TIMED`) at one T: ``check_mgpu_kivi.timing_formats`` with the
+    token-planar preparation and entry."""
+    ck.timing_formats(args, results, t, rep, TIMED.__getitem__, mp.prepare_token_planar_region,
+                      mp.decode_attention_mgpu_planar_prepared, variant_configs)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--formats" or a.startswith("--formats=") for a in argv):
+        argv += ["--formats", "int2,qserve,int4"]
+    kivi_variants, ck.VARIANTS = ck.VARIANTS, VARIANTS    # parse_args checks --variants against this script's list
+    try:
+        args = ck.parse_args(argv, __doc__, "triton,mgpu")
+    finally:
+        ck.VARIANTS = kivi_variants
+    unknown = sorted(set(args.formats) - set(TIMED))
+    if unknown:
+        raise SystemExit(f"unknown formats {unknown}; known: {', '.join(TIMED)}")
+    ok, checked_only = ck.run(args, parity, timing)
+    return (0 if ok else 1) if checked_only else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
