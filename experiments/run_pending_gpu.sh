@@ -44,7 +44,8 @@
 #   planar         J: the token-planar kernel (per-token INT2 / INT4 / QServe, decode_attention_mgpu_planar): every
 #                  parity case, 3 timing repeats at 4K / 32K vs Triton and cuDNN, then the int2_planar /
 #                  qserve4_planar caches through the dispatcher (H100 2026-12-07: one run each, 16/16 + 20/20
-#                  parity; INT2 1.78x / 1.88x, QServe 1.70x / 1.87x cuDNN); ALONE
+#                  parity; INT2 1.78x / 1.88x, QServe 1.70x / 1.87x cuDNN); ALONE.  Its counters:
+#                  `ncu_decode.py --T 32768 --formats int2,qserve,int4 --impls mgpu_planar,triton`
 #   kivi_block     J: KIVI-2/4 with the opt-in whole-block update (`kivi_update=block`, one softmax update + one
 #                  PV per block) against today's per-group path and cuDNN at 32K (timed twice, 2026-12-03 / 04:
 #                  no gain; rerun only to repeat it); ALONE

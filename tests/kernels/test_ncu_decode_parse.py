@@ -346,8 +346,24 @@ def test_kivi_child_refusals(nd):
         nd.main(["--child", "--impl", "mgpu_kivi", "--format", "int4", "--T", "512"])
     with pytest.raises(SystemExit, match="v1: no kivi4 path"):
         nd.main(["--child", "--impl", "v1", "--format", "kivi4", "--T", "512"])
-    with pytest.raises(SystemExit, match="--interpret: mgpu_kivi only"):
+    with pytest.raises(SystemExit, match="--interpret: mgpu_kivi / mgpu_planar only"):
         nd.main(["--child", "--impl", "triton", "--format", "kivi2", "--T", "512", "--interpret"])
+    with pytest.raises(SystemExit, match="mgpu_planar: the token-planar kernel reads int2, qserve, int4 only"):
+        nd.main(["--child", "--impl", "mgpu_planar", "--format", "kivi2", "--T", "512"])
+    with pytest.raises(SystemExit, match=r"v1: no int2 path \(read by the Triton kernel or the token-planar kernel"):
+        nd.main(["--child", "--impl", "v1", "--format", "int2", "--T", "512"])
+
+
+def test_planar_child_runs_the_twin_on_cpu(nd, capsys):
+    """The mgpu_planar child builds check_mgpu_planar's inputs (prepared outside the profiled call) and calls the
+    token-planar entry (its plain-JAX twin on CPU); the driver lists it for int2 / qserve / int4 only."""
+    nd.main(["--child", "--impl", "mgpu_planar", "--format", "qserve", "--T", "512", "--B", "2", "--interpret"])
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("NCU_CHILD")][-1]
+    info = json.loads(line.split(" ", 1)[1])
+    assert (info["impl"], info["format"], info["interpret"]) == ("mgpu_planar", "qserve", True) and info["num_splits"] >= 1
+    a = _shape_args(formats=["int2", "qserve", "kivi2"], impls=["mgpu_planar", "mgpu_kivi"])
+    got = [(c["impl"], c["format"]) for c in nd.build_cases(a)]
+    assert got == [("mgpu_planar", "int2"), ("mgpu_planar", "qserve"), ("mgpu_kivi", "kivi2")]
 
 
 def test_kivi_pattern_matches_the_lowered_kernel_once_per_call(nd, rng):
