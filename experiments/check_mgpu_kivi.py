@@ -99,6 +99,19 @@ def parity_row(args, results, row: dict, serve, ref: np.ndarray, bound: float, l
     return row["ok"]
 
 
+def parity_inputs(rng, kf, vf, d: int, g: int):
+    """One parity case's inputs: a ragged region (B 3, Hkv 2, T 512, live ``[0, 300) / [5, 512) / [130, 131)``, dead
+    rows poisoned, fp16 qparams) in ``kf / vf``, the current token ``k_new, v_new [3, 2, D]`` and the queries
+    ``[("f32", q), ("bf16", q)]`` of GQA group ``g``."""
+    hkv = 2
+    reg = random_region(rng, kf, vf, 3, hkv, 512, d, [0, 5, 130], [300, 512, 131], poison=True,
+                        qparam_dtype=jnp.float16)
+    kn = jnp.asarray(rng.standard_normal((3, hkv, d)).astype(np.float32))
+    vn = jnp.asarray(rng.standard_normal((3, hkv, d)).astype(np.float32))
+    q32 = jnp.asarray(rng.standard_normal((3, hkv * g, d)).astype(np.float32))
+    return reg, kn, vn, (("f32", q32), ("bf16", q32.astype(jnp.bfloat16)))
+
+
 def parity(args, results) -> bool:
     rng = np.random.default_rng(0)
     interp = jax.devices()[0].platform != "gpu"      # CPU: the plain-JAX twin
@@ -106,14 +119,8 @@ def parity(args, results) -> bool:
     for ci, (bits, kg, vg, d, g) in enumerate(PARITY_CASES):
         if args.cases is not None and ci not in args.cases:
             continue
-        kf, vf = kivi_formats(bits, kg, vg)
-        t, hkv = 512, 2
-        reg = random_region(rng, kf, vf, 3, hkv, t, d, [0, 5, 130], [300, 512, 131], poison=True,
-                            qparam_dtype=jnp.float16)
-        kn = jnp.asarray(rng.standard_normal((3, hkv, d)).astype(np.float32))
-        vn = jnp.asarray(rng.standard_normal((3, hkv, d)).astype(np.float32))
-        q32 = jnp.asarray(rng.standard_normal((3, hkv * g, d)).astype(np.float32))
-        for qname, q in (("f32", q32), ("bf16", q32.astype(jnp.bfloat16))):
+        reg, kn, vn, queries = parity_inputs(rng, *kivi_formats(bits, kg, vg), d, g)
+        for qname, q in queries:
             ref = mk.decode_attention_mgpu_kivi_reference_f64(q, reg, k_new=kn, v_new=vn)
             for prec in ("bf16x2", "bf16"):
                 cfg = mk.KiviMgpuConfig(precision=prec, num_splits=2)

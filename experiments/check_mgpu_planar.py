@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import check_mgpu_kivi as ck  # noqa: E402
 from kvquant_jax.abi.regions import KVFormat  # noqa: E402
-from kvquant_jax.attention.synthetic import PRESETS, random_region  # noqa: E402
+from kvquant_jax.attention.synthetic import PRESETS  # noqa: E402
 from pallas_kernels import decode_attention_mgpu_kivi as mk  # noqa: E402
 from pallas_kernels import decode_attention_mgpu_planar as mp  # noqa: E402
 
@@ -63,13 +63,8 @@ def parity(args, results) -> bool:
         if args.cases is not None and ci not in args.cases:
             continue
         kf, vf = KVFormat(f"int{bits}", "token", kz), KVFormat(f"int{bits}", "token", vz, vg)
-        t, hkv = 512, 2
-        reg = random_region(rng, kf, vf, 3, hkv, t, d, [0, 5, 130], [300, 512, 131], poison=True,
-                            qparam_dtype=jnp.float16)
-        kn = jnp.asarray(rng.standard_normal((3, hkv, d)).astype(np.float32))
-        vn = jnp.asarray(rng.standard_normal((3, hkv, d)).astype(np.float32))
-        q32 = jnp.asarray(rng.standard_normal((3, hkv * g, d)).astype(np.float32))
-        for qname, q in (("f32", q32), ("bf16", q32.astype(jnp.bfloat16))):
+        reg, kn, vn, queries = ck.parity_inputs(rng, kf, vf, d, g)
+        for qname, q in queries:
             ref = mp.decode_attention_mgpu_planar_reference_f64(q, reg, k_new=kn, v_new=vn)
             for prec in ("bf16x2", "bf16"):
                 cfg = mk.KiviMgpuConfig(precision=prec, num_splits=2)
