@@ -86,6 +86,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kvquant_jax.abi import kivi_planar as kp
+from kvquant_jax.abi.token_planar import zero_rows
 from kvquant_jax.abi.reference import decode_attention_reference as _oracle_f64
 from kvquant_jax.abi.reference import unpack_codes
 from kvquant_jax.abi.regions import KVFormat, Region, check_query
@@ -320,7 +321,7 @@ class _KiviSpec:
 
     @property
     def k_rows(self) -> int:          # rows of the per-token ``ks`` operand
-        return 1 if self.k_zero == "symmetric" else 2
+        return zero_rows(self.k_zero)
 
     @property
     def kgroups(self) -> int:         # K scale rows per block (KIVI keys)
@@ -329,6 +330,15 @@ class _KiviSpec:
     @property
     def vgroups(self) -> int:         # V channel groups
         return self.d // self.vg
+
+
+def zero_min(s, z, kind: str, bits: int):
+    """The min ``m`` of ``x = u s + m`` (``u`` the unsigned code) for one zero convention, from float32 scales ``s``
+    and zeros ``z`` (None when symmetric): symmetric ``-2^(bits-1) s``, offset ``-z s``, min ``z``.  Elementwise: the
+    kernel forms it per row from the stored rows, the plain-JAX twin per array."""
+    if kind == "symmetric":
+        return s * -(2.0 ** (bits - 1))
+    return z if kind == "min" else -z * s
 
 
 def _plane_mask(r: int, bits: int) -> int:
@@ -465,15 +475,9 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
                             sg = sg * (2.0 ** (-sp.bits * r))
                             if tok:             # logit = s_t (u . q') + m_t sum(q')
                                 rows_ = pl.ds(r * _M, _M)
-                                st = plgpu.load(ks_smem.at[0, rows_], (), layout=wg.reduce(1),
-                                                optimized=False).astype(_F32)
-                                if sp.k_zero == "symmetric":
-                                    mt = st * (-half)
-                                else:
-                                    mt = plgpu.load(ks_smem.at[1, rows_], (), layout=wg.reduce(1),
-                                                    optimized=False).astype(_F32)
-                                    if sp.k_zero == "offset":
-                                        mt = -mt * st
+                                st, *zt = [plgpu.load(ks_smem.at[row, rows_], (), layout=wg.reduce(1),
+                                                      optimized=False).astype(_F32) for row in range(sp.k_rows)]
+                                mt = zero_min(st, zt[0] if zt else None, sp.k_zero, sp.bits)
                                 sg = (sg * lax.broadcast_in_dim(st, (_M, n), [0])
                                       + lax.broadcast_in_dim(mt, (_M, n), [0]) * lax.broadcast_in_dim(qsum, (_M, n), [1]))
                             else:
@@ -503,13 +507,13 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
                     for ci in range(nvg):
                         sv = plgpu.load(vs_smem.at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1),
                                         optimized=False).astype(_F32)
-                        if sp.v_zero == "symmetric":  # mv = -2^(b-1) sv; 0 on the re-centred top plane
-                            mv = None if r == pln - 1 else sv * (-half)
+                        if sp.v_zero == "symmetric" and r == pln - 1:
+                            mv = None           # symmetric: mv + 2^(b-1) sv below is 0 on the re-centred top plane
                         else:
-                            mv = plgpu.load(sm["vm"].at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1),
-                                            optimized=False).astype(_F32)
-                            if sp.v_zero == "offset":
-                                mv = -mv * sv
+                            zv = None if sp.v_zero == "symmetric" else plgpu.load(
+                                sm["vm"].at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1), optimized=False
+                            ).astype(_F32)
+                            mv = zero_min(sv, zv, sp.v_zero, sp.bits)
                             if r == pln - 1:    # re-centred top-plane codes: v = (u - 2^(b-1)) sv + (mv + 2^(b-1) sv)
                                 mv = mv + half * sv
                         sv = sv * (2.0 ** (-sp.bits * r))   # the plane's codes come out times 2^(bits*r)

@@ -55,7 +55,7 @@ from pallas_kernels.decode_attention_mgpu_kivi import (_F32, _M, KiviMgpuConfig,
                                                        _kernel_partials, _kivi_call, _PlanarOperandShape,
                                                        _planes_as_kernel, _pow2,
                                                        _scaled_query_block, _spec_for, _top_plane_rows,
-                                                       _twin_softmax_pv, pack_token_planar)
+                                                       _twin_softmax_pv, pack_token_planar, zero_min)
 
 __all__ = ["TokenPlanarOperands", "token_formats_unsupported", "token_planar_unsupported",
            "prepare_token_planar_region", "token_planar_layer_unsupported", "token_planar_layout_unsupported",
@@ -121,13 +121,10 @@ def token_planar_unsupported(reg: Region, head_dim: int, config: KiviMgpuConfig 
 
 
 def _min_form(scale, zero, kind: str, bits: int):
-    """``(s, m)`` float32 ``[..., X]`` of ``x = u s + m`` for one zero convention, as the kernel forms them per row
-    from the stored scale and zero (``zero`` None when symmetric)."""
+    """``(s, m)`` float32 ``[..., X]`` of ``x = u s + m`` for one zero convention (:func:`zero_min`, what the
+    kernel forms per row) from the stored scale and zero (``zero`` None when symmetric)."""
     s = scale.astype(_F32)
-    if kind == "symmetric":
-        return s, -(2.0 ** (bits - 1)) * s
-    z = zero.astype(_F32)
-    return s, (z if kind == "min" else -z * s)
+    return s, zero_min(s, None if zero is None else zero.astype(_F32), kind, bits)
 
 
 def prepare_token_planar_region(reg: Region, num_kv_heads: int | None = None) -> TokenPlanarOperands:
@@ -162,7 +159,7 @@ def _check_operands(ops: TokenPlanarOperands) -> None:
     for name, kind in (("k_zero", ops.k_zero), ("v_zero_kind", ops.v_zero_kind)):
         if kind not in ZEROS:
             raise ValueError(f"{name} must be one of {ZEROS}, got {kind!r}")
-    rows = 1 if ops.k_zero == "symmetric" else 2
+    rows = tp.zero_rows(ops.k_zero)
     if ops.k_qparams.shape != (ops.k.shape[0], rows, ops.rows):
         raise ValueError(f"k_qparams must be [BH, {rows}, {ops.rows}] for {ops.k_zero} keys, "
                          f"got {list(ops.k_qparams.shape)}")

@@ -60,6 +60,15 @@ class PlaneBlocks:
     def block_t(self) -> int:
         return self.plane_rows * self.planes
 
+    def capacity_unsupported(self, capacity: int) -> str | None:
+        """Why a layer of ``capacity`` rows (or a page of that many) cannot hold this layout (None when it can): a
+        byte holds tokens of one block, so the capacity must be whole blocks."""
+        if capacity % self.block_t:
+            return (f"capacity {capacity} must be a multiple of the {self.block_t}-token block ({self.plane_rows} "
+                    f"rows x {self.planes} planes of {self.bits}-bit codes per byte; a paged cache's page_size too: "
+                    "a byte holds tokens of one block)")
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class KiviPlanarFormat(PlaneBlocks):

@@ -32,12 +32,18 @@ from flax import struct
 
 from kvquant_jax.abi.kivi_planar import PlaneBlocks
 
-__all__ = ["LAYOUT_TAG", "ZEROS", "TokenPlanarFormat", "TokenPlanarOperand"]
+__all__ = ["LAYOUT_TAG", "ZEROS", "zero_rows", "TokenPlanarFormat", "TokenPlanarOperand"]
 
 #: the physical-layout tag every schema of this layout records (``CacheSchema.extra``)
 LAYOUT_TAG = "per_token_planar_k+v_token_minor"
 #: the zero conventions of the layout (``TokenPlanarFormat.zero``)
 ZEROS = ("symmetric", "offset")
+
+
+def zero_rows(kind: str) -> int:
+    """Qparam rows per token of a per-token operand with zero convention ``kind`` (a ``KVFormat.zero``): the scale,
+    then (not when symmetric) its offset or min."""
+    return 1 if kind == "symmetric" else 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +74,7 @@ class TokenPlanarFormat(PlaneBlocks):
     @property
     def qparam_rows(self) -> int:
         """Rows of the K qparams (scale; scale + offset)."""
-        return 1 if self.zero == "symmetric" else 2
+        return zero_rows(self.zero)
 
 
 @struct.dataclass

@@ -170,6 +170,13 @@ def packed_decode_regions(state, lengths, bits: int, scale: str, group: int = 0)
     return [region(k, KVOperand(state.v_codes, state.v_scale, None, fmt), lengths)], 0
 
 
+def per_row_ledger(batch: int, heads: int, rows: int, code_bytes: int, qparam_bytes: int) -> dict:
+    """``ledger_layer`` of a layer whose K and V each store, per row and head, ``code_bytes`` of codes and
+    ``qparam_bytes`` of qparams (per-token INT, QServe, and their kernel layouts)."""
+    return {(cat, t): batch * heads * rows * n for t in "kv" for cat, n in (("codes", code_bytes),
+                                                                          ("qparams", qparam_bytes))}
+
+
 def packed_layer_nbytes(state) -> dict[str, int]:
     """Ledger categories of a layer whose K and V are ``k_codes / k_scale`` and ``v_codes / v_scale``."""
     return {"codes": nbytes(state.k_codes, state.v_codes), "qparams": nbytes(state.k_scale, state.v_scale)}

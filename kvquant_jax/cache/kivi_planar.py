@@ -58,7 +58,7 @@ class KIVIPlanarScheme(KIVIScheme):
 
     @property
     def block_t(self) -> int:
-        return self.plane_rows * (8 // self.k_bits)
+        return self.kernel_format.block_t
 
     @property
     def kernel_format(self) -> kp.KiviPlanarFormat:
@@ -73,10 +73,9 @@ class KIVIPlanarScheme(KIVIScheme):
 
     # ----- state -----
     def _check_capacity(self, capacity: int) -> None:
-        if capacity % self.block_t:
-            raise ValueError(f"kivi_planar: capacity {capacity} must be a multiple of the {self.block_t}-token "
-                             f"block ({self.plane_rows} rows x {8 // self.k_bits} planes of {self.k_bits}-bit "
-                             "codes per byte; a paged cache's page_size too: a byte holds tokens of one block)")
+        why = self.kernel_format.capacity_unsupported(capacity)
+        if why:
+            raise ValueError(f"kivi_planar: {why}")
 
     def _stored_shapes(self, capacity, head_dim, v_groups):
         """Codes ``[C*b/8, D]`` (K) and ``[D, C*b/8]`` (V^T), V qparams ``[D/Gv, C]``; C a multiple of the block."""

@@ -149,11 +149,8 @@ class PerTokenScheme(SchemeBase):
 
     def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
         gd = self.group_size or head_dim
-        out = {}
-        for t in "kv":
-            out[("codes", t)] = batch * heads * rows * packed_bytes(head_dim, self.bits)
-            out[("qparams", t)] = batch * heads * rows * (head_dim // gd) * DTYPE_BYTES[self.qparam_dtype]
-        return out
+        return _rows.per_row_ledger(batch, heads, rows, packed_bytes(head_dim, self.bits),
+                                    (head_dim // gd) * DTYPE_BYTES[self.qparam_dtype])
 
 
 def _packed_byte(code: int, bits: int) -> int:

@@ -175,8 +175,5 @@ class TransposedVPerTokenScheme(SchemeBase):
         return self.kernel_format, state
 
     def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
-        out = {}
-        for t in "kv":
-            out[("codes", t)] = batch * heads * rows * packed_bytes(head_dim, self.bits)
-            out[("qparams", t)] = batch * heads * rows * DTYPE_BYTES[self.qparam_dtype]
-        return out
+        return _rows.per_row_ledger(batch, heads, rows, packed_bytes(head_dim, self.bits),
+                                    DTYPE_BYTES[self.qparam_dtype])

@@ -43,6 +43,24 @@ class QServeLayerState:
     v_offset: jax.Array
 
 
+def dequantized_layer(ku, vu, kq, vq, lengths):
+    """Float32 ``(k, v, valid)`` of a QServe layer from its unsigned codes ``ku, vu [B, Hkv, C, D]`` and ``kq, vq =
+    (scale, offset)`` ``[B, Hkv, C]`` each: ``x = (u - offset) * scale``, rows at or past ``lengths`` zero."""
+    valid = _rows.valid_rows(lengths, ku.shape[2])
+    m = valid[:, None, :, None]
+    k = jnp.where(m, dequantize_qserve(ku, *kq, axis=-1), jnp.float32(0))
+    v = jnp.where(m, dequantize_qserve(vu, *vq, axis=-1), jnp.float32(0))
+    return k, v, valid
+
+
+def validate_qparams(what: str, kq, vq, lengths) -> None:
+    """Visible QServe qparams ``(scale, offset)`` ``[B, Hkv, C]`` of K and V: scales finite positive normals,
+    offsets finite (``what`` names the scheme in the error)."""
+    for name, (scale, offset) in (("K", kq), ("V", vq)):
+        checks.positive_normal(f"{what} {name} scale", scale[..., None], lengths)
+        checks.finite_rows(f"{what} {name} offset", offset[..., None], lengths)
+
+
 @dataclasses.dataclass(frozen=True)
 class QServeScheme(SchemeBase):
     """QServe KV4: unsigned INT4 codes with fp16 scale + floating fp16 offset per (token, head)."""
@@ -98,20 +116,11 @@ class QServeScheme(SchemeBase):
 
     def materialize_layer(self, state, lengths):
         d = state.k_codes.shape[-1] * 2
-        valid = _rows.valid_rows(lengths, state.k_codes.shape[2])
-        m = valid[:, None, :, None]
-
-        def dec(codes, scale, offset):
-            return dequantize_qserve(unpack_bits(codes, BITS, axis=-1, count=d), scale, offset, axis=-1)
-
-        k = jnp.where(m, dec(state.k_codes, state.k_scale, state.k_offset), jnp.float32(0))
-        v = jnp.where(m, dec(state.v_codes, state.v_scale, state.v_offset), jnp.float32(0))
-        return k, v, valid
+        ku, vu = (unpack_bits(c, BITS, axis=-1, count=d) for c in (state.k_codes, state.v_codes))
+        return dequantized_layer(ku, vu, (state.k_scale, state.k_offset), (state.v_scale, state.v_offset), lengths)
 
     def validate_layer(self, state, lengths):
-        for name, scale, offset in (("K", state.k_scale, state.k_offset), ("V", state.v_scale, state.v_offset)):
-            checks.positive_normal(f"qserve {name} scale", scale[..., None], lengths)
-            checks.finite_rows(f"qserve {name} offset", offset[..., None], lengths)
+        validate_qparams(self.family, (state.k_scale, state.k_offset), (state.v_scale, state.v_offset), lengths)
 
     def layer_nbytes(self, state):
         return {"codes": _rows.nbytes(state.k_codes, state.v_codes),
@@ -125,8 +134,5 @@ class QServeScheme(SchemeBase):
                        lengths)], 0
 
     def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
-        out = {}
-        for t in "kv":
-            out[("codes", t)] = batch * heads * rows * packed_bytes(head_dim, BITS)
-            out[("qparams", t)] = 2 * batch * heads * rows * DTYPE_BYTES["fp16"]          # (scale, offset)
-        return out
+        return _rows.per_row_ledger(batch, heads, rows, packed_bytes(head_dim, BITS),
+                                    2 * DTYPE_BYTES["fp16"])                           # (scale, offset)

@@ -35,10 +35,11 @@ from kvquant_jax.abi import token_planar as tp
 from kvquant_jax.cache import _rows, checks
 from kvquant_jax.cache.interface import SchemeBase
 from kvquant_jax.cache.kivi_planar import _write_columns
+from kvquant_jax.cache.qserve import dequantized_layer, validate_qparams
 from kvquant_jax.cache.schema import CacheSchema, TensorFormat
 from kvquant_jax.quant.dtypes import DTYPE_BYTES, DTYPES
 from kvquant_jax.quant.ledger import packed_bytes
-from kvquant_jax.quant.qserve import dequantize_qserve, quantize_qserve_with_status
+from kvquant_jax.quant.qserve import quantize_qserve_with_status
 from kvquant_jax.quant.symmetric import quantize_symmetric_with_status
 
 
@@ -86,7 +87,7 @@ class TokenPlanarScheme(SchemeBase):
 
     @property
     def block_t(self) -> int:
-        return self.plane_rows * (8 // self.bits)
+        return self.kernel_format.block_t
 
     @property
     def kernel_format(self) -> tp.TokenPlanarFormat:
@@ -101,14 +102,10 @@ class TokenPlanarScheme(SchemeBase):
                            **self._identity())
 
     # ----- state -----
-    def _check_capacity(self, capacity: int) -> None:
-        if capacity % self.block_t:
-            raise ValueError(f"token_planar: capacity {capacity} must be a multiple of the {self.block_t}-token "
-                             f"block ({self.plane_rows} rows x {8 // self.bits} planes of {self.bits}-bit codes "
-                             "per byte; a paged cache's page_size too: a byte holds tokens of one block)")
-
     def init_layer(self, batch, capacity, num_kv_heads, head_dim):
-        self._check_capacity(capacity)
+        why = self.kernel_format.capacity_unsupported(capacity)
+        if why:
+            raise ValueError(f"{self.family}: {why}")
         nr = capacity * self.bits // 8
         k = jnp.zeros((batch, num_kv_heads, nr, head_dim), jnp.uint8)
         v = jnp.zeros((batch, num_kv_heads, head_dim, nr), jnp.uint8)
@@ -140,12 +137,16 @@ class TokenPlanarScheme(SchemeBase):
     def append_layer(self, state, lengths, k, v, num_new):
         return self.append_layer_with_status(state, lengths, k, v, num_new)[0]
 
+    def _codes(self, state):
+        """The unsigned codes ``u [B, H, C, D]`` int32 of K and V, token-major."""
+        return (kp.unpack_token_planar(state.k_codes, self.bits, self.plane_rows, xp=jnp),
+                kp.unpack_token_planar(jnp.swapaxes(state.v_codes, 2, 3), self.bits, self.plane_rows, xp=jnp))
+
     def _signed(self, state):
         """Signed codes ``[B, H, C, D]`` int32 of K and V (token-major) and their scales ``[B, H, C, 1]``."""
         half = 2 ** (self.bits - 1)
-        kq = kp.unpack_token_planar(state.k_codes, self.bits, self.plane_rows, xp=jnp) - half
-        vq = kp.unpack_token_planar(jnp.swapaxes(state.v_codes, 2, 3), self.bits, self.plane_rows, xp=jnp) - half
-        return kq, vq, state.k_scale[..., None], state.v_scale[..., None]
+        ku, vu = self._codes(state)
+        return ku - half, vu - half, state.k_scale[..., None], state.v_scale[..., None]
 
     def materialize_layer(self, state, lengths):
         kq, vq, ks, vs = self._signed(state)
@@ -173,11 +174,8 @@ class TokenPlanarScheme(SchemeBase):
             v_offset=None, end=lengths.astype(jnp.int32))
 
     def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
-        out = {}
-        for t in "kv":
-            out[("codes", t)] = batch * heads * rows * packed_bytes(head_dim, self.bits)
-            out[("qparams", t)] = batch * heads * rows * DTYPE_BYTES[self.qparam_dtype]
-        return out
+        return _rows.per_row_ledger(batch, heads, rows, packed_bytes(head_dim, self.bits),
+                                    DTYPE_BYTES[self.qparam_dtype])
 
 
 
@@ -253,27 +251,16 @@ class QServePlanarScheme(TokenPlanarScheme):
             v_offset=_rows.write_rows(state.v_offset, vo[..., 0], pos, mask))
         return new, ~(kbad | vbad)
 
-    def _codes_and_qparams(self, state):
-        """Codes ``u [B, H, C, D]`` int32 of K and V (token-major) and ``(scale, offset) [B, H, C]`` of each."""
-        ku = kp.unpack_token_planar(state.k_codes, 4, self.plane_rows, xp=jnp)
-        vu = kp.unpack_token_planar(jnp.swapaxes(state.v_codes, 2, 3), 4, self.plane_rows, xp=jnp)
-        return (ku, vu, (state.k_qparams[:, :, 0], state.k_qparams[:, :, 1]),
-                (state.v_scale, state.v_offset))
+    @staticmethod
+    def _qparams(state):
+        """``(scale, offset)`` ``[B, H, C]`` of K and of V."""
+        return (state.k_qparams[:, :, 0], state.k_qparams[:, :, 1]), (state.v_scale, state.v_offset)
 
     def materialize_layer(self, state, lengths):
-        ku, vu, kq, vq = self._codes_and_qparams(state)
-        valid = _rows.valid_rows(lengths, ku.shape[2])
-        m = valid[:, None, :, None]
-        k = jnp.where(m, dequantize_qserve(ku, *kq, axis=-1), jnp.float32(0))
-        v = jnp.where(m, dequantize_qserve(vu, *vq, axis=-1), jnp.float32(0))
-        return k, v, valid
+        return dequantized_layer(*self._codes(state), *self._qparams(state), lengths)
 
     def validate_layer(self, state, lengths):
-        ku, vu, kq, vq = self._codes_and_qparams(state)
-        for name, codes, (scale, offset) in (("K", ku, kq), ("V", vu, vq)):
-            checks.codes_in_range(f"qserve_planar {name} codes", codes, lengths, 0, 15)
-            checks.positive_normal(f"qserve_planar {name} scale", scale[..., None], lengths)
-            checks.finite_rows(f"qserve_planar {name} offset", offset[..., None], lengths)
+        validate_qparams(self.family, *self._qparams(state), lengths)
 
     def layer_nbytes(self, state):
         return {"codes": _rows.nbytes(state.k_codes, state.v_codes),
@@ -286,8 +273,5 @@ class QServePlanarScheme(TokenPlanarScheme):
             v_offset=state.v_offset, end=lengths.astype(jnp.int32))
 
     def ledger_layer(self, batch, heads, head_dim, rows, *, logical, capacity):
-        out = {}
-        for t in "kv":
-            out[("codes", t)] = batch * heads * rows * packed_bytes(head_dim, 4)
-            out[("qparams", t)] = 2 * batch * heads * rows * DTYPE_BYTES["fp16"]          # (scale, offset)
-        return out
+        return _rows.per_row_ledger(batch, heads, rows, packed_bytes(head_dim, 4),
+                                    2 * DTYPE_BYTES["fp16"])                           # (scale, offset)
