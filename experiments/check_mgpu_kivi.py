@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import traceback
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -154,11 +155,24 @@ def timing(args, results, t, rep: int):
                    mk.prepare_kivi_region, mk.decode_attention_mgpu_kivi_prepared, variant_configs)
 
 
-def timing_formats(args, results, t, rep: int, formats_of, prepare, prepared_entry, variants_of):
+@dataclasses.dataclass(frozen=True)
+class MosaicImpl:
+    """One Mosaic kernel the timing runs on the prepared operands: ``entry(q, ops, config=, out_dtype=)``, its
+    ``default`` config, ``splits(ops, g, config)`` (the default's split count, for the variants) and
+    ``variants(default, splits) -> {name: config}`` (None: no variants)."""
+
+    entry: Any
+    default: Any
+    splits: Any
+    variants: Any = None
+
+
+def timing_formats(args, results, t, rep: int, formats_of, prepare, prepared_entry, variants_of, extra=None):
     """One T of the timing: cuDNN bf16, then per ``args.formats`` name (``formats_of(name) -> (kf, vf)``) the
     Triton kernel on the layout-v1 regions and the Mosaic kernel on ``prepare(region)`` (converted outside the
     timed program) through ``prepared_entry(q, ops, config=, out_dtype=)``, its default config and, in the first
-    repeat, ``variants_of(default, splits)``'s configs named by ``--variants``."""
+    repeat, ``variants_of(default, splits)``'s configs named by ``--variants``.  ``extra``: ``{impl name:
+    MosaicImpl}`` timed on the same prepared operands when ``args.impls`` names them."""
     b, hq, hkv, d = args.B, args.hq, args.hkv, args.d
     key, q = timing_query(t, b, hq, d)
     tag = f" r{rep}" if args.repeat > 1 else ""
@@ -186,28 +200,30 @@ def timing_formats(args, results, t, rep: int, formats_of, prepare, prepared_ent
                            rel_err=rel_err(out, ref), speedup_vs_cudnn=base.get("cudnn", float("nan")) / med)
             except Exception as e:  # noqa: BLE001
                 timing_row(results, args, T=t, impl="triton", format=name, error=f"{type(e).__name__}: {e}"[:800])
-        if "mgpu" not in args.impls:
+        impls = {"mgpu": MosaicImpl(prepared_entry, mk.KiviMgpuConfig(),
+                                    lambda ops, g, cfg: mk._spec_for(ops, g, cfg).ns, variants_of), **(extra or {})}
+        impls = {k: v for k, v in impls.items() if k in args.impls}
+        if not impls:
             continue
         sets = [jax.block_until_ready(jax.jit(prepare)(r)) for r in regs]
         del regs
         read = mgpu_read_bytes(sets[0], q)
-        dflt = mk.KiviMgpuConfig()
-        s0 = mk._spec_for(sets[0], hq // hkv, dflt).ns
-        variants = {"default": dflt}
-        if args.variants and rep == 0:
-            every = variants_of(dflt, s0)
-            variants.update(every if args.variants == "all" else {v: every[v] for v in args.variants})
-        for vname, cfg in variants.items():
-            try:
-                fn = lambda q, o, cfg=cfg: prepared_entry(q, o, config=cfg, out_dtype=jnp.float32)  # noqa: E731
-                med, lo, hi, out = time_program(fn, q, sets, args.reps)
-                timing_row(results, args, T=t, impl="mgpu", format=name, variant=vname + tag, us=med * 1e6,
-                           us_min=lo * 1e6, us_max=hi * 1e6, bytes=read, tbps=read / med / 1e12,
-                           rel_err=rel_err(out, ref), speedup_vs_cudnn=base.get("cudnn", float("nan")) / med,
-                           config=dataclasses.asdict(cfg))
-            except Exception as e:  # noqa: BLE001
-                timing_row(results, args, T=t, impl="mgpu", format=name, variant=vname,
-                           error=f"{type(e).__name__}: {e}"[:1500])
+        for impl, mi in impls.items():
+            variants = {"default": mi.default}
+            if args.variants and rep == 0 and mi.variants is not None:
+                every = mi.variants(mi.default, mi.splits(sets[0], hq // hkv, mi.default))
+                variants.update(every if args.variants == "all" else {v: every[v] for v in args.variants if v in every})
+            for vname, cfg in variants.items():
+                try:
+                    fn = lambda q, o, cfg=cfg, e=mi.entry: e(q, o, config=cfg, out_dtype=jnp.float32)  # noqa: E731
+                    med, lo, hi, out = time_program(fn, q, sets, args.reps)
+                    timing_row(results, args, T=t, impl=impl, format=name, variant=vname + tag, us=med * 1e6,
+                               us_min=lo * 1e6, us_max=hi * 1e6, bytes=read, tbps=read / med / 1e12,
+                               rel_err=rel_err(out, ref), speedup_vs_cudnn=base.get("cudnn", float("nan")) / med,
+                               config=dataclasses.asdict(cfg))
+                except Exception as e:  # noqa: BLE001
+                    timing_row(results, args, T=t, impl=impl, format=name, variant=vname,
+                               error=f"{type(e).__name__}: {e}"[:1500])
         del sets
 
 

@@ -4,7 +4,10 @@
     python experiments/check_mgpu_planar.py --check-only
     python experiments/check_mgpu_planar.py --skip-check --T 32768 --formats int2,qserve --variants "stages 3"
 
-The kernel: ``pallas_kernels/decode_attention_mgpu_planar.py`` (the token-planar KIVI kernel with per-token keys).
+The kernels: ``pallas_kernels/decode_attention_mgpu_planar.py`` (the token-planar KIVI kernel with per-token keys;
+impl ``mgpu``) and ``pallas_kernels/decode_attention_mgpu_planar_s8.py`` (the same operands on s8 tensor cores; impl
+``mgpu_s8``, parity rows ``precision="s8"`` bound 5e-5 where it reads the case: V groups 0 or multiples of 64).
+``--impls`` picks among ``triton,mgpu,mgpu_s8`` (default all three; the bf16 kernel's parity rows need ``mgpu``).
 (a) Small ragged cases (B=3, Hkv=2, T=512, poisoned dead rows: NaN qparams, the current token in the same softmax)
     against the float64 NumPy oracle: INT2 / INT4, zero conventions symmetric / offset (QServe) / min, V groups
     16 / 32 / 64 / D, D 64 / 128 / 256, GQA 1 / 3 / 4 / 8, bf16 and float32 queries, both precisions.  Bounds:
@@ -33,12 +36,14 @@ from kvquant_jax.abi.regions import KVFormat  # noqa: E402
 from kvquant_jax.attention.synthetic import PRESETS  # noqa: E402
 from pallas_kernels import decode_attention_mgpu_kivi as mk  # noqa: E402
 from pallas_kernels import decode_attention_mgpu_planar as mp  # noqa: E402
+from pallas_kernels import decode_attention_mgpu_planar_s8 as s8  # noqa: E402
 
 #: (bits, K zero, V zero, V group, D, GQA group) of the parity cases
 PARITY_CASES = [(2, "symmetric", "symmetric", 0, 128, 4), (4, "offset", "offset", 0, 128, 4),
                 (2, "min", "offset", 16, 64, 3), (4, "symmetric", "min", 64, 256, 8),
                 (2, "offset", "symmetric", 32, 64, 1), (4, "symmetric", "symmetric", 0, 128, 4)]
 BOUND = ck.BOUND
+BOUND_S8 = 5e-5                   # the s8 kernel: 21-bit query and p*sv limbs (module docstring)
 TIMED = {"int2": PRESETS["int2"], "qserve": PRESETS["qserve"], "int4": PRESETS["int4"]}
 
 
@@ -52,7 +57,17 @@ def variant_configs(dflt: mk.KiviMgpuConfig, s0: int) -> dict[str, mk.KiviMgpuCo
             "qk batch 1": rep(dflt, qk_plane_batch=1)}
 
 
+def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS8Config]:
+    """--variants of the s8 kernel (the names it shares with :func:`variant_configs`)."""
+    rep = dataclasses.replace
+    return {"stages 3": rep(dflt, max_concurrent_steps=3), "stages 4": rep(dflt, max_concurrent_steps=4),
+            "splits x2": rep(dflt, num_splits=2 * s0), "splits /2": rep(dflt, num_splits=max(1, s0 // 2))}
+
+
 VARIANTS = tuple(variant_configs(mk.KiviMgpuConfig(), 1))
+#: the s8 kernel as a timed impl (``--impls ...,mgpu_s8``)
+S8_IMPL = ck.MosaicImpl(s8.decode_attention_mgpu_planar_s8_prepared, s8.PlanarS8Config(),
+                        lambda ops, g, cfg: s8._spec(ops, g, cfg).ns, s8_variant_configs)
 
 
 def parity(args, results) -> bool:
@@ -66,7 +81,7 @@ def parity(args, results) -> bool:
         reg, kn, vn, queries = ck.parity_inputs(rng, kf, vf, d, g)
         for qname, q in queries:
             ref = mp.decode_attention_mgpu_planar_reference_f64(q, reg, k_new=kn, v_new=vn)
-            for prec in ("bf16x2", "bf16"):
+            for prec in ("bf16x2", "bf16") if "mgpu" in args.impls else ():
                 cfg = mk.KiviMgpuConfig(precision=prec, num_splits=2)
                 row = dict(kind="parity", case=ci, bits=bits, k_zero=kz, v_zero=vz, v_group=vg, d=d, g=g, q=qname,
                            precision=prec)
@@ -75,6 +90,20 @@ def parity(args, results) -> bool:
                     q, reg, kn, vn), {}, True)
                 ok_all &= ck.parity_row(args, results, row, serve, ref, BOUND[prec],
                                         f"case {ci} int{bits} K {kz} V {vz} Gv={vg} D={d} g={g} q={qname} {prec}")
+            if "mgpu_s8" not in args.impls:
+                continue
+            ops = mp.prepare_token_planar_region(reg)
+            if s8.s8_unsupported(ops, g):
+                continue
+            row = dict(kind="parity", case=ci, bits=bits, k_zero=kz, v_zero=vz, v_group=vg, d=d, g=g, q=qname,
+                       precision="s8")
+            cfg = s8.PlanarS8Config(num_splits=2)
+            entry = s8.decode_attention_mgpu_planar_s8_prepared
+            serve = lambda q=q, ops=ops, cfg=cfg: (jax.jit(lambda q, o, kn, vn: entry(  # noqa: E731
+                q, o, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32, interpret=interp))(
+                q, ops, kn, vn), {}, True)
+            ok_all &= ck.parity_row(args, results, row, serve, ref, BOUND_S8,
+                                    f"case {ci} int{bits} K {kz} V {vz} Gv={vg} D={d} g={g} q={qname} s8")
     return ok_all
 
 
@@ -82,7 +111,7 @@ def timing(args, results, t, rep: int):
     """``int2`` / ``qserve`` / ``int4`` (:data:`TIMED`) at one T: ``check_mgpu_kivi.timing_formats`` with the
     token-planar preparation and entry."""
     ck.timing_formats(args, results, t, rep, TIMED.__getitem__, mp.prepare_token_planar_region,
-                      mp.decode_attention_mgpu_planar_prepared, variant_configs)
+                      mp.decode_attention_mgpu_planar_prepared, variant_configs, extra={"mgpu_s8": S8_IMPL})
 
 
 def main(argv=None):
@@ -91,7 +120,7 @@ def main(argv=None):
         argv += ["--formats", "int2,qserve,int4"]
     kivi_variants, ck.VARIANTS = ck.VARIANTS, VARIANTS    # parse_args checks --variants against this script's list
     try:
-        args = ck.parse_args(argv, __doc__, "triton,mgpu")
+        args = ck.parse_args(argv, __doc__, "triton,mgpu,mgpu_s8")
     finally:
         ck.VARIANTS = kivi_variants
     unknown = sorted(set(args.formats) - set(TIMED))

@@ -34,15 +34,16 @@ kernel), ``cudnn`` (bf16 only), ``mgpu_kivi`` (``decode_attention_mgpu_kivi_prep
 inputs of ``check_mgpu_kivi.py``'s timing -- ``kivi_formats(bits, 32, 32)``, ``bench.region_sets``,
 ``jax.jit(prepare_kivi_region)`` outside the profiled call; bytes = ``check_mgpu_decode.mgpu_read_bytes``),
 ``mgpu_planar`` (``decode_attention_mgpu_planar_prepared``, int2 / qserve / int4: ``check_mgpu_planar.py``'s inputs,
-``prepare_token_planar_region`` outside the profiled call);
-``--config JSON`` overrides fields of the v1 / ws / ``KiviMgpuConfig()`` default config.  ``--interpret``
-(mgpu_kivi / mgpu_planar only, for CPU tests): the kernel module's plain-JAX twin instead of the Mosaic kernel -- not a profile.
+``prepare_token_planar_region`` outside the profiled call), ``mgpu_planar_s8`` (the same inputs through
+``decode_attention_mgpu_planar_s8_prepared``: s8 tensor cores);
+``--config JSON`` overrides fields of the v1 / ws / ``KiviMgpuConfig()`` / ``PlanarS8Config()`` default config.
+``--interpret`` (mgpu_kivi / mgpu_planar / mgpu_planar_s8 only, for CPU tests): the kernel module's plain-JAX twin instead of the Mosaic kernel -- not a profile.
 The driver's ``tuned`` impl is what the dispatcher runs (``pallas_kernels.decode_tuning.choose`` on the shipped
 table for ``--device-kind``), profiled only where it differs from the v1 / ws default.
 
 Kernel names (``--kernel-regex impl=PATTERN`` to change): the Mosaic GPU kernels are ``plgpu.kernel(body, ...)``:
 the host function is ``body_mosaic_gpu`` (``_lower_as_gpu_kernel``), the outlined device kernel
-``body_mosaic_gpu_kernel`` -> ``mosaic_gpu`` (v1, ws, mgpu_kivi, mgpu_planar); the Triton kernel is the ``pallas_call`` name
+``body_mosaic_gpu_kernel`` -> ``mosaic_gpu`` (v1, ws, mgpu_kivi, mgpu_planar, mgpu_planar_s8); the Triton kernel is the ``pallas_call`` name
 ``decode_attention_<k>_<v>`` -> ``decode_attention``; cuDNN's fused attention kernel (``cudnn_generated_...sdpa...``,
 ``...flash_fprop...``) -> ``sdpa|fmha|flash|cudnn``.  Not checked on a device when written.
 """
@@ -120,10 +121,10 @@ CORE_METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__through
                 "sm__warps_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread",
                 "launch__shared_mem_per_block_dynamic")
 
-KERNEL_REGEX = {"v1": "mosaic_gpu", "ws": "mosaic_gpu", "mgpu_kivi": "mosaic_gpu", "mgpu_planar": "mosaic_gpu",
+KERNEL_REGEX = {"v1": "mosaic_gpu", "ws": "mosaic_gpu", "mgpu_kivi": "mosaic_gpu", "mgpu_planar": "mosaic_gpu", "mgpu_planar_s8": "mosaic_gpu",
                 "triton": "decode_attention",
                 "cudnn": "sdpa|fmha|flash|cudnn"}
-IMPLS = ("v1", "ws", "mgpu_kivi", "mgpu_planar", "triton", "cudnn")
+IMPLS = ("v1", "ws", "mgpu_kivi", "mgpu_planar", "mgpu_planar_s8", "triton", "cudnn")
 DRIVER_IMPLS = IMPLS + ("tuned",)
 FORMATS = ("bf16", "int8", "int4")
 # formats the v1 / ws Mosaic kernels do not read: profiled with impl "triton", the KIVI ones also with "mgpu_kivi"
@@ -352,8 +353,8 @@ def pair_refusal(impl: str, fmt: str) -> str | None:
         return "cudnn: bf16 only"
     if impl == "mgpu_kivi" and fmt not in KIVI_FORMATS:
         return f"mgpu_kivi: the Mosaic GPU KIVI kernel reads {', '.join(KIVI_FORMATS)} only"
-    if impl == "mgpu_planar" and fmt not in PLANAR_FORMATS:
-        return f"mgpu_planar: the token-planar kernel reads {', '.join(PLANAR_FORMATS)} only"
+    if impl in ("mgpu_planar", "mgpu_planar_s8") and fmt not in PLANAR_FORMATS:
+        return f"{impl}: the token-planar kernel reads {', '.join(PLANAR_FORMATS)} only"
     if impl in ("v1", "ws") and fmt in TRITON_ONLY_FORMATS:
         other = (" or the Mosaic GPU KIVI kernel (mgpu_kivi)" if fmt in KIVI_FORMATS
                  else " or the token-planar kernel (mgpu_planar)" if fmt in PLANAR_FORMATS else "")
@@ -369,14 +370,16 @@ def child(a) -> dict:
     from kvquant_jax.attention.synthetic import PRESETS, kivi_formats
     from pallas_kernels import decode_attention_mgpu_kivi as mk
     from pallas_kernels import decode_attention_mgpu_planar as mp
+    from pallas_kernels import decode_attention_mgpu_planar_s8 as s8
     from pallas_kernels.decode_attention_mgpu import default_mgpu_config
     from pallas_kernels.decode_attention_mgpu_ws import default_ws_config
 
     why = pair_refusal(a.impl, a.format)
     if why:
         raise SystemExit(why)
-    if a.interpret and a.impl not in ("mgpu_kivi", "mgpu_planar"):
-        raise SystemExit("--interpret: mgpu_kivi / mgpu_planar only (the plain-JAX twin of their kernel)")
+    if a.interpret and a.impl not in ("mgpu_kivi", "mgpu_planar", "mgpu_planar_s8"):
+        raise SystemExit("--interpret: mgpu_kivi / mgpu_planar / mgpu_planar_s8 only (the plain-JAX twin of their "
+                         "kernel)")
     b, hq, hkv, d, t = a.B, a.hq, a.hkv, a.d, a.T
     key, q = cmd.timing_query(t, b, hq, d)
     bench.MAX_SETS = a.sets                            # region_sets: the first a.sets of the timing's sets
@@ -384,23 +387,28 @@ def child(a) -> dict:
     if a.impl == "cudnn":
         fn, arg = jax.jit(bench.baseline_fns()["cudnn"]), cmd.cudnn_sets(key, b, hkv, t, d, 1)[0]
         info["read_bytes"] = 2 * b * hkv * t * d * 2 + q.size * 2
-    elif a.impl in ("mgpu_kivi", "mgpu_planar"):      # check_mgpu_kivi / check_mgpu_planar timing's inputs, call
+    elif a.impl in ("mgpu_kivi", "mgpu_planar", "mgpu_planar_s8"):   # check_mgpu_kivi / _planar timing's inputs, call
+        dflt, splits = mk.KiviMgpuConfig(), lambda ops, g, cfg: mk._spec_for(ops, g, cfg).ns
         if a.impl == "mgpu_kivi":
             kf, vf = kivi_formats(int(a.format[len("kivi"):]), *KIVI_GROUPS)
             prepare, entry = mk.prepare_kivi_region, mk.decode_attention_mgpu_kivi_prepared
-        else:
+        elif a.impl == "mgpu_planar":
             kf, vf = PRESETS[a.format]
             prepare, entry = mp.prepare_token_planar_region, mp.decode_attention_mgpu_planar_prepared
+        else:
+            kf, vf = PRESETS[a.format]
+            prepare, entry = mp.prepare_token_planar_region, s8.decode_attention_mgpu_planar_s8_prepared
+            dflt, splits = s8.PlanarS8Config(), lambda ops, g, cfg: s8._spec(ops, g, cfg).ns
         regs, _ = bench.region_sets(key, kf, vf, b, hkv, t, d)
         ops = jax.block_until_ready(jax.jit(prepare)(regs[0]))    # outside the profiled call
         del regs
         over = json.loads(a.config) if a.config else {}
-        cfg = dataclasses.replace(mk.KiviMgpuConfig(), **over)
+        cfg = dataclasses.replace(dflt, **over)
         interp = bool(a.interpret)
         fn = jax.jit(lambda q, o: entry(q, o, config=cfg, out_dtype=jnp.float32, interpret=interp))
         arg = ops
         info["config"] = dataclasses.asdict(cfg)
-        info["num_splits"] = mk._spec_for(ops, hq // hkv, cfg).ns      # the resolved split count (grid y)
+        info["num_splits"] = splits(ops, hq // hkv, cfg)                # the resolved split count (grid y)
         info["read_bytes"] = cmd.mgpu_read_bytes(ops, q)
         if interp:
             info["interpret"] = True
@@ -479,7 +487,7 @@ def tuned_cases(formats, ts, d, g, device_kind) -> list[dict]:
 
 
 def build_cases(a) -> list[dict]:
-    """The cases of the driver, in order: per T cuDNN (bf16), then per format v1, ws, mgpu_kivi, mgpu_planar, triton;
+    """The cases of the driver, in order: per T cuDNN (bf16), then per format v1, ws, mgpu_kivi, mgpu_planar, mgpu_planar_s8, triton;
     then the tuned ones.  A requested (impl, format) pair that makes no sense (:func:`pair_refusal`) is left out and
     recorded in ``a.skipped`` (``[impl, format, why]``, once per pair)."""
     cases, skipped = [], []
@@ -487,7 +495,7 @@ def build_cases(a) -> list[dict]:
         if "cudnn" in a.impls and "bf16" in a.formats:
             cases.append(dict(impl="cudnn", format="bf16", T=t, variant="", config=""))
         for fmt in a.formats:
-            for impl in ("v1", "ws", "mgpu_kivi", "mgpu_planar", "triton"):
+            for impl in ("v1", "ws", "mgpu_kivi", "mgpu_planar", "mgpu_planar_s8", "triton"):
                 if impl not in a.impls:
                     continue
                 why = pair_refusal(impl, fmt)

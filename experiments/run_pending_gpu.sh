@@ -41,11 +41,17 @@
 #   kivi_offsets   J: the KIVI kernel's logit offsets computed as one bf16 GEMM over 3D ("offsets bf16x3") or as
 #                  sibling reductions ("offsets rows") against the HIGHEST einsum, 4K and 32K, three runs (written
 #                  2026-12-06, untimed: the one try got no machine time); ALONE
-#   planar         J: the token-planar kernel (per-token INT2 / INT4 / QServe, decode_attention_mgpu_planar): every
-#                  parity case, 3 timing repeats at 4K / 32K vs Triton and cuDNN, then the int2_planar /
+#   planar         J: the token-planar kernels (per-token INT2 / INT4 / QServe, decode_attention_mgpu_planar and
+#                  its s8 twin, mgpu_s8): every parity case, 3 timing repeats at 4K / 32K vs Triton and cuDNN, then the int2_planar /
 #                  qserve4_planar caches through the dispatcher (H100 2026-12-07: one run each, 16/16 + 20/20
 #                  parity; INT2 1.78x / 1.88x, QServe 1.70x / 1.87x cuDNN); ALONE.  Its counters:
 #                  `ncu_decode.py --T 32768 --formats int2,qserve,int4 --impls mgpu_planar,triton`
+#   s8             J: the s8 tensor-core planar kernel (decode_attention_mgpu_planar_s8; built 2026-12-07, never run on
+#                  a GPU: every start was refused that session): its parity cases first (it refuses V groups < 64,
+#                  so cases 0, 1, 3, 5), then 3 timing repeats at 4K / 32K beside the bf16 planar kernel and cuDNN
+#                  (int2, qserve, int4), variants at the first; ALONE.  If parity and timing hold, apply the
+#                  dispatcher route (benchmarks_decode.md "2026-12-07 (s8)") and run `planar`.  Its counters:
+#                  `ncu_decode.py --T 32768 --formats int2,qserve --impls mgpu_planar,mgpu_planar_s8`
 #   kivi_block     J: KIVI-2/4 with the opt-in whole-block update (`kivi_update=block`, one softmax update + one
 #                  PV per block) against today's per-group path and cuDNN at 32K (timed twice, 2026-12-03 / 04:
 #                  no gain; rerun only to repeat it); ALONE
@@ -167,6 +173,11 @@ for job in $JOBS; do
         --out docs/results/decode_mgpu/pending-planar; $PY experiments/check_transposed_v_gpu.py \
         --parity-schemes int2_planar int4_planar qserve4_planar --schemes int2_planar int2 qserve4_planar qserve4 \
         --T 4096 32768 --out docs/results/decode_mgpu/pending-planar-route" ;;
+    s8)
+      start_job s8 0.20 bash -c "$PY experiments/check_mgpu_planar.py --check-only --cases 0,1,3,5 --impls mgpu_s8 \
+        --out docs/results/decode_mgpu/pending-s8-parity && $PY experiments/check_mgpu_planar.py --skip-check \
+        --T 32768,4096 --repeat 3 --impls mgpu,mgpu_s8 --variants 'stages 3,splits x2,splits /2' \
+        --out docs/results/decode_mgpu/pending-s8" ;;
     kivi_block)
       start_job kivi_block 0.10 $PY experiments/bench_decode_attention.py --T 32768 --baselines cudnn --reps 8 \
         --formats kivi2,kivi2:kivi_update=block,kivi2:kivi_update=block:block_t=128,kivi4,kivi4:kivi_update=block,kivi4:kivi_update=block:block_t=128 \

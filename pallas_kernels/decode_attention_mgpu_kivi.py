@@ -285,8 +285,20 @@ def prepare_kivi_region(reg: Region, num_kv_heads: int | None = None) -> KiviMgp
 # --------------------------------------------------------------------------------------------------------------
 # The Mosaic GPU kernel
 # --------------------------------------------------------------------------------------------------------------
+class _PlaneBlock:
+    """A kernel spec's block geometry from its static ``bits``: ``P = 8 / bits`` planes of 64 tokens per block."""
+
+    @property
+    def planes(self) -> int:
+        return 8 // self.bits
+
+    @property
+    def bt(self) -> int:
+        return _M * self.planes
+
+
 @dataclasses.dataclass(frozen=True)
-class _KiviSpec:
+class _KiviSpec(_PlaneBlock):
     d: int
     g: int             # query heads per KV head
     n: int             # padded wgmma N (2g rounded up to 8 with bf16x2)
@@ -306,14 +318,6 @@ class _KiviSpec:
                        # "min" (row 1 = m): ``k = u s_t + m_t``
     v_zero: str = "min"  # V's ``vm`` operand: "min" (mv as read), "offset" (o: mv = -o sv), "symmetric" (not
                          # read: mv = -2^(bits-1) sv)
-
-    @property
-    def planes(self) -> int:
-        return 8 // self.bits
-
-    @property
-    def bt(self) -> int:
-        return _M * self.planes
 
     @property
     def k_token(self) -> bool:        # per-token keys (decode_attention_mgpu_planar), not KIVI's channel groups
@@ -491,11 +495,7 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
                         valids.append(valid)
 
                 # 3. online softmax: ONE cross-warp max for the block
-                smax = ss[0]
-                for s in ss[1:]:
-                    smax = jnp.maximum(smax, s)
-                m_new = jnp.maximum(m_i, smax.max(axis=0))
-                alpha = jnp.exp2(m_i - m_new)
+                m_new, alpha = _online_max(ss, m_i)
                 alpha_t = lax.broadcast_in_dim(alpha, (_M, n), [1])
                 l_i = l_i * alpha_t
                 zs = [z * alpha_t for z in zs]
@@ -572,16 +572,8 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
                     a = accs[j][:, si * n:(si + 1) * n]
                     o = a if o is None else jnp.where(rows_t >= off, a, o)
                 o_smem.at[pl.ds(j * _M, _M)][...] = o
-            for ci in range(nvg):
-                z_smem.at[ci][...] = zs[ci].sum(axis=0)
-            m_smem[...] = m_i
-            l_smem[...] = l_i.sum(axis=0)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pid, sid])
-            plgpu.copy_smem_to_gmem(z_smem, z_ref.at[pid, sid])
-            plgpu.copy_smem_to_gmem(m_smem, m_ref.at[pid, sid])
-            plgpu.copy_smem_to_gmem(l_smem, l_ref.at[pid, sid])
-            plgpu.wait_smem_to_gmem(0)
+            _write_split_outputs((o_smem, z_smem, m_smem, l_smem), (o_ref, z_ref, m_ref, l_ref), zs, m_i, l_i,
+                                 pid, sid)
 
         pl.run_scoped(
             scoped,
@@ -596,11 +588,43 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
             plgpu.Barrier(num_arrivals=1),
         )
 
-    out_type = (jax.ShapeDtypeStruct((bh, ns, d, n), _F32), jax.ShapeDtypeStruct((bh, ns, nvg, n), _F32),
-                jax.ShapeDtypeStruct((bh, ns, n), _F32), jax.ShapeDtypeStruct((bh, ns, n), _F32))
-    fn = plgpu.kernel(body, out_type=out_type, grid=(bh, ns), grid_names=("bh", "split"),
+    fn = plgpu.kernel(body, out_type=_split_out_types(bh, ns, d, n, nvg), grid=(bh, ns), grid_names=("bh", "split"),
                       compiler_params=plgpu.CompilerParams(approx_math=True))
     return fn(start, end, qt, *[arrays[nm] for nm in names])
+
+
+def _online_max(ss, m_i):
+    """The online softmax's step over one block (inside a kernel): the new running max ``m_new`` (``[N]``, log2
+    units) of ``m_i`` and the planes' logits ``ss`` (``[64, N]`` each; ONE cross-warp max for the block) and the
+    rescale ``alpha = 2^(m_i - m_new)`` of what was accumulated before."""
+    smax = ss[0]
+    for s in ss[1:]:
+        smax = jnp.maximum(smax, s)
+    m_new = jnp.maximum(m_i, smax.max(axis=0))
+    return m_new, jnp.exp2(m_i - m_new)
+
+
+def _split_out_types(bh: int, ns: int, d: int, n: int, nvg: int):
+    """The token-planar kernels' outputs: ``o [BH, S, D, N], z [BH, S, C, N], m, l [BH, S, N]`` float32."""
+    return (jax.ShapeDtypeStruct((bh, ns, d, n), _F32), jax.ShapeDtypeStruct((bh, ns, nvg, n), _F32),
+            jax.ShapeDtypeStruct((bh, ns, n), _F32), jax.ShapeDtypeStruct((bh, ns, n), _F32))
+
+
+def _write_split_outputs(smem, out_refs, zs, m_i, l_i, pid, sid) -> None:
+    """A token-planar kernel's epilogue (inside the kernel, ``o`` already in ``smem[0]``): the V min sums ``zs`` (one
+    ``[64, N]`` per channel group), the running max ``m_i`` and the row sums of ``l_i`` to ``smem[1:]`` (``z, m,
+    l`` SMEM refs), then all four to the outputs ``out_refs`` at ``[pid, sid]``."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    o_smem, z_smem, m_smem, l_smem = smem
+    for ci, z in enumerate(zs):
+        z_smem.at[ci][...] = z.sum(axis=0)
+    m_smem[...] = m_i
+    l_smem[...] = l_i.sum(axis=0)
+    plgpu.commit_smem()
+    for sm, ref in zip(smem, out_refs):
+        plgpu.copy_smem_to_gmem(sm, ref.at[pid, sid])
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _spec_for(ops: KiviMgpuOperands, g: int, cfg: KiviMgpuConfig | None) -> _KiviSpec:

@@ -82,6 +82,29 @@ def test_fused_decode_matches_the_float64_oracle(bits):
     assert {k[0] for k in dispatch.SERVED if "TokenPlanarFormat" in k[1]} >= {"decode_attention_token_planar"}
 
 
+@pytest.mark.parametrize("name", ["int2_planar", "qserve4_planar"])
+def test_s8_entry_matches_the_float64_oracle(name):
+    """The s8 tensor-core entry (its plain-JAX twin on CPU: query limbs, int32 plane dots, 21-bit ``p sv`` limbs)
+    over the stored layer in place, the current token in the same softmax, ragged lengths."""
+    from pallas_kernels import decode_attention_mgpu_planar_s8 as s8
+
+    d, g = 64, 3
+    scheme = make_scheme(name)
+    (st,), lengths = ragged_twins((scheme,), B, H, d, 2 * scheme.block_t, seed=5)
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.normal(0, 1, (B, H * g, d)), jnp.float32)
+    k_new = jnp.asarray(rng.normal(0, 1, (B, H, d)), jnp.float32)
+    v_new = jnp.asarray(rng.normal(0, 1, (B, H, d)), jnp.float32)
+    fmt, op = scheme.fused_decode_operand(st, lengths)
+    assert s8.token_planar_s8_layout_unsupported(q, fmt, op) is None
+    out = s8.decode_attention_token_planar_s8(q, fmt, op, lengths, k_new, v_new, interpret=True)
+    k, v, _ = scheme.materialize_layer(st, lengths)
+    want = decode_attention_reference(np.asarray(q), [region(dense_operand(k), dense_operand(v), lengths)],
+                                      k_new=np.asarray(k_new), v_new=np.asarray(v_new))
+    err = np.abs(np.asarray(out, np.float64) - want).max() / np.abs(want).max()
+    assert out.dtype == jnp.float32 and err < 5e-5, err
+
+
 def test_dispatch_auto_on_cpu_serves_the_reference_and_says_why(caplog):
     planar, _, s_p, _, lengths = _twins(2, seed=4)
     q = jnp.ones((B, H * 2, D), jnp.float32)

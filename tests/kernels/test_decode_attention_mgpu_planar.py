@@ -215,8 +215,9 @@ def test_operand_checks_say_why(rng, kind, needle):
 # The device check script on CPU
 # ---------------------------------------------------------------------------------------------------------------
 def test_gpu_check_script_parity_runs_on_cpu_and_fails_a_broken_kernel(tmp_path, monkeypatch):
-    """experiments/check_mgpu_planar.py's parity (the plain-JAX twin on CPU) passes one case and writes its rows;
-    with the offset read as a min (a broken kernel) it reports the failure and exits 1."""
+    """experiments/check_mgpu_planar.py's parity (the plain-JAX twins on CPU) passes one case and writes its rows
+    (bf16 kernel and s8 kernel); with the offset read as a min (a broken kernel, either one) it reports the failure
+    and exits 1."""
     import json
 
     from experiment_scripts import load_experiment
@@ -224,12 +225,20 @@ def test_gpu_check_script_parity_runs_on_cpu_and_fails_a_broken_kernel(tmp_path,
     mod = load_experiment("check_mgpu_planar")
     assert mod.main(["--check-only", "--cases", "1", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert len(rows) == 4 and all(r["ok"] and r["k_zero"] == "offset" for r in rows)
+    assert len(rows) == 6 and all(r["ok"] and r["k_zero"] == "offset" for r in rows)
+    assert [r["precision"] for r in rows].count("s8") == 2          # the s8 kernel's rows (both query dtypes)
     real = mp._partials_jnp
     monkeypatch.setattr(mp, "_partials_jnp", lambda q, ops, sm: real(q, dataclasses.replace(ops, k_zero="min"), sm))
-    assert mod.main(["--check-only", "--cases", "1", "--out", str(tmp_path / "broken")]) == 1
+    assert mod.main(["--check-only", "--cases", "1", "--impls", "mgpu", "--out", str(tmp_path / "broken")]) == 1
     rows = json.loads((tmp_path / "broken" / "results.json").read_text())["rows"]
-    assert rows and not any(r["ok"] for r in rows)
+    assert len(rows) == 4 and not any(r["ok"] for r in rows)
+    from pallas_kernels import decode_attention_mgpu_planar_s8 as s8
+    real_s8 = s8._partials_jnp
+    monkeypatch.setattr(s8, "_partials_jnp",
+                        lambda q, ops, sm, sp: real_s8(q, dataclasses.replace(ops, k_zero="min"), sm, sp))
+    assert mod.main(["--check-only", "--cases", "1", "--impls", "mgpu_s8", "--out", str(tmp_path / "broken_s8")]) == 1
+    rows = json.loads((tmp_path / "broken_s8" / "results.json").read_text())["rows"]
+    assert len(rows) == 2 and not any(r["ok"] for r in rows)
 
 
 def test_gpu_check_script_refuses_unknown_formats_and_variants(tmp_path):

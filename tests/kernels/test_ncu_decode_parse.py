@@ -346,10 +346,12 @@ def test_kivi_child_refusals(nd):
         nd.main(["--child", "--impl", "mgpu_kivi", "--format", "int4", "--T", "512"])
     with pytest.raises(SystemExit, match="v1: no kivi4 path"):
         nd.main(["--child", "--impl", "v1", "--format", "kivi4", "--T", "512"])
-    with pytest.raises(SystemExit, match="--interpret: mgpu_kivi / mgpu_planar only"):
+    with pytest.raises(SystemExit, match="--interpret: mgpu_kivi / mgpu_planar / mgpu_planar_s8 only"):
         nd.main(["--child", "--impl", "triton", "--format", "kivi2", "--T", "512", "--interpret"])
     with pytest.raises(SystemExit, match="mgpu_planar: the token-planar kernel reads int2, qserve, int4 only"):
         nd.main(["--child", "--impl", "mgpu_planar", "--format", "kivi2", "--T", "512"])
+    with pytest.raises(SystemExit, match="mgpu_planar_s8: the token-planar kernel reads int2, qserve, int4 only"):
+        nd.main(["--child", "--impl", "mgpu_planar_s8", "--format", "int8", "--T", "512"])
     with pytest.raises(SystemExit, match=r"v1: no int2 path \(read by the Triton kernel or the token-planar kernel"):
         nd.main(["--child", "--impl", "v1", "--format", "int2", "--T", "512"])
 
@@ -364,6 +366,16 @@ def test_planar_child_runs_the_twin_on_cpu(nd, capsys):
     a = _shape_args(formats=["int2", "qserve", "kivi2"], impls=["mgpu_planar", "mgpu_kivi"])
     got = [(c["impl"], c["format"]) for c in nd.build_cases(a)]
     assert got == [("mgpu_planar", "int2"), ("mgpu_planar", "qserve"), ("mgpu_kivi", "kivi2")]
+
+
+def test_planar_s8_child_runs_the_twin_on_cpu(nd, capsys):
+    """The mgpu_planar_s8 child: the same inputs through the s8 entry (its twin on CPU), its own config type."""
+    nd.main(["--child", "--impl", "mgpu_planar_s8", "--format", "int2", "--T", "512", "--B", "2", "--interpret",
+             "--config", '{"max_concurrent_steps": 3}'])
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("NCU_CHILD")][-1]
+    info = json.loads(line.split(" ", 1)[1])
+    assert (info["impl"], info["format"], info["interpret"]) == ("mgpu_planar_s8", "int2", True)
+    assert info["config"] == {"num_splits": None, "max_concurrent_steps": 3} and info["num_splits"] >= 1
 
 
 def test_kivi_pattern_matches_the_lowered_kernel_once_per_call(nd, rng):

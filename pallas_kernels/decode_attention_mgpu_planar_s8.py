@@ -1,0 +1,470 @@
+"""Mosaic GPU (Hopper) decode attention over per-token INT2 / INT4 token-planar K and V on INTEGER tensor cores.
+
+Issue J.  The token-planar kernel (:mod:`pallas_kernels.decode_attention_mgpu_planar`, bf16 wgmma) is issue-bound:
+ncu counted ~5 thread instructions per code element at T = 32K on an H100 (one AND, then Mosaic's signed
+int8 -> bf16 conversion of every code), 25 % of DRAM peak, so INT2, INT4 and QServe all take the same time.  But
+one AND per plane already leaves each code as a SIGNED INT8 (``u * 2^(bits*r)``, the top plane re-centred): the
+wgmma's own operand type.  This kernel feeds the masked bytes to ``wgmma ... .s32.s8.s8`` as the register A
+operand (``Layout.WGMMA_8BIT``: 4 codes per 32-bit register, so one ``lop3`` masks four codes) and moves the
+float side into a few integer limbs:
+
+* **QK** (per 64-token plane ``r``; B = the query as limbs, built once per call in the wrapper)::
+
+      q'[d, c] ~= qs_c * (l0 + 2^7 l1 + 2^14 l2)[d, c]        l0, l1 in [0, 127], l2 in [-128, 127] (int8)
+
+  ``qs_c = max_d |q'[d, c]| / LIM`` (``LIM = 2^21 - 1``: 21-bit query, ~5e-7 of the column's largest entry).  The
+  three limbs are stacked along the wgmma N (``3 x 8`` columns), so ONE s8 wgmma per plane and D chunk gives the
+  three partial dots in int32 (exact); ``dot = a0 + 2^7 a1 + 2^14 a2`` is formed in float32 per logit.  Then
+  ``logit_t = s_t dot_t 2^(-bits*r) qs_c + m_t sum_d q'_deq`` (the top plane's re-centred codes read ``u -
+  2^(bits-1)``, so its min is ``m_t + 2^(bits-1) s_t``).
+* **PV** (per block of ``64 P`` tokens): ``x[t, c] = p[t, c] sv_t 2^(-bits*r(t))`` (float32, in registers) is
+  quantized per query column with ``S_c = max_t |x[t, c]|`` over the block (one cross-warp max), to ``LIM`` and
+  the same three limbs; the limbs go to SMEM as the wgmma B operand (``[32, 64]`` int8 per plane: 24 rows of limbs,
+  8 of padding), through a 32-bit transposed store and one converting copy (Mosaic GPU transposes 32-bit
+  fragments, not 8-bit ones).  ONE s8 wgmma per (plane, 64-channel tile) accumulates ``V^T x`` over the block in
+  int32 (``|acc| < 2^23``: exact); the float accumulator takes ``S_c / LIM (a0 + 2^7 a1 + 2^14 a2)`` once per block,
+  after the softmax rescale.  Precision: 21 bits per block and column, fewer on the upper planes
+  (``21 - bits*r``: the bytes carry ``2^(bits*r)``), i.e. ~3e-5 of the block's largest ``p sv`` on INT2's top
+  plane; the V min term (``sum_t p_t mv_t``) stays float32 beside the denominator, as in the bf16 kernel.
+
+What each code element costs: one ``lop3`` per four codes (K) and per four codes (V) plus its share of the s8
+wgmma; what each (token, query column) costs: a few float32 ops and the limb split (32 x 64 int32 -> int8 per
+plane, through SMEM).
+
+Operands: :class:`~pallas_kernels.decode_attention_mgpu_planar.TokenPlanarOperands` (the same caches:
+``int2_planar``, ``int4_planar``, ``qserve4_planar``).  Requirements beyond the bf16 kernel's: one V channel group
+per 64-channel tile (``Gv`` 0 or a multiple of 64), query groups of at most 8 heads.  :func:`s8_unsupported`.
+
+Interpret mode runs :func:`_partials_jnp` (the same limb quantization, int32 dots, plain JAX); only a Hopper GPU runs
+the kernel (``experiments/check_mgpu_planar.py --impls mgpu_s8``; not yet run on a GPU: 2026-12-07).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kvquant_jax.abi import token_planar as tp
+from pallas_kernels.backend import default_interpret
+from pallas_kernels.decode_attention_mgpu import _auto_splits, _merge_partials, _tile_transforms, hopper_unsupported
+from pallas_kernels.decode_attention_mgpu_kivi import (_F32, _LN2, _LOG2E, _M, _NEG, _kernel_partials, _online_max,
+                                                       _PlaneBlock, _plane_mask, _split_out_types, _write_split_outputs,
+                                                       zero_min)
+from pallas_kernels.decode_attention_mgpu_planar import (TokenPlanarOperands, _check_operands,
+                                                         token_planar_layout_unsupported, token_planar_operands)
+
+__all__ = ["PlanarS8Config", "LIM", "s8_unsupported", "query_limbs", "limbs",
+           "decode_attention_mgpu_planar_s8_partials", "decode_attention_mgpu_planar_s8_prepared", "token_planar_s8_layout_unsupported",
+           "token_planar_s8_layer_unsupported", "decode_attention_token_planar_s8"]
+
+#: the largest |integer| a 3-limb value takes: 21 bits (l0, l1 in [0, 127], l2 = x >> 14 in [-128, 127])
+LIM = 2 ** 21 - 1
+_LIMBS = 3
+_NL = 8                    # query columns per limb (one 8-column wgmma N tile per limb)
+_NQ = _LIMBS * _NL         # QK wgmma N
+_NP = 32                   # PV B rows per plane: 24 limb rows + 8 padding (the converting copy moves 4 tiles of 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanarS8Config:
+    """Static knobs of the s8 kernel.
+
+    num_splits: split-K programs per (sequence, KV head); None -> ~2 CTAs per SM.
+    max_concurrent_steps: TMA pipeline depth (stages in SMEM).
+    """
+
+    num_splits: Optional[int] = None
+    max_concurrent_steps: int = 2
+
+
+def _group_unsupported(g: int) -> Optional[str]:
+    if g > _NL:
+        return f"{g} query heads per KV head: the s8 kernel takes at most {_NL} (one 8-column limb tile)"
+    return None
+
+
+def s8_unsupported(ops: TokenPlanarOperands, g: int) -> Optional[str]:
+    """Why the s8 kernel cannot take these operands with ``g`` query heads per KV head (None when it can)."""
+    if _group_unsupported(g):
+        return _group_unsupported(g)
+    if ops.v_group % _M:
+        return f"V group {ops.v_group}: the s8 kernel needs one V channel group per 64-channel tile (Gv 0 or k*64)"
+    if ops.head_dim % _M:
+        return f"head_dim {ops.head_dim} is not a multiple of 64"
+    if ops.rows % ops.block_t:
+        return f"{ops.rows} rows is not a multiple of the {ops.bits}-bit block of {ops.block_t} tokens"
+    return None
+
+
+def limbs(xi):
+    """int32 ``x`` in ``[-LIM, LIM]`` -> ``(l0, l1, l2)`` int32 with ``x = l0 + 2^7 l1 + 2^14 l2``, ``l0, l1`` in
+    ``[0, 127]``, ``l2`` in ``[-128, 127]`` (arithmetic shifts: exact for negative ``x`` too)."""
+    return xi & 127, (xi >> 7) & 127, xi >> 14
+
+
+def _from_limbs(a0, a1, a2):
+    """float32 ``a0 + 2^7 a1 + 2^14 a2`` of int32 limb dots (the same split as :func:`limbs`)."""
+    return a0.astype(_F32) + a1.astype(_F32) * 128.0 + a2.astype(_F32) * 16384.0
+
+
+def query_limbs(q, hkv: int, sm_scale):
+    """``q [B, Hq, D]`` -> ``(qb int8 [B*Hkv, 3*8, D], qs f32 [B*Hkv, 8], qsum f32 [B*Hkv, 8])``: ``q' = q *
+    sm_scale * log2 e`` per KV group, columns padded to 8, quantized per column to ``LIM`` (``q'_deq = qs *
+    int``), split into limbs stacked along rows (``[l0 | l1 | l2]``, 8 columns each); ``qsum = sum_d q'_deq``."""
+    b, hq, d = q.shape
+    g = hq // hkv
+    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
+    qp = q.astype(_F32).reshape(b * hkv, g, d) * (scale * _LOG2E)
+    qp = jnp.pad(qp, ((0, 0), (0, _NL - g), (0, 0)))                                 # [BH, 8, D]
+    amax = jnp.max(jnp.abs(qp), axis=-1)
+    qs = jnp.where(amax > 0, amax / LIM, 1.0)
+    qi = jnp.clip(jnp.round(qp / qs[..., None]), -LIM, LIM).astype(jnp.int32)
+    qb = jnp.concatenate([x.astype(jnp.int8) for x in limbs(qi)], axis=1)           # [BH, 24, D]
+    qsum = jnp.sum(qi.astype(_F32), axis=-1) * qs
+    return qb, qs, qsum
+
+
+def _quantize_pv(x, cmax):
+    """float32 ``x [..., T, C]`` and its per-column bound ``cmax [..., 1, C]`` -> int32 in ``[-LIM, LIM]`` (the
+    kernel's truncating conversion) and the dequantization factor ``cmax / LIM``."""
+    safe = jnp.where(cmax > 0, cmax, 1.0)
+    return (x * (LIM / safe)).astype(jnp.int32), safe * (1.0 / LIM)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The kernel
+# --------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _S8Spec(_PlaneBlock):
+    d: int
+    g: int             # query heads per KV head (<= 8)
+    bits: int
+    ns: int
+    nbs: int
+    stages: int
+    hkv: int
+    k_zero: str
+    v_zero: str
+    vg: int
+
+    n = _NL            # query columns (the outputs' N; one limb tile)
+    dup = 0            # (no hi / lo column halves: ``_kernel_partials`` reads it)
+
+    @property
+    def kc(self) -> int:               # QK contraction chunk: one 128-byte swizzle of int8 (64 for D = 64)
+        return min(self.d, 128)
+
+    @property
+    def k_rows(self) -> int:
+        return 1 if self.k_zero == "symmetric" else 2
+
+    @property
+    def vgroups(self) -> int:
+        return self.d // self.vg
+
+
+def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
+    """Launch.  ``qb`` int8 [BH, D/KC, 24, KC] (query limbs); ``qaux`` f32 [BH, 2, 16] (qs, qsum, 8 columns of
+    padding); ``k`` int8 [BH, T/P, D]; ``v`` int8 [BH, D, T/P]; ``ks`` [BH, R, T]; ``vs`` (and ``vm`` unless symmetric) [BH, C, T].
+    Returns ``o [BH, S, D, 8], z [BH, S, C, 8], m [BH, S, 8] (log2), l [BH, S, 8]`` float32."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bh = qb.shape[0]
+    d, bt, ns, nbs, pln, kc = sp.d, sp.bt, sp.ns, sp.nbs, sp.planes, sp.kc
+    n, nvg, dq, dch = _NL, sp.vgroups, d // kc, d // _M
+    i8, i32 = jnp.int8, jnp.int32
+    wg, w8 = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA_8BIT
+    names = ["k", "v", "ks", "vs"] + ([] if sp.v_zero == "symmetric" else ["vm"])
+    arrays = dict(k=k, v=v, ks=ks, vs=vs, vm=vm)
+    half = 2.0 ** (sp.bits - 1)
+    prows = pln * _NP                                   # rows of one channel group's PV B operands (all planes)
+    copy_layout = plgpu.Layout.SMEM_GMEM_COPY((prows, _M), i8, 64)
+
+    def body(start_ref, end_ref, qb_ref, qaux_ref, *refs):
+        in_refs = dict(zip(names, refs[:len(names)]))
+        o_ref, z_ref, m_ref, l_ref = refs[len(names):]
+        pid = lax.axis_index("bh")
+        sid = lax.axis_index("split")
+        lo = start_ref[pid // sp.hkv]
+        hi = end_ref[pid // sp.hkv]
+        base = sid * nbs
+
+        def scoped(qb_smem, qaux_smem, x_smem, p_smem, o_smem, z_smem, m_smem, l_smem, q_bar, a_bar):
+            plgpu.copy_gmem_to_smem(qb_ref.at[pid], qb_smem, q_bar)
+            plgpu.copy_gmem_to_smem(qaux_ref.at[pid], qaux_smem, a_bar)
+            plgpu.barrier_wait(q_bar)
+            plgpu.barrier_wait(a_bar)
+            qs = plgpu.load(qaux_smem.at[0, pl.ds(0, n)], (), layout=wg.reduce(0), optimized=False)
+            qsum = plgpu.load(qaux_smem.at[1, pl.ds(0, n)], (), layout=wg.reduce(0), optimized=False)
+            x_smem[...] = jnp.zeros((nvg * prows, _M), i32)          # the padding rows stay 0
+            plgpu.commit_smem()
+            rows_t = plgpu.broadcasted_iota(jnp.int32, (_M, n), 0, layout=wg)
+            bcol = lambda x: lax.broadcast_in_dim(x, (_M, n), [1])  # noqa: E731
+            brow = lambda x: lax.broadcast_in_dim(x, (_M, n), [0])  # noqa: E731
+
+            def step(indices, *args):
+                (i,) = indices
+                sm = dict(zip(names, args[:len(names)]))
+                k_smem, v_smem, ks_smem, vs_smem = sm["k"], sm["v"], sm["ks"], sm["vs"]
+                accs, m_i, l_i, zs = args[len(names)]
+                row0 = (base + i) * bt
+
+                # 1. S^T per plane: ONE s8 wgmma per D chunk (N = 3 limbs x 8 columns), int32, exact
+                def qk(*acc_refs):
+                    kbytes = plgpu.load(k_smem, (), layout=w8)                   # [64, D] int8, P planes
+                    for acc_ref, r in zip(acc_refs, range(pln)):
+                        kr = kbytes & jnp.full(kbytes.shape, _plane_mask(r, sp.bits), i8)
+                        for j in range(dq):
+                            plgpu.wgmma(acc_ref, kr[:, j * kc:(j + 1) * kc], qb_smem.at[j].T)
+                    return [a_[...] for a_ in acc_refs]
+
+                raw = pl.run_scoped(qk, *[plgpu.ACC((_M, _NQ), i32) for _ in range(pln)])
+                ss, valids = [], []
+                for r in range(pln):
+                    dot = _from_limbs(*(raw[r][:, li * n:(li + 1) * n] for li in range(_LIMBS)))
+                    rws = pl.ds(r * _M, _M)
+                    st, *zt = [plgpu.load(ks_smem.at[row, rws], (), layout=wg.reduce(1),
+                                          optimized=False).astype(_F32) for row in range(sp.k_rows)]
+                    mt = zero_min(st, zt[0] if zt else None, sp.k_zero, sp.bits)
+                    if r == pln - 1:               # re-centred top-plane codes read u - 2^(bits-1)
+                        mt = mt + half * st
+                    s = dot * brow(st * (2.0 ** (-sp.bits * r))) * bcol(qs) + brow(mt) * bcol(qsum)
+                    rows = rows_t + (row0 + r * _M)
+                    valid = (rows >= lo) & (rows < hi)
+                    ss.append(jnp.where(valid, s, _NEG))
+                    valids.append(valid)
+
+                # 2. online softmax: ONE cross-warp max for the block
+                m_new, alpha = _online_max(ss, m_i)
+                l_i = l_i * bcol(alpha)
+                zs = [z * bcol(alpha) for z in zs]
+                xs = [[None] * pln for _ in range(nvg)]
+                for r in range(pln):
+                    p = jnp.where(valids[r], jnp.exp2(ss[r] - bcol(m_new)), 0.0)
+                    l_i = l_i + p
+                    for ci in range(nvg):
+                        sv = plgpu.load(vs_smem.at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1),
+                                        optimized=False).astype(_F32)
+                        zv = None if sp.v_zero == "symmetric" else plgpu.load(
+                            sm["vm"].at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1), optimized=False
+                        ).astype(_F32)
+                        mv = zero_min(sv, zv, sp.v_zero, sp.bits)
+                        if r == pln - 1:
+                            mv = mv + half * sv
+                        # (where, not p = 0 alone: a dead row's qparams may be anything, NaN included)
+                        zs[ci] = zs[ci] + jnp.where(valids[r], p * brow(mv), 0.0)
+                        xs[ci][r] = jnp.where(valids[r], p * brow(sv * (2.0 ** (-sp.bits * r))), 0.0)
+
+                # 3. x -> 21-bit limbs per column (scale S_c: the block's max |x|), via SMEM into the B operands
+                scales = []
+                for ci in range(nvg):
+                    amax = jnp.abs(xs[ci][0])
+                    for x in xs[ci][1:]:
+                        amax = jnp.maximum(amax, jnp.abs(x))
+                    cmax = amax.max(axis=0)
+                    safe = jnp.where(cmax > 0, cmax, 1.0)
+                    inv = bcol(LIM / safe)
+                    scales.append(safe * (1.0 / LIM))
+                    for r in range(pln):
+                        xi = (xs[ci][r] * inv).astype(i32)
+                        for li, limb in enumerate(limbs(xi)):
+                            x_smem.at[pl.ds(ci * prows + r * _NP + li * n, n)].T[...] = plgpu.layout_cast(
+                                limb, plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.commit_smem()
+                for ci in range(nvg):
+                    xr = pl.ds(ci * prows, prows)
+                    p_smem.at[xr][...] = plgpu.load(x_smem.at[xr], (), layout=copy_layout,
+                                                    optimized=False).astype(i8)
+                plgpu.commit_smem()
+
+                # 4. O^T[d-tile j] += V^T plane r [64, 64] @ limbs (r): ONE s8 wgmma per (plane, d-tile)
+                def pv(*acc_refs):
+                    for j in range(dch):
+                        ci = j * _M // sp.vg
+                        vbytes = plgpu.load(v_smem.at[pl.ds(j * _M, _M)], (), layout=w8)
+                        for r in range(pln):
+                            vr = vbytes & jnp.full(vbytes.shape, _plane_mask(r, sp.bits), i8)
+                            plgpu.wgmma(acc_refs[j], vr, p_smem.at[pl.ds(ci * prows + r * _NP, _NP)].T)
+                    return [a_[...] for a_ in acc_refs]
+
+                pvr = pl.run_scoped(pv, *[plgpu.ACC((_M, _NP), i32) for _ in range(dch)])
+                new_accs = []
+                for j in range(dch):
+                    ci = j * _M // sp.vg
+                    part = _from_limbs(*(pvr[j][:, li * n:(li + 1) * n] for li in range(_LIMBS)))
+                    new_accs.append(accs[j] * bcol(alpha) + part * bcol(scales[ci]))
+                return new_accs, m_new, l_i, zs
+
+            blk = lambda i: (base + i, 0)            # noqa: E731  (token rows first)
+            blk_t = lambda i: (0, base + i)          # noqa: E731  (tokens last)
+            spec_of = {
+                "k": plgpu.BlockSpec((_M, d), blk, transforms=_tile_transforms(i8, d)),
+                "v": plgpu.BlockSpec((d, _M), blk_t, transforms=_tile_transforms(i8, _M)),
+                "ks": plgpu.BlockSpec((sp.k_rows, bt), blk_t),
+                "vs": plgpu.BlockSpec((nvg, bt), blk_t),
+                "vm": plgpu.BlockSpec((nvg, bt), blk_t)}
+            zero_t = lambda: plgpu.layout_cast(jnp.full((_M, n), 0.0, _F32), wg)  # noqa: E731
+            m0 = plgpu.layout_cast(jnp.full((n,), _NEG, _F32), wg.reduce(0))
+            carry0 = ([zero_t() for _ in range(dch)], m0, zero_t(), [zero_t() for _ in range(nvg)])
+            accs, m_i, l_i, zs = plgpu.emit_pipeline(
+                step, grid=(nbs,), in_specs=[spec_of[nm] for nm in names],
+                max_concurrent_steps=min(sp.stages, nbs), init_carry=carry0)(*[in_refs[nm].at[pid] for nm in names])
+            for j in range(dch):
+                o_smem.at[pl.ds(j * _M, _M)][...] = accs[j]
+            _write_split_outputs((o_smem, z_smem, m_smem, l_smem), (o_ref, z_ref, m_ref, l_ref), zs, m_i, l_i,
+                                 pid, sid)
+
+        pl.run_scoped(
+            scoped,
+            plgpu.SMEM((dq, _NQ, kc), i8, transforms=_tile_transforms(i8, kc)),
+            plgpu.SMEM((2, 2 * n), _F32),
+            plgpu.SMEM((nvg * prows, _M), i32),
+            plgpu.SMEM((nvg * prows, _M), i8, transforms=_tile_transforms(i8, _M)),
+            plgpu.SMEM((d, n), _F32),
+            plgpu.SMEM((nvg, n), _F32),
+            plgpu.SMEM((n,), _F32),
+            plgpu.SMEM((n,), _F32),
+            plgpu.Barrier(num_arrivals=1),
+            plgpu.Barrier(num_arrivals=1),
+        )
+
+    fn = plgpu.kernel(body, out_type=_split_out_types(bh, ns, d, n, nvg), grid=(bh, ns), grid_names=("bh", "split"),
+                      compiler_params=plgpu.CompilerParams(approx_math=True))
+    return fn(start, end, qb, qaux, *[arrays[nm] for nm in names])
+
+
+def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config) -> _S8Spec:
+    why = s8_unsupported(ops, g)
+    if why:
+        raise NotImplementedError(f"decode_attention_mgpu_planar_s8: {why}")
+    nb = ops.rows // ops.block_t
+    ns = cfg.num_splits or _auto_splits(ops.k.shape[0], nb)
+    if nb % ns:
+        raise ValueError(f"num_splits={ns} does not divide the {nb} blocks")
+    return _S8Spec(d=ops.head_dim, g=g, bits=ops.bits, ns=ns, nbs=nb // ns, stages=cfg.max_concurrent_steps,
+                   hkv=ops.num_kv_heads, k_zero=ops.k_zero, v_zero=ops.v_zero_kind, vg=ops.v_group)
+
+
+def decode_attention_mgpu_planar_s8_partials(q, ops: TokenPlanarOperands, *, sm_scale: float | None = None,
+                                             config: PlanarS8Config | None = None, interpret: Any = False):
+    """Split-K partials of one prepared per-token region on s8 tensor cores.  ``q``: ``[B, Hq, D]``.  Returns
+    ``acc [B, Hkv, S, G, D], m, l [B, Hkv, S, G]`` float32 (natural-log ``m``)."""
+    cfg = config or PlanarS8Config()
+    _check_operands(ops)
+    b, hq, d = q.shape
+    hkv = ops.num_kv_heads
+    g = hq // hkv
+    sp = _spec(ops, g, cfg)
+    if interpret:
+        return _partials_jnp(q, ops, sm_scale, sp)
+    qb, qs, qsum = query_limbs(q, hkv, sm_scale)
+    kc = sp.kc
+    qb = jnp.swapaxes(qb.reshape(qb.shape[0], _NQ, d // kc, kc), 1, 2)               # [BH, D/KC, 24, KC]
+    qaux = jnp.pad(jnp.stack([qs, qsum], 1), ((0, 0), (0, 0), (0, _NL)))          # 128 bytes: one TMA per thread
+    out = _s8_call(ops.start.astype(jnp.int32), ops.end.astype(jnp.int32), qb, qaux,
+                   ops.k, ops.v, ops.k_qparams, ops.v_scale, ops.v_zero, sp)
+    return _kernel_partials(out, sp, b, hkv)
+
+
+def _signed_planes(packed, bits: int):
+    """Token-planar bytes ``[BH, T/P, X]`` -> per plane ``byte & mask`` as a signed int32 ``[BH, T, X]`` (what the
+    s8 wgmma reads: ``u 2^(bits r)``, the top plane ``(u - 2^(bits-1)) 2^(bits r)``)."""
+    p = 8 // bits
+    bh, tp, x = packed.shape
+    b = packed.reshape(bh, tp // _M, 1, _M, x)
+    masks = jnp.asarray([_plane_mask(r, bits) for r in range(p)], jnp.int8).reshape(p, 1, 1)
+    return (b & masks).astype(jnp.int32).reshape(bh, tp * p, x)
+
+
+def _partials_jnp(q, ops: TokenPlanarOperands, sm_scale, sp: _S8Spec):
+    """Plain-JAX partials (one split) in the s8 kernel's arithmetic: query limbs, int32 plane dots, per-block
+    per-column 21-bit ``p sv``, the V min term float32.  The softmax is global (one split) where the kernel's is
+    online: the quantization scales are relative to each block's column max either way."""
+    b, hq, d = q.shape
+    hkv, bits, t, bt, pln = ops.num_kv_heads, ops.bits, ops.rows, ops.block_t, 8 // ops.bits
+    g = hq // hkv
+    half = 2.0 ** (bits - 1)
+    qb, qs, qsum = query_limbs(q, hkv, sm_scale)
+    ql = [qb[:, li * _NL:(li + 1) * _NL].astype(jnp.int32) for li in range(_LIMBS)]  # [BH, 8, D] each
+    uk = _signed_planes(ops.k, bits)                                                  # [BH, T, D]
+    dot = _from_limbs(*(jnp.einsum("xtd,xcd->xtc", uk, l_, preferred_element_type=jnp.int32) for l_ in ql))
+    plane = (jnp.arange(t) % bt) // _M                                                 # [T]
+    pscale = jnp.asarray(2.0, _F32) ** (-bits * plane.astype(_F32))
+    top = (plane == pln - 1)
+    kz = None if ops.k_zero == "symmetric" else ops.k_qparams[:, 1].astype(_F32)
+    st = ops.k_qparams[:, 0].astype(_F32)                                              # [BH, T]
+    mt = zero_min(st, kz, ops.k_zero, bits) + jnp.where(top, half, 0.0) * st
+    s = dot * (st * pscale)[..., None] * qs[:, None, :] + mt[..., None] * qsum[:, None, :]   # [BH, T, 8]
+    rows = jnp.arange(t, dtype=jnp.int32)[None, :]
+    valid = jnp.repeat((rows >= ops.start[:, None]) & (rows < ops.end[:, None]), hkv, 0)[..., None]
+    s = jnp.where(valid, s, _NEG)
+    m = jnp.max(s, axis=1)                                                             # [BH, 8]
+    p = jnp.where(valid, jnp.exp2(s - m[:, None, :]), 0.0)                             # [BH, T, 8]
+    sv = ops.v_scale.astype(_F32)                                                      # [BH, C, T]
+    zv = None if ops.v_zero is None else ops.v_zero.astype(_F32)
+    mv = zero_min(sv, zv, ops.v_zero_kind, bits) + jnp.where(top, half, 0.0) * sv
+    uv = _signed_planes(jnp.swapaxes(ops.v, 1, 2), bits)                               # [BH, T, D]
+    nvg = sv.shape[1]
+    acc = []
+    for ci in range(nvg):
+        x = jnp.where(valid, p * (sv[:, ci] * pscale)[..., None], 0.0)                # [BH, T, 8]
+        xb = x.reshape(x.shape[0], t // bt, bt, _NL)
+        xi, deq = _quantize_pv(xb, jnp.max(jnp.abs(xb), axis=2, keepdims=True))
+        xl = [l_.reshape(x.shape) for l_ in limbs(xi)]
+        ub = uv[:, :, ci * ops.v_group:(ci + 1) * ops.v_group].reshape(x.shape[0], t // bt, bt, ops.v_group)
+        part = _from_limbs(*(jnp.einsum("xktc,xktd->xkcd", l_.reshape(xb.shape), ub,
+                                        preferred_element_type=jnp.int32) for l_ in xl))
+        o = jnp.sum(part * deq[:, :, 0, :, None], axis=1)                             # [BH, 8, Gv]
+        o = o + jnp.einsum("xtc,xt->xc", p, jnp.where(valid[..., 0], mv[:, ci], 0.0),
+                           precision=lax.Precision.HIGHEST)[..., None]
+        acc.append(o)
+    acc = jnp.concatenate(acc, axis=-1)                                                # [BH, 8, D]
+    sh = (b, hkv, 1, _NL)
+    return (acc.reshape(sh + (d,))[:, :, :, :g], (m * _LN2).reshape(sh)[..., :g],
+            jnp.sum(p, axis=1).reshape(sh)[..., :g])
+
+
+def decode_attention_mgpu_planar_s8_prepared(q, ops: TokenPlanarOperands, *, k_new=None, v_new=None,
+                                             sm_scale: float | None = None, config: PlanarS8Config | None = None,
+                                             interpret: Any = False, out_dtype=None):
+    """Attention of the new token over one prepared per-token region (+ the exact current token), ONE softmax.
+    ``q [B, Hq, D]``; returns ``[B, Hq, D]`` (``out_dtype``, default ``q.dtype``)."""
+    part = decode_attention_mgpu_planar_s8_partials(q, ops, sm_scale=sm_scale, config=config, interpret=interpret)
+    return _merge_partials(q, part, ops.num_kv_heads, sm_scale, k_new=k_new, v_new=v_new,
+                           out_dtype=out_dtype or q.dtype)
+
+
+def token_planar_s8_layout_unsupported(q, fmt: tp.TokenPlanarFormat, operand: tp.TokenPlanarOperand) -> Optional[str]:
+    """Why the s8 kernel cannot read this token-planar cache layer's shapes (any device; None when it can): the bf16
+    kernel's conditions (:func:`~pallas_kernels.decode_attention_mgpu_planar.token_planar_layout_unsupported`) and
+    at most 8 query heads per KV head (a cache layer's V has one group: ``Gv = D``)."""
+    return (token_planar_layout_unsupported(q, fmt, operand)
+            or _group_unsupported(q.shape[1] // operand.k_codes.shape[1]))
+
+
+def token_planar_s8_layer_unsupported(q, fmt: tp.TokenPlanarFormat, operand: tp.TokenPlanarOperand) -> Optional[str]:
+    """Why the s8 kernel cannot read a token-planar cache layer in place on this device (None when it can): not a
+    Hopper GPU, or :func:`token_planar_s8_layout_unsupported`."""
+    return hopper_unsupported() or token_planar_s8_layout_unsupported(q, fmt, operand)
+
+
+def decode_attention_token_planar_s8(q, fmt: tp.TokenPlanarFormat, operand: tp.TokenPlanarOperand, lengths=None,
+                                     k_new=None, v_new=None, *, sm_scale: float | None = None,
+                                     config: PlanarS8Config | None = None, interpret: Any = None, out_dtype=None):
+    """Decode attention over one token-planar per-token cache layer read in place, on s8 tensor cores (the
+    dispatcher's entry, beside the bf16 kernel's ``decode_attention_token_planar``): rows ``[0, operand.end)`` and
+    the exact current token (``k_new, v_new [B, Hkv, D]``) in ONE softmax.  ``q [B, Hq, D]``; returns ``[B, Hq, D]``
+    in ``out_dtype``, default float32 (the dispatcher casts).  ``lengths`` is not read (``operand.end`` holds them).
+    ``interpret`` (None: off on a GPU only) runs the plain-JAX partials (CPU tests)."""
+    del lengths
+    why = token_planar_s8_layout_unsupported(q, fmt, operand)
+    if why:
+        raise NotImplementedError(f"decode_attention_token_planar_s8: {why}")
+    interpret = bool(interpret) if interpret is not None else default_interpret()
+    return decode_attention_mgpu_planar_s8_prepared(q, token_planar_operands(fmt, operand), k_new=k_new, v_new=v_new,
+                                                    sm_scale=sm_scale, config=config, interpret=interpret,
+                                                    out_dtype=out_dtype or _F32)

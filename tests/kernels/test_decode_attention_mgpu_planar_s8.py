@@ -1,0 +1,135 @@
+"""Mosaic GPU per-token INT2 / INT4 decode attention on s8 tensor cores
+(pallas_kernels/decode_attention_mgpu_planar_s8.py): CPU checks.
+
+* The limb split is exact (``x = l0 + 2^7 l1 + 2^14 l2`` over the whole 21-bit range, negative included, every limb
+  an int8) and the query limbs reproduce ``q' = q * sm_scale * log2 e`` to 21 bits per column.
+* The plain-JAX twin of the kernel's arithmetic (query limbs, int32 plane dots, per-block per-column 21-bit ``p sv``
+  limbs, the V min term float32) matches the float64 oracle on ragged, poisoned regions with the current token in
+  the same softmax: INT2 / INT4, symmetric / offset / min zeros, V groups 0 and 64, D 64 / 128 / 256, GQA 1 / 3 /
+  4 / 8, fp16 qparams and bf16 queries.
+* Mutations (dropping the top plane's min shift, a limb weight off by one bit, the block scale not applied) are
+  caught by the same comparison.
+* The support matrix says why not.
+The kernel itself runs only on a Hopper GPU (experiments/check_mgpu_planar.py --mma s8); its lowering for ``cuda`` is
+checked in tests/kernels/test_decode_attention_lowering.py.
+"""
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import decode_attention_mgpu_planar as mp
+from pallas_kernels import decode_attention_mgpu_planar_s8 as s8
+
+from test_decode_attention_mgpu_planar import _case, _max_rel     # the bf16 kernel's ragged, poisoned cases
+
+#: (bits, K zero, V zero, V group, D, GQA group)
+PARITY_CASES = [(2, "symmetric", "symmetric", 0, 128, 4), (4, "offset", "offset", 0, 128, 4),
+                (4, "symmetric", "min", 64, 256, 8), (4, "min", "symmetric", 0, 64, 3),
+                (2, "offset", "min", 0, 64, 1), (2, "min", "offset", 64, 128, 8)]
+BOUND = 5e-5                      # max-abs-err / max-abs-ref vs the float64 oracle (21-bit limbs; measured <= 1.4e-5)
+
+
+def _run(q, reg, kn, vn, **kw):
+    ops = mp.prepare_token_planar_region(reg)
+    return s8.decode_attention_mgpu_planar_s8_prepared(q, ops, k_new=kn, v_new=vn, interpret=True,
+                                                       out_dtype=jnp.float32, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Limbs
+# ---------------------------------------------------------------------------------------------------------------
+def test_limbs_are_exact_int8_over_the_range(rng):
+    xi = np.concatenate([np.array([0, 1, -1, 127, 128, -128, s8.LIM, -s8.LIM, 2 ** 14, -2 ** 14]),
+                         rng.integers(-s8.LIM, s8.LIM + 1, 20000)]).astype(np.int32)
+    l0, l1, l2 = (np.asarray(x) for x in s8.limbs(jnp.asarray(xi)))
+    assert l0.min() >= 0 and l0.max() <= 127 and l1.min() >= 0 and l1.max() <= 127
+    assert l2.min() >= -128 and l2.max() <= 127
+    np.testing.assert_array_equal(l0.astype(np.int64) + 128 * l1.astype(np.int64) + 16384 * l2.astype(np.int64), xi)
+
+
+@pytest.mark.parametrize("g,d", [(4, 128), (3, 64), (8, 256), (1, 64)])
+def test_query_limbs_reproduce_the_scaled_query(rng, g, d):
+    b, hkv = 2, 2
+    q = jnp.asarray(rng.standard_normal((b, hkv * g, d)).astype(np.float32))
+    q = q.at[0, 0].set(0.0)                                                # an all-zero query row: scale 1, limbs 0
+    qb, qs, qsum = (np.asarray(x) for x in s8.query_limbs(q, hkv, None))
+    assert qb.dtype == np.int8 and qb.shape == (b * hkv, 24, d) and qs.shape == qsum.shape == (b * hkv, 8)
+    ql = [qb[:, i * 8:(i + 1) * 8].astype(np.float64) for i in range(3)]
+    qi = ql[0] + 128 * ql[1] + 16384 * ql[2]
+    want = np.asarray(q, np.float64).reshape(b * hkv, g, d) / np.sqrt(d) * np.log2(np.e)
+    got = qi * qs[..., None].astype(np.float64)
+    np.testing.assert_array_equal(got[:, g:], 0.0)                         # padding columns
+    err = np.abs(got[:, :g] - want).max(axis=-1) / np.maximum(np.abs(want).max(axis=-1), 1e-30)
+    assert err.max() <= 1.0 / s8.LIM, err.max()             # half a step + float32 rounding of q and qs
+    np.testing.assert_allclose(qsum[:, :g], got[:, :g].sum(-1), rtol=1e-5, atol=1e-6)
+    assert np.all(qi[0, 0] == 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plain-JAX twin vs the float64 oracle
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits,kz,vz,vg,d,g", PARITY_CASES, ids=lambda v: str(v))
+def test_twin_matches_oracle(rng, bits, kz, vz, vg, d, g):
+    q, reg, kn, vn = _case(rng, bits, kz, vz, vg, d, g)
+    out = np.asarray(_run(q, reg, kn, vn))
+    ref = mp.decode_attention_mgpu_planar_reference_f64(q, reg, k_new=kn, v_new=vn)
+    assert out.shape == ref.shape == q.shape
+    assert np.isfinite(out).all()
+    assert _max_rel(out, ref) <= BOUND
+
+
+def test_twin_fp16_qparams_bf16_query(rng):
+    q, reg, kn, vn = _case(rng, 2, "offset", "offset", 0, 128, 4, qparam_dtype=jnp.float16, q_dtype=jnp.bfloat16)
+    ref = mp.decode_attention_mgpu_planar_reference_f64(q, reg, k_new=kn, v_new=vn)
+    assert _max_rel(_run(q, reg, kn, vn), ref) <= BOUND
+    ops = mp.prepare_token_planar_region(reg)
+    assert s8.decode_attention_mgpu_planar_s8_prepared(q, ops, interpret=True).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("mutation", ["min_shift", "limb_weight", "no_block_scale"])
+def test_mutations_are_caught(rng, monkeypatch, mutation):
+    """The oracle comparison is not vacuous: every min off by ``2^(bits-1) s`` (the top plane's shift applied
+    everywhere), a limb weight of ``2^6`` instead of ``2^7``, or ``p sv`` dequantized without its block scale moves
+    the output far past the bound."""
+    q, reg, kn, vn = _case(rng, 2, "symmetric", "offset", 0, 128, 4)
+    if mutation == "min_shift":
+        real = s8.zero_min
+        monkeypatch.setattr(s8, "zero_min", lambda s, z, kind, bits: real(s, z, kind, bits) - 2.0 ** (bits - 1) * s)
+    elif mutation == "limb_weight":
+        f32 = jnp.float32
+        monkeypatch.setattr(s8, "_from_limbs",
+                            lambda a0, a1, a2: a0.astype(f32) + a1.astype(f32) * 64.0 + a2.astype(f32) * 16384.0)
+    else:
+        real = s8._quantize_pv
+        monkeypatch.setattr(s8, "_quantize_pv", lambda x, cmax: (real(x, cmax)[0], jnp.ones_like(cmax) / s8.LIM))
+    ref = mp.decode_attention_mgpu_planar_reference_f64(q, reg, k_new=kn, v_new=vn)
+    assert _max_rel(_run(q, reg, kn, vn), ref) > 100 * BOUND
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Support matrix
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind,needle", [("g9", "9 query heads"), ("vg32", "V group 32")])
+def test_unsupported_says_why(rng, kind, needle):
+    vg, g = (32, 4) if kind == "vg32" else (0, 9)
+    q, reg, kn, vn = _case(rng, 2, "symmetric", "symmetric", vg, 128, g, b=2, poison=False)
+    ops = mp.prepare_token_planar_region(reg)
+    why = s8.s8_unsupported(ops, g)
+    assert why is not None and needle in why, why
+    with pytest.raises(NotImplementedError, match=needle):
+        _run(q, reg, kn, vn)
+
+
+def test_supported_cases_say_none(rng):
+    for bits, kz, vz, vg, d, g in PARITY_CASES:
+        _, reg, _, _ = _case(rng, bits, kz, vz, vg, d, g, b=2, poison=False)
+        assert s8.s8_unsupported(mp.prepare_token_planar_region(reg), g) is None
+
+
+def test_splits_must_divide_blocks(rng):
+    q, reg, kn, vn = _case(rng, 2, "symmetric", "symmetric", 0, 128, 4, b=2, poison=False)
+    with pytest.raises(ValueError, match="num_splits=3"):
+        _run(q, reg, kn, vn, config=s8.PlanarS8Config(num_splits=3))
+    assert dataclasses.asdict(s8.PlanarS8Config()) == {"num_splits": None, "max_concurrent_steps": 2}
