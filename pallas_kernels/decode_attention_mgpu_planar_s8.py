@@ -130,9 +130,10 @@ def query_limbs(q, hkv: int, sm_scale):
 
 def _quantize_pv(x, cmax):
     """float32 ``x [..., T, C]`` and its per-column bound ``cmax [..., 1, C]`` -> int32 in ``[-LIM, LIM]`` (the
-    kernel's truncating conversion) and the dequantization factor ``cmax / LIM``."""
+    kernel's truncating conversion, clamped: ``x * (LIM / cmax)`` may round past ``LIM``) and the dequantization
+    factor ``cmax / LIM``."""
     safe = jnp.where(cmax > 0, cmax, 1.0)
-    return (x * (LIM / safe)).astype(jnp.int32), safe * (1.0 / LIM)
+    return jnp.clip((x * (LIM / safe)).astype(jnp.int32), -LIM, LIM), safe * (1.0 / LIM)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -270,7 +271,8 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                     inv = bcol(LIM / safe)
                     scales.append(safe * (1.0 / LIM))
                     for r in range(pln):
-                        xi = (xs[ci][r] * inv).astype(i32)
+                        # clamped: an approximate LIM / S rounded up must not carry the top limb past 127
+                        xi = jnp.clip((xs[ci][r] * inv).astype(i32), -LIM, LIM)
                         for li, limb in enumerate(limbs(xi)):
                             x_smem.at[pl.ds(ci * prows + r * _NP + li * n, n)].T[...] = plgpu.layout_cast(
                                 limb, plgpu.Layout.WGMMA_TRANSPOSED)

@@ -49,6 +49,18 @@ def test_limbs_are_exact_int8_over_the_range(rng):
     np.testing.assert_array_equal(l0.astype(np.int64) + 128 * l1.astype(np.int64) + 16384 * l2.astype(np.int64), xi)
 
 
+def test_pv_quantization_stays_in_the_limb_range():
+    """``p sv`` at its column max (and a bound rounded a little low, as an approximate reciprocal may give) maps to
+    at most ``LIM``: the top limb stays an int8."""
+    x = jnp.asarray([[1.0, -3.0], [0.5, 3.0 * (1 + 2e-7)]], jnp.float32)[None]    # [1, T 2, C 2]
+    xi, deq = s8._quantize_pv(x, jnp.asarray([[[1.0, 3.0]]], jnp.float32))
+    xi = np.asarray(xi)
+    assert np.abs(xi).max() <= s8.LIM and xi[0, 0, 0] == s8.LIM and xi[0, 0, 1] == -s8.LIM
+    l2 = np.asarray(s8.limbs(jnp.asarray(xi))[2])
+    assert l2.min() >= -128 and l2.max() <= 127
+    np.testing.assert_allclose(np.asarray(deq)[0, 0], [1.0 / s8.LIM, 3.0 / s8.LIM], rtol=1e-6)
+
+
 @pytest.mark.parametrize("g,d", [(4, 128), (3, 64), (8, 256), (1, 64)])
 def test_query_limbs_reproduce_the_scaled_query(rng, g, d):
     b, hkv = 2, 2
