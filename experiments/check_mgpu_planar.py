@@ -79,6 +79,8 @@ def parity(args, results) -> bool:
             continue
         kf, vf = KVFormat(f"int{bits}", "token", kz), KVFormat(f"int{bits}", "token", vz, vg)
         reg, kn, vn, queries = ck.parity_inputs(rng, kf, vf, d, g)
+        ops = mp.prepare_token_planar_region(reg) if "mgpu_s8" in args.impls else None
+        s8_reads = ops is not None and s8.s8_unsupported(ops, g) is None
         for qname, q in queries:
             ref = mp.decode_attention_mgpu_planar_reference_f64(q, reg, k_new=kn, v_new=vn)
             for prec in ("bf16x2", "bf16") if "mgpu" in args.impls else ():
@@ -90,10 +92,7 @@ def parity(args, results) -> bool:
                     q, reg, kn, vn), {}, True)
                 ok_all &= ck.parity_row(args, results, row, serve, ref, BOUND[prec],
                                         f"case {ci} int{bits} K {kz} V {vz} Gv={vg} D={d} g={g} q={qname} {prec}")
-            if "mgpu_s8" not in args.impls:
-                continue
-            ops = mp.prepare_token_planar_region(reg)
-            if s8.s8_unsupported(ops, g):
+            if not s8_reads:
                 continue
             row = dict(kind="parity", case=ci, bits=bits, k_zero=kz, v_zero=vz, v_group=vg, d=d, g=g, q=qname,
                        precision="s8")

@@ -419,11 +419,7 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
     def body(start_ref, end_ref, qt_ref, *refs):
         in_refs = dict(zip(names, refs[:len(names)]))
         o_ref, z_ref, m_ref, l_ref = refs[len(names):]
-        pid = lax.axis_index("bh")
-        sid = lax.axis_index("split")
-        lo = start_ref[pid // sp.hkv]
-        hi = end_ref[pid // sp.hkv]
-        base = sid * nbs
+        pid, sid, lo, hi, base = _program_rows(start_ref, end_ref, sp.hkv, nbs)
 
         def scoped(qt_smem, b_smem, p_smem, a_smem, o_smem, z_smem, m_smem, l_smem, q_bar):
             plgpu.copy_gmem_to_smem(qt_ref.at[pid], qt_smem, q_bar)
@@ -593,6 +589,15 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
     return fn(start, end, qt, *[arrays[nm] for nm in names])
 
 
+def _program_rows(start_ref, end_ref, hkv: int, nbs: int):
+    """A split-K token-planar kernel program's place (inside the kernel; grid ``("bh", "split")``): ``(pid, sid,
+    lo, hi, base)`` -- its (sequence, KV head) and split, the live rows ``[lo, hi)`` of sequence ``pid // hkv``, and
+    its first block ``sid * nbs``."""
+    pid = lax.axis_index("bh")
+    sid = lax.axis_index("split")
+    return pid, sid, start_ref[pid // hkv], end_ref[pid // hkv], sid * nbs
+
+
 def _online_max(ss, m_i):
     """The online softmax's step over one block (inside a kernel): the new running max ``m_new`` (``[N]``, log2
     units) of ``m_i`` and the planes' logits ``ss`` (``[64, N]`` each; ONE cross-warp max for the block) and the
@@ -716,17 +721,26 @@ def _group_offsets(qb, k_min, method: str = "highest"):
     raise ValueError(f"offsets must be one of {OFFSETS}, got {method!r}")
 
 
-def _planes_as_kernel(packed, bits: int, unshift_top: bool = False):
-    """The kernel's reading of token-planar bytes ``[BH, T/P, X]``: per plane ``(byte & mask)`` as a signed byte
-    (plus ``_TOP_SHIFT`` on the top plane with ``unshift_top``: the K read), times ``2^(-bits*r)`` -> ``[BH, T,
-    X]`` float32 (``u``; ``u - 2^(bits-1)`` on the top plane without ``unshift_top``: the V read)."""
+def _masked_planes(packed, bits: int):
+    """Token-planar bytes ``[BH, T/P, X]`` -> per plane ``byte & mask`` as a signed int32 ``[BH, T, X]`` (what the
+    kernels read: ``u 2^(bits r)``, the top plane ``(u - 2^(bits-1)) 2^(bits r)``)."""
     p = 8 // bits
     bh, tp, x = packed.shape
     b = packed.reshape(bh, tp // _M, 1, _M, x)
     masks = jnp.asarray([_plane_mask(r, bits) for r in range(p)], jnp.int8).reshape(p, 1, 1)
+    return (b & masks).astype(jnp.int32).reshape(bh, tp * p, x)
+
+
+def _planes_as_kernel(packed, bits: int, unshift_top: bool = False):
+    """The bf16 kernels' reading of token-planar bytes ``[BH, T/P, X]``: :func:`_masked_planes` (plus
+    ``_TOP_SHIFT`` on the top plane with ``unshift_top``: the K read), times ``2^(-bits*r)`` -> ``[BH, T, X]``
+    float32 (``u``; ``u - 2^(bits-1)`` on the top plane without ``unshift_top``: the V read)."""
+    p = 8 // bits
+    bh, tp, x = packed.shape
     shift = jnp.asarray([_TOP_SHIFT if unshift_top and r == p - 1 else 0.0 for r in range(p)], _F32)
-    scale = jnp.asarray([2.0 ** (-bits * r) for r in range(p)], _F32).reshape(p, 1, 1)
-    return (((b & masks).astype(_F32) + shift.reshape(p, 1, 1)) * scale).reshape(bh, tp * p, x)
+    scale = jnp.asarray([2.0 ** (-bits * r) for r in range(p)], _F32)
+    per_row = lambda a: jnp.tile(jnp.repeat(a, _M), tp // _M)[None, :, None]  # noqa: E731  (row -> its plane)
+    return (_masked_planes(packed, bits).astype(_F32) + per_row(shift)) * per_row(scale)
 
 
 def _partials_jnp(q, ops: KiviMgpuOperands, sm_scale, offsets: str = "highest"):

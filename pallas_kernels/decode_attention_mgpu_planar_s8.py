@@ -41,7 +41,6 @@ the kernel (``experiments/check_mgpu_planar.py --impls mgpu_s8``; not yet run on
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Optional
 
 import jax.numpy as jnp
@@ -51,9 +50,10 @@ from jax.experimental import pallas as pl
 from kvquant_jax.abi import token_planar as tp
 from pallas_kernels.backend import default_interpret
 from pallas_kernels.decode_attention_mgpu import _auto_splits, _merge_partials, _tile_transforms, hopper_unsupported
-from pallas_kernels.decode_attention_mgpu_kivi import (_F32, _LN2, _LOG2E, _M, _NEG, _kernel_partials, _online_max,
-                                                       _PlaneBlock, _plane_mask, _split_out_types, _write_split_outputs,
-                                                       zero_min)
+from pallas_kernels.decode_attention_mgpu_kivi import (_F32, _LN2, _M, _NEG, _kernel_partials, _masked_planes,
+                                                       _online_max, _PlaneBlock, _plane_mask, _program_rows,
+                                                       _scaled_query_block, _split_out_types, _top_plane_rows,
+                                                       _write_split_outputs, zero_min)
 from pallas_kernels.decode_attention_mgpu_planar import (TokenPlanarOperands, _check_operands,
                                                          token_planar_layout_unsupported, token_planar_operands)
 
@@ -115,11 +115,7 @@ def query_limbs(q, hkv: int, sm_scale):
     """``q [B, Hq, D]`` -> ``(qb int8 [B*Hkv, 3*8, D], qs f32 [B*Hkv, 8], qsum f32 [B*Hkv, 8])``: ``q' = q *
     sm_scale * log2 e`` per KV group, columns padded to 8, quantized per column to ``LIM`` (``q'_deq = qs *
     int``), split into limbs stacked along rows (``[l0 | l1 | l2]``, 8 columns each); ``qsum = sum_d q'_deq``."""
-    b, hq, d = q.shape
-    g = hq // hkv
-    scale = (1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale)
-    qp = q.astype(_F32).reshape(b * hkv, g, d) * (scale * _LOG2E)
-    qp = jnp.pad(qp, ((0, 0), (0, _NL - g), (0, 0)))                                 # [BH, 8, D]
+    qp = _scaled_query_block(q, hkv, _NL, 0, sm_scale)                               # [BH, 8, D]
     amax = jnp.max(jnp.abs(qp), axis=-1)
     qs = jnp.where(amax > 0, amax / LIM, 1.0)
     qi = jnp.clip(jnp.round(qp / qs[..., None]), -LIM, LIM).astype(jnp.int32)
@@ -188,11 +184,7 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
     def body(start_ref, end_ref, qb_ref, qaux_ref, *refs):
         in_refs = dict(zip(names, refs[:len(names)]))
         o_ref, z_ref, m_ref, l_ref = refs[len(names):]
-        pid = lax.axis_index("bh")
-        sid = lax.axis_index("split")
-        lo = start_ref[pid // sp.hkv]
-        hi = end_ref[pid // sp.hkv]
-        base = sid * nbs
+        pid, sid, lo, hi, base = _program_rows(start_ref, end_ref, sp.hkv, nbs)
 
         def scoped(qb_smem, qaux_smem, x_smem, p_smem, o_smem, z_smem, m_smem, l_smem, q_bar, a_bar):
             plgpu.copy_gmem_to_smem(qb_ref.at[pid], qb_smem, q_bar)
@@ -241,8 +233,9 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
 
                 # 2. online softmax: ONE cross-warp max for the block
                 m_new, alpha = _online_max(ss, m_i)
-                l_i = l_i * bcol(alpha)
-                zs = [z * bcol(alpha) for z in zs]
+                alpha_t = bcol(alpha)
+                l_i = l_i * alpha_t
+                zs = [z * alpha_t for z in zs]
                 xs = [[None] * pln for _ in range(nvg)]
                 for r in range(pln):
                     p = jnp.where(valids[r], jnp.exp2(ss[r] - bcol(m_new)), 0.0)
@@ -298,7 +291,7 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                 for j in range(dch):
                     ci = j * _M // sp.vg
                     part = _from_limbs(*(pvr[j][:, li * n:(li + 1) * n] for li in range(_LIMBS)))
-                    new_accs.append(accs[j] * bcol(alpha) + part * bcol(scales[ci]))
+                    new_accs.append(accs[j] * alpha_t + part * bcol(scales[ci]))
                 return new_accs, m_new, l_i, zs
 
             blk = lambda i: (base + i, 0)            # noqa: E731  (token rows first)
@@ -372,31 +365,21 @@ def decode_attention_mgpu_planar_s8_partials(q, ops: TokenPlanarOperands, *, sm_
     return _kernel_partials(out, sp, b, hkv)
 
 
-def _signed_planes(packed, bits: int):
-    """Token-planar bytes ``[BH, T/P, X]`` -> per plane ``byte & mask`` as a signed int32 ``[BH, T, X]`` (what the
-    s8 wgmma reads: ``u 2^(bits r)``, the top plane ``(u - 2^(bits-1)) 2^(bits r)``)."""
-    p = 8 // bits
-    bh, tp, x = packed.shape
-    b = packed.reshape(bh, tp // _M, 1, _M, x)
-    masks = jnp.asarray([_plane_mask(r, bits) for r in range(p)], jnp.int8).reshape(p, 1, 1)
-    return (b & masks).astype(jnp.int32).reshape(bh, tp * p, x)
-
-
 def _partials_jnp(q, ops: TokenPlanarOperands, sm_scale, sp: _S8Spec):
     """Plain-JAX partials (one split) in the s8 kernel's arithmetic: query limbs, int32 plane dots, per-block
     per-column 21-bit ``p sv``, the V min term float32.  The softmax is global (one split) where the kernel's is
     online: the quantization scales are relative to each block's column max either way."""
     b, hq, d = q.shape
-    hkv, bits, t, bt, pln = ops.num_kv_heads, ops.bits, ops.rows, ops.block_t, 8 // ops.bits
+    hkv, bits, t, bt = ops.num_kv_heads, ops.bits, ops.rows, ops.block_t
     g = hq // hkv
     half = 2.0 ** (bits - 1)
     qb, qs, qsum = query_limbs(q, hkv, sm_scale)
     ql = [qb[:, li * _NL:(li + 1) * _NL].astype(jnp.int32) for li in range(_LIMBS)]  # [BH, 8, D] each
-    uk = _signed_planes(ops.k, bits)                                                  # [BH, T, D]
+    uk = _masked_planes(ops.k, bits)                                                  # [BH, T, D]
     dot = _from_limbs(*(jnp.einsum("xtd,xcd->xtc", uk, l_, preferred_element_type=jnp.int32) for l_ in ql))
     plane = (jnp.arange(t) % bt) // _M                                                 # [T]
     pscale = jnp.asarray(2.0, _F32) ** (-bits * plane.astype(_F32))
-    top = (plane == pln - 1)
+    top = jnp.asarray(_top_plane_rows(t, bits))
     kz = None if ops.k_zero == "symmetric" else ops.k_qparams[:, 1].astype(_F32)
     st = ops.k_qparams[:, 0].astype(_F32)                                              # [BH, T]
     mt = zero_min(st, kz, ops.k_zero, bits) + jnp.where(top, half, 0.0) * st
@@ -409,7 +392,7 @@ def _partials_jnp(q, ops: TokenPlanarOperands, sm_scale, sp: _S8Spec):
     sv = ops.v_scale.astype(_F32)                                                      # [BH, C, T]
     zv = None if ops.v_zero is None else ops.v_zero.astype(_F32)
     mv = zero_min(sv, zv, ops.v_zero_kind, bits) + jnp.where(top, half, 0.0) * sv
-    uv = _signed_planes(jnp.swapaxes(ops.v, 1, 2), bits)                               # [BH, T, D]
+    uv = _masked_planes(jnp.swapaxes(ops.v, 1, 2), bits)                               # [BH, T, D]
     nvg = sv.shape[1]
     acc = []
     for ci in range(nvg):
