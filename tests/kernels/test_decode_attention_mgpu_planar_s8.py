@@ -28,7 +28,7 @@ from test_decode_attention_mgpu_planar import _case, _max_rel     # the bf16 ker
 PARITY_CASES = [(2, "symmetric", "symmetric", 0, 128, 4), (4, "offset", "offset", 0, 128, 4),
                 (4, "symmetric", "min", 64, 256, 8), (4, "min", "symmetric", 0, 64, 3),
                 (2, "offset", "min", 0, 64, 1), (2, "min", "offset", 64, 128, 8)]
-BOUND = 5e-5                      # max-abs-err / max-abs-ref vs the float64 oracle (21-bit limbs; measured <= 1.4e-5)
+BOUND = 5e-5                      # max-abs-err / max-abs-ref vs the float64 oracle (21-bit limbs; measured <= 1.8e-5 over two seeds)
 
 
 def _run(q, reg, kn, vn, **kw):
