@@ -75,7 +75,7 @@ JOBS=${*:-engine_kivi2 engine_smollm2 sweeps fixed_order decode ws}
 PY=${PY:-python3}
 
 SEQUENTIAL=${SEQUENTIAL:-0}      # 1: the jobs run one after another (timing jobs: each alone on the GPU)
-KNOWN="paged_check engine engine_static engine_kivi2 engine_smollm2 engine_probe tv_check decode_shapes mosaic_shapes fp8_tune kivi_offsets planar kivi_block gemma_passkey sweeps intactkv fixed_order decode ws ncu"
+KNOWN="paged_check engine engine_static engine_kivi2 engine_smollm2 engine_probe tv_check decode_shapes mosaic_shapes fp8_tune kivi_offsets planar s8 kivi_block gemma_passkey sweeps intactkv fixed_order decode ws ncu"
 for job in $JOBS; do                # every name checked before anything starts
   case " $KNOWN " in *" $job "*) ;; *) echo "unknown job $job ($KNOWN)" >&2; exit 2 ;; esac
 done
