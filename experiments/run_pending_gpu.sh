@@ -46,9 +46,10 @@
 #                  qserve4_planar caches through the dispatcher (H100 2026-12-07: one run each, 16/16 + 20/20
 #                  parity; INT2 1.78x / 1.88x, QServe 1.70x / 1.87x cuDNN); ALONE.  Its counters:
 #                  `ncu_decode.py --T 32768 --formats int2,qserve,int4 --impls mgpu_planar,triton`
-#   s8             J: the s8 tensor-core planar kernel (decode_attention_mgpu_planar_s8; built 2026-12-07, never run on
-#                  a GPU: every start was refused that session): its parity cases first (it refuses V groups < 64,
-#                  so cases 0, 1, 3, 5), then 3 timing repeats at 4K / 32K beside the bf16 planar kernel and cuDNN
+#   s8             J: the s8 tensor-core planar kernel (decode_attention_mgpu_planar_s8; first H100 run 2026-12-07:
+#                  compiles and runs, parity FAILS 0.45-0.87): experiments/debug_mgpu_s8.py localises the fault
+#                  (micro kernels per integer step, raw o/z/m/l per plane), then its parity cases (it refuses V
+#                  groups < 64, so cases 0, 1, 3, 5), then 3 timing repeats at 4K / 32K beside the bf16 planar kernel and cuDNN
 #                  (int2, qserve, int4), variants at the first; ALONE.  If parity and timing hold, apply the
 #                  dispatcher route (benchmarks_decode.md "2026-12-07 (s8)") and run `planar`.  Its counters:
 #                  `ncu_decode.py --T 32768 --formats int2,qserve --impls mgpu_planar,mgpu_planar_s8`
@@ -174,7 +175,8 @@ for job in $JOBS; do
         --parity-schemes int2_planar int4_planar qserve4_planar --schemes int2_planar int2 qserve4_planar qserve4 \
         --T 4096 32768 --out docs/results/decode_mgpu/pending-planar-route" ;;
     s8)
-      start_job s8 0.20 bash -c "$PY experiments/check_mgpu_planar.py --check-only --cases 0,1,3,5 --impls mgpu_s8 \
+      start_job s8 0.20 bash -c "$PY experiments/debug_mgpu_s8.py --out docs/results/decode_mgpu/pending-s8-debug; \
+        $PY experiments/check_mgpu_planar.py --check-only --cases 0,1,3,5 --impls mgpu_s8 \
         --out docs/results/decode_mgpu/pending-s8-parity && $PY experiments/check_mgpu_planar.py --skip-check \
         --T 32768,4096 --repeat 3 --impls mgpu,mgpu_s8 --variants 'stages 3,splits x2,splits /2' \
         --out docs/results/decode_mgpu/pending-s8" ;;

@@ -36,7 +36,8 @@ Operands: :class:`~pallas_kernels.decode_attention_mgpu_planar.TokenPlanarOperan
 per 64-channel tile (``Gv`` 0 or a multiple of 64), query groups of at most 8 heads.  :func:`s8_unsupported`.
 
 Interpret mode runs :func:`_partials_jnp` (the same limb quantization, int32 dots, plain JAX); only a Hopper GPU runs
-the kernel (``experiments/check_mgpu_planar.py --impls mgpu_s8``; not yet run on a GPU: 2026-12-07).
+the kernel (``experiments/check_mgpu_planar.py --impls mgpu_s8``).  Its first GPU run (H100, 2026-12-07) FAILS
+parity (0.45-0.87 relative; the twin passes): not routed; ``experiments/debug_mgpu_s8.py`` localises the fault.
 """
 from __future__ import annotations
 

@@ -145,3 +145,35 @@ def test_splits_must_divide_blocks(rng):
     with pytest.raises(ValueError, match="num_splits=3"):
         _run(q, reg, kn, vn, config=s8.PlanarS8Config(num_splits=3))
     assert dataclasses.asdict(s8.PlanarS8Config()) == {"num_splits": None, "max_concurrent_steps": 2}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# experiments/debug_mgpu_s8.py: its float64 reference of the kernel's raw outputs is the yardstick on the GPU
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", [(4, "symmetric", "symmetric", 0, 128, 4), (2, "symmetric", "symmetric", 0, 128, 4),
+                                  (4, "symmetric", "min", 64, 256, 8), (2, "offset", "offset", 0, 64, 3)])
+@pytest.mark.parametrize("plane", [None, 0, -1])
+def test_debug_reference_matches_the_twin(case, plane):
+    """``raw_reference`` (float64 ``o, z, m, l`` in the kernel's decomposition, one split) agrees with the twin's
+    partials: ``m`` (natural log), ``l``, and ``o + z`` per channel group = the twin's ``acc`` -- with all planes
+    and with one plane's codes (``one_plane``), the two input kinds the GPU script compares the kernel on."""
+    from experiment_scripts import load_experiment
+
+    dbg = load_experiment("debug_mgpu_s8")
+    bits, kz, vz, vg, d, g = case
+    q, reg, _, _ = _case(np.random.default_rng(3), bits, kz, vz, vg, d, g)
+    ops = mp.prepare_token_planar_region(reg)
+    if plane is not None:
+        ops = dbg.one_plane(ops, plane % (8 // bits))
+    o, z, m, l = dbg.raw_reference(q, ops)
+    acc, mt, lt = s8._partials_jnp(q, ops, None, s8._spec(ops, g, s8.PlanarS8Config(num_splits=1)))
+    b, hkv = q.shape[0], ops.num_kv_heads
+    acc_ref = (o + np.repeat(z, ops.v_group, axis=2)).reshape(b, hkv, 1, d, 8).swapaxes(3, 4)[..., :g, :]
+    assert np.abs(np.asarray(mt) - (m * np.log(2)).reshape(b, hkv, 1, 8)[..., :g]).max() < 1e-5
+    assert _max_rel(lt, l.reshape(b, hkv, 1, 8)[..., :g]) < 1e-5
+    assert _max_rel(acc, acc_ref) < 5e-5
+    # and it can fail: the V scales of the compared plane's rows halved move o past the bound
+    rows = (np.arange(ops.rows) % ops.block_t) // 64 == (0 if plane is None else plane % (8 // bits))
+    bad = dataclasses.replace(ops, v_scale=jnp.where(rows, ops.v_scale * 0.5, ops.v_scale))
+    ob = dbg.raw_reference(q, bad)[0]
+    assert _max_rel(ob, o) > 1e-3

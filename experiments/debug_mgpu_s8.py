@@ -1,0 +1,297 @@
+"""Where the s8 planar kernel goes wrong on a GPU (issue J; first GPU run 2026-12-07: parity 0.45-0.87 relative).
+
+    python3 experiments/debug_mgpu_s8.py --out $OUT/dbg          # Hopper GPU only
+
+(1) Micro kernels, each against integer NumPy: the QK s8 wgmma (A int8 [64, 128] from registers, loaded in the
+    WGMMA_8BIT or the WGMMA layout, plain and plane-masked; B int8 [24, 128] SMEM, K-major), the PV s8 wgmma (A
+    [64, 64] swizzle 64, B [32, 64]), the limb path (int32 [64, 8] WGMMA registers -> limbs -> transposed 32-bit
+    store -> converting copy -> swizzled int8 B operand) and the limb path followed by the PV wgmma.
+(2) The kernel's raw outputs ``o, z, m, l`` (one split) against float64 NumPy of the same decomposition, on parity
+    inputs, with all planes and with the codes of one plane only (K and V), so a wrong plane or a wrong side (QK:
+    ``m, l``; V min term: ``z``; PV: ``o``) shows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import check_mgpu_kivi as ck  # noqa: E402
+from kvquant_jax.abi.regions import KVFormat  # noqa: E402
+from pallas_kernels import decode_attention_mgpu_kivi as mk  # noqa: E402
+from pallas_kernels import decode_attention_mgpu_planar as mp  # noqa: E402
+from pallas_kernels import decode_attention_mgpu_planar_s8 as s8  # noqa: E402
+from pallas_kernels.decode_attention_mgpu import _tile_transforms  # noqa: E402
+
+ROWS: list[dict] = []
+
+
+def report(name, got, want, tol: float = 0.0, **extra):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    den = max(np.max(np.abs(want)), 1e-30)
+    err = float(np.max(np.abs(got - want)) / den) if got.shape == want.shape else float("nan")
+    row = dict(name=name, rel_err=err, ok=bool(err <= tol), tol=tol, **extra)
+    if got.shape == want.shape and not row["ok"]:
+        bad = np.argwhere(np.abs(got - want) > max(tol, 1e-12) * den)
+        row["n_bad"] = int(len(bad))
+        row["first_bad"] = [[int(i) for i in b] for b in bad[:8]]
+        row["got_at"] = [float(got[tuple(b)]) for b in bad[:8]]
+        row["want_at"] = [float(want[tuple(b)]) for b in bad[:8]]
+    ROWS.append(row)
+    print(f"{name:60s} rel err {err:.3e} {'OK' if row['ok'] else 'FAIL'}"
+          + ("" if row["ok"] else f" ({row.get('n_bad')} bad, first {row.get('first_bad', [])[:3]}"
+                                   f" got {row.get('got_at', [])[:3]} want {row.get('want_at', [])[:3]})"), flush=True)
+
+
+def guarded(name, fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001  (a failed lowering is a finding too)
+        ROWS.append(dict(name=name, error=f"{type(e).__name__}: {e}"[:2000]))
+        print(f"{name:60s} ERROR {type(e).__name__}: {str(e)[:600]}", flush=True)
+        traceback.print_exc(limit=3)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# (1) micro kernels
+# ------------------------------------------------------------------------------------------------------------
+def _plgpu():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu
+
+
+def _s8_product(a_regs, b_smem, shape):
+    """Inside a kernel: ``a_regs int8 [64, K] @ b_smem[N, K].T`` on s8 wgmma -> int32 ``[64, N]`` registers."""
+    plgpu = _plgpu()
+    from jax.experimental import pallas as pl
+
+    def mm(acc_ref):
+        plgpu.wgmma(acc_ref, a_regs, b_smem.T)
+        return acc_ref[...]
+
+    return pl.run_scoped(mm, plgpu.ACC(shape, jnp.int32))
+
+
+def micro_qk(a, b, layout: str, mask: int | None):
+    """``(a & mask) [64, K] @ b[N, K].T`` int32 on one s8 wgmma, A from registers."""
+    plgpu = _plgpu()
+    from jax.experimental import pallas as pl
+    m, k = a.shape
+    n = b.shape[0]
+    lay = plgpu.Layout.WGMMA_8BIT if layout == "w8" else plgpu.Layout.WGMMA
+    i8, i32 = jnp.int8, jnp.int32
+
+    def body(a_ref, b_ref, o_ref):
+        def scoped(a_smem, b_smem, o_smem, bar_a, bar_b):
+            plgpu.copy_gmem_to_smem(a_ref, a_smem, bar_a)
+            plgpu.copy_gmem_to_smem(b_ref, b_smem, bar_b)
+            plgpu.barrier_wait(bar_a)
+            plgpu.barrier_wait(bar_b)
+            av = plgpu.load(a_smem, (), layout=lay)
+            if mask is not None:
+                av = av & jnp.full(av.shape, mask, i8)
+            o_smem[...] = _s8_product(av, b_smem, (m, n))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref)
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scoped, plgpu.SMEM((m, k), i8, transforms=_tile_transforms(i8, k)),
+                      plgpu.SMEM((n, k), i8, transforms=_tile_transforms(i8, k)), plgpu.SMEM((m, n), i32),
+                      plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1))
+
+    fn = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), i32), grid=(1,), grid_names=("x",))
+    return np.asarray(jax.jit(fn)(jnp.asarray(a), jnp.asarray(b)))
+
+
+def _limb_values():
+    t = np.arange(64)[:, None]
+    c = np.arange(8)[None, :]
+    return (t * 8 + c) * 4099 - 1_000_000                      # int [64, 8], in [-LIM, LIM], all limbs busy
+
+
+def micro_limbs(v):
+    """The kernel's limb path for x = :func:`_limb_values` (made in registers from iotas), then one PV wgmma with
+    ``v int8 [64 ch, 64 tok]`` as A.  Returns (x_smem int32 [32, 64], p_smem int8 [32, 64], acc int32 [64, 32]).
+    """
+    plgpu = _plgpu()
+    from jax.experimental import pallas as pl
+    i8, i32 = jnp.int8, jnp.int32
+    wg, w8 = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA_8BIT
+    n, M, NP = 8, 64, 32
+    copy_layout = plgpu.Layout.SMEM_GMEM_COPY((NP, M), i8, 64)
+
+    def body(v_ref, xo_ref, po_ref, ao_ref):
+        def scoped(v_smem, x_smem, p_smem, a_smem, bar):
+            plgpu.copy_gmem_to_smem(v_ref, v_smem, bar)
+            x_smem[...] = jnp.zeros((NP, M), i32)
+            plgpu.commit_smem()
+            rows = plgpu.broadcasted_iota(i32, (M, n), 0, layout=wg)
+            cols = plgpu.broadcasted_iota(i32, (M, n), 1, layout=wg)
+            x = (rows * 8 + cols) * 4099 - 1_000_000
+            for li, limb in enumerate(s8.limbs(x)):
+                x_smem.at[pl.ds(li * n, n)].T[...] = plgpu.layout_cast(limb, plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.commit_smem()
+            p_smem[...] = plgpu.load(x_smem, (), layout=copy_layout, optimized=False).astype(i8)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(bar)
+            a_smem[...] = _s8_product(plgpu.load(v_smem, (), layout=w8), p_smem, (M, NP))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(x_smem, xo_ref)
+            plgpu.copy_smem_to_gmem(p_smem, po_ref)
+            plgpu.copy_smem_to_gmem(a_smem, ao_ref)
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scoped, plgpu.SMEM((M, M), i8, transforms=_tile_transforms(i8, M)), plgpu.SMEM((NP, M), i32),
+                      plgpu.SMEM((NP, M), i8, transforms=_tile_transforms(i8, M)), plgpu.SMEM((M, NP), i32),
+                      plgpu.Barrier(num_arrivals=1))
+
+    outs = (jax.ShapeDtypeStruct((NP, M), i32), jax.ShapeDtypeStruct((NP, M), i8), jax.ShapeDtypeStruct((M, NP), i32))
+    fn = plgpu.kernel(body, out_type=outs, grid=(1,), grid_names=("x",))
+    return [np.asarray(o) for o in jax.jit(fn)(jnp.asarray(v))]
+
+
+def micro_all(rng):
+    a = rng.integers(-128, 128, (64, 128)).astype(np.int8)
+    b = rng.integers(-128, 128, (24, 128)).astype(np.int8)
+    for layout in ("w8", "wg"):
+        for mask in (None, s8._plane_mask(0, 4), s8._plane_mask(1, 4), s8._plane_mask(3, 2)):
+            am = a if mask is None else (a & np.int8(mask))
+            want = am.astype(np.int64) @ b.astype(np.int64).T
+            guarded(f"qk {layout} mask {mask}",
+                    lambda layout=layout, mask=mask, want=want: report(
+                        f"qk A[64,128] {layout} mask {mask}", micro_qk(a, b, layout, mask), want))
+    a64 = rng.integers(-128, 128, (64, 64)).astype(np.int8)
+    b32 = rng.integers(-128, 128, (32, 64)).astype(np.int8)
+    for layout in ("w8", "wg"):
+        guarded(f"pv {layout}", lambda layout=layout: report(
+            f"pv A[64,64] {layout} swizzle 64, B[32,64]", micro_qk(a64, b32, layout, None),
+            a64.astype(np.int64) @ b32.astype(np.int64).T))
+    v = rng.integers(-128, 128, (64, 64)).astype(np.int8)
+
+    def limb_check():
+        xo, po, ao = micro_limbs(v)
+        x = _limb_values()
+        lim = np.zeros((32, 64), np.int64)
+        for li, limb in enumerate(s8.limbs(x.astype(np.int64))):
+            lim[li * 8:(li + 1) * 8] = limb.T
+        report("limbs: x_smem after the transposed store", xo, lim)
+        report("limbs: p_smem after the converting copy", po.astype(np.int64), lim)
+        report("limbs: PV wgmma on p_smem", ao, v.astype(np.int64) @ lim.T)
+        report("limbs: PV wgmma on the p_smem it read back", ao, v.astype(np.int64) @ po.astype(np.int64).T)
+
+    guarded("limbs", limb_check)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# (2) the kernel's raw outputs against float64 NumPy
+# ------------------------------------------------------------------------------------------------------------
+def raw_kernel(q, ops, sm_scale=None):
+    """The kernel's raw ``o [BH, 1, D, 8], z [BH, 1, C, 8], m, l [BH, 1, 8]`` (one split)."""
+    b, hq, d = q.shape
+    hkv = ops.num_kv_heads
+    sp = s8._spec(ops, hq // hkv, s8.PlanarS8Config(num_splits=1))
+    qb, qs, qsum = s8.query_limbs(q, hkv, sm_scale)
+    qb = jnp.swapaxes(qb.reshape(qb.shape[0], s8._NQ, d // sp.kc, sp.kc), 1, 2)
+    qaux = jnp.pad(jnp.stack([qs, qsum], 1), ((0, 0), (0, 0), (0, s8._NL)))
+    out = s8._s8_call(ops.start.astype(jnp.int32), ops.end.astype(jnp.int32), qb, qaux, ops.k, ops.v,
+                      ops.k_qparams, ops.v_scale, ops.v_zero, sp)
+    return [np.asarray(o, np.float64) for o in out]
+
+
+def raw_reference(q, ops, sm_scale=None):
+    """float64 NumPy of the same ``o, z, m, l`` (log2 ``m``; query padded to 8 columns as the kernel's)."""
+    b, hq, d = q.shape
+    hkv, bits, t, bt = ops.num_kv_heads, ops.bits, ops.rows, ops.block_t
+    half = 2.0 ** (bits - 1)
+    qp = np.asarray(mk._scaled_query_block(q, hkv, 8, 0, sm_scale), np.float64)            # [BH, 8, D]
+    plane = (np.arange(t) % bt) // 64
+    pscale = 2.0 ** (-bits * plane)
+    top = np.asarray(mk._top_plane_rows(t, bits))
+    uk = np.asarray(mk._masked_planes(ops.k, bits), np.float64)                             # [BH, T, D]
+    uv = np.asarray(mk._masked_planes(jnp.swapaxes(ops.v, 1, 2), bits), np.float64)
+    kq = np.asarray(ops.k_qparams, np.float64)
+    st = kq[:, 0]
+    kz = None if ops.k_zero == "symmetric" else kq[:, 1]
+    sv = np.asarray(ops.v_scale, np.float64)
+    zv = None if ops.v_zero is None else np.asarray(ops.v_zero, np.float64)
+    rows = np.arange(t)[None, :]
+    valid = np.repeat((rows >= np.asarray(ops.start)[:, None]) & (rows < np.asarray(ops.end)[:, None]), hkv, 0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        mt = np.asarray(mk.zero_min(st, kz, ops.k_zero, bits)) + np.where(top, half, 0.0) * st
+        kdeq = np.where(valid[..., None], uk * (st * pscale)[..., None] + mt[..., None], 0.0)
+        s = np.einsum("xcd,xtd->xtc", qp, kdeq)
+        s = np.where(valid[..., None], s, -np.inf)
+        m = np.max(s, axis=1)                                                                 # [BH, 8]
+        p = np.where(valid[..., None], np.exp2(s - m[:, None]), 0.0)
+        mv = np.asarray(mk.zero_min(sv, zv, ops.v_zero_kind, bits)) + np.where(top, half, 0.0) * sv
+        mv = np.where(valid[:, None], mv, 0.0)
+        svp = np.where(valid[:, None], sv * pscale, 0.0)
+    nvg, gv = sv.shape[1], ops.v_group
+    z = np.einsum("xtc,xgt->xgc", p, mv)                                                      # [BH, C, 8]
+    o = np.concatenate([np.einsum("xtc,xt,xtd->xdc", p, svp[:, ci], uv[:, :, ci * gv:(ci + 1) * gv])
+                        for ci in range(nvg)], axis=1)                                        # [BH, D, 8]
+    return o[:, None], z[:, None], m[:, None], p.sum(axis=1)[:, None]
+
+
+def one_plane(ops, r: int):
+    """``ops`` with the K and V codes of plane ``r`` only (the other planes' bits cleared)."""
+    msk = np.int8(s8._plane_mask(r, ops.bits))
+    return ops.replace(k=ops.k & msk, v=ops.v & msk)
+
+
+def kernel_all(rng, cases):
+    for ci in cases:
+        bits, kz, vz, vg, d, g = PARITY[ci]
+        kf, vf = KVFormat(f"int{bits}", "token", kz), KVFormat(f"int{bits}", "token", vz, vg)
+        reg, kn, vn, queries = ck.parity_inputs(rng, kf, vf, d, g)
+        ops = mp.prepare_token_planar_region(reg)
+        q = queries[0][1]
+        for r in [None] + list(range(8 // bits)):
+            o_ = ops if r is None else one_plane(ops, r)
+            tag = f"case {ci} int{bits} K {kz} V {vz} Gv={vg} D={d} g={g} planes {'all' if r is None else r}"
+
+            def go(o_=o_, tag=tag):
+                got = raw_kernel(q, o_)
+                want = raw_reference(q, o_)
+                for nm, gt, wt in zip("ozml", got, want):
+                    sl = (slice(None),) * (gt.ndim - 1) + (slice(0, g),)
+                    report(f"{tag} {nm}", gt[sl], wt[sl], tol=1e-4)
+
+            guarded(tag, go)
+
+
+PARITY = [(2, "symmetric", "symmetric", 0, 128, 4), (4, "offset", "offset", 0, 128, 4),
+          (2, "min", "offset", 16, 64, 3), (4, "symmetric", "min", 64, 256, 8),
+          (2, "offset", "symmetric", 32, 64, 1), (4, "symmetric", "symmetric", 0, 128, 4)]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--parts", default="micro,kernel")
+    ap.add_argument("--cases", default="5,0")
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    parts = args.parts.split(",")
+    if "micro" in parts:
+        micro_all(rng)
+    if "kernel" in parts:
+        kernel_all(rng, [int(c) for c in args.cases.split(",")])
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "debug.json"), "w") as f:
+            json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=ROWS), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
