@@ -2,8 +2,8 @@
 
     python3 experiments/debug_mgpu_s8.py --out $OUT/dbg          # Hopper GPU only
 
-(1) Micro kernels, each against integer NumPy: the QK s8 wgmma (A int8 [64, 128] from registers, loaded in the
-    WGMMA_8BIT or the WGMMA layout, plain and plane-masked; B int8 [24, 128] SMEM, K-major), the PV s8 wgmma (A
+(1) Micro kernels, each against integer NumPy: the QK s8 wgmma (A int8 [64, 128] from registers in WGMMA_8BIT,
+    plain and plane-masked; B int8 [24, 128] SMEM, K-major; also N 32 and two D chunks), the PV s8 wgmma (A
     [64, 64] swizzle 64, B [32, 64]), the limb path (int32 [64, 8] WGMMA registers -> limbs -> transposed 32-bit
     store -> converting copy -> swizzled int8 B operand) and the limb path followed by the PV wgmma.
 (2) The kernel's raw outputs ``o, z, m, l`` (one split) against float64 NumPy of the same decomposition, on parity
@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import check_mgpu_kivi as ck  # noqa: E402
 from kvquant_jax.abi.regions import KVFormat  # noqa: E402
+from kvquant_jax.attention.synthetic import random_region  # noqa: E402
 from pallas_kernels import decode_attention_mgpu_kivi as mk  # noqa: E402
 from pallas_kernels import decode_attention_mgpu_planar as mp  # noqa: E402
 from pallas_kernels import decode_attention_mgpu_planar_s8 as s8  # noqa: E402
@@ -69,24 +70,35 @@ def _plgpu():
     return plgpu
 
 
-def _s8_product(a_regs, b_smem, shape):
-    """Inside a kernel: ``a_regs int8 [64, K] @ b_smem[N, K].T`` on s8 wgmma -> int32 ``[64, N]`` registers."""
+def _run(fn, *args):
+    """Compile and run a micro kernel -> NumPy outputs (tests pass a ``run`` that only lowers)."""
+    out = jax.jit(fn)(*map(jnp.asarray, args))
+    return [np.asarray(o) for o in out] if isinstance(out, (tuple, list)) else np.asarray(out)
+
+
+def _s8_product(a_regs, b_smems, shape):
+    """Inside a kernel: ``sum_j a_regs[:, j K:(j+1) K] int8 @ b_smems[j][N, K].T`` on s8 wgmma (one accumulator,
+    as the kernel's QK over D chunks) -> int32 ``[64, N]`` registers."""
     plgpu = _plgpu()
     from jax.experimental import pallas as pl
 
     def mm(acc_ref):
-        plgpu.wgmma(acc_ref, a_regs, b_smem.T)
+        kc = a_regs.shape[1] // len(b_smems)
+        for j, b_smem in enumerate(b_smems):
+            plgpu.wgmma(acc_ref, a_regs if len(b_smems) == 1 else a_regs[:, j * kc:(j + 1) * kc], b_smem.T)
         return acc_ref[...]
 
     return pl.run_scoped(mm, plgpu.ACC(shape, jnp.int32))
 
 
-def micro_qk(a, b, layout: str, mask: int | None):
-    """``(a & mask) [64, K] @ b[N, K].T`` int32 on one s8 wgmma, A from registers."""
+def micro_qk(a, b, layout: str, mask: int | None, run=None):
+    """``(a & mask) [64, dq K] @ b[dq, N, K]`` (summed over the ``dq`` chunks; a 2-D ``b`` is one chunk) -> int32
+    ``[64, N]`` on s8 wgmma, A from registers, B the chunk ``j`` of one 3-D SMEM ref (the kernel's query limbs)."""
     plgpu = _plgpu()
     from jax.experimental import pallas as pl
+    b = b if b.ndim == 3 else b[None]
     m, k = a.shape
-    n = b.shape[0]
+    dq, n, kc = b.shape
     lay = plgpu.Layout.WGMMA_8BIT if layout == "w8" else plgpu.Layout.WGMMA
     i8, i32 = jnp.int8, jnp.int32
 
@@ -99,17 +111,17 @@ def micro_qk(a, b, layout: str, mask: int | None):
             av = plgpu.load(a_smem, (), layout=lay)
             if mask is not None:
                 av = av & jnp.full(av.shape, mask, i8)
-            o_smem[...] = _s8_product(av, b_smem, (m, n))
+            o_smem[...] = _s8_product(av, [b_smem.at[j] for j in range(dq)], (m, n))
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_ref)
             plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(scoped, plgpu.SMEM((m, k), i8, transforms=_tile_transforms(i8, k)),
-                      plgpu.SMEM((n, k), i8, transforms=_tile_transforms(i8, k)), plgpu.SMEM((m, n), i32),
+                      plgpu.SMEM((dq, n, kc), i8, transforms=_tile_transforms(i8, kc)), plgpu.SMEM((m, n), i32),
                       plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1))
 
     fn = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), i32), grid=(1,), grid_names=("x",))
-    return np.asarray(jax.jit(fn)(jnp.asarray(a), jnp.asarray(b)))
+    return (run or _run)(fn, a, b)
 
 
 def _limb_values():
@@ -118,7 +130,7 @@ def _limb_values():
     return (t * 8 + c) * 4099 - 1_000_000                      # int [64, 8], in [-LIM, LIM], all limbs busy
 
 
-def micro_limbs(v):
+def micro_limbs(v, run=None):
     """The kernel's limb path for x = :func:`_limb_values` (made in registers from iotas), then one PV wgmma with
     ``v int8 [64 ch, 64 tok]`` as A.  Returns (x_smem int32 [32, 64], p_smem int8 [32, 64], acc int32 [64, 32]).
     """
@@ -143,7 +155,7 @@ def micro_limbs(v):
             p_smem[...] = plgpu.load(x_smem, (), layout=copy_layout, optimized=False).astype(i8)
             plgpu.commit_smem()
             plgpu.barrier_wait(bar)
-            a_smem[...] = _s8_product(plgpu.load(v_smem, (), layout=w8), p_smem, (M, NP))
+            a_smem[...] = _s8_product(plgpu.load(v_smem, (), layout=w8), [p_smem], (M, NP))
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(x_smem, xo_ref)
             plgpu.copy_smem_to_gmem(p_smem, po_ref)
@@ -156,22 +168,31 @@ def micro_limbs(v):
 
     outs = (jax.ShapeDtypeStruct((NP, M), i32), jax.ShapeDtypeStruct((NP, M), i8), jax.ShapeDtypeStruct((M, NP), i32))
     fn = plgpu.kernel(body, out_type=outs, grid=(1,), grid_names=("x",))
-    return [np.asarray(o) for o in jax.jit(fn)(jnp.asarray(v))]
+    return (run or _run)(fn, v)
 
 
 def micro_all(rng):
     a = rng.integers(-128, 128, (64, 128)).astype(np.int8)
     b = rng.integers(-128, 128, (24, 128)).astype(np.int8)
-    for layout in ("w8", "wg"):
+    # (int8 A in the WGMMA layout does not lower -- NotImplementedError on CPU -- so only WGMMA_8BIT is run)
+    for layout in ("w8",):
         for mask in (None, s8._plane_mask(0, 4), s8._plane_mask(1, 4), s8._plane_mask(3, 2)):
             am = a if mask is None else (a & np.int8(mask))
             want = am.astype(np.int64) @ b.astype(np.int64).T
             guarded(f"qk {layout} mask {mask}",
                     lambda layout=layout, mask=mask, want=want: report(
                         f"qk A[64,128] {layout} mask {mask}", micro_qk(a, b, layout, mask), want))
+    b32q = rng.integers(-128, 128, (32, 128)).astype(np.int8)
+    guarded("qk N 32", lambda: report("qk A[64,128] w8, B[32,128] (N 32)", micro_qk(a, b32q, "w8", None),
+                                      a.astype(np.int64) @ b32q.astype(np.int64).T))
+    a2 = rng.integers(-128, 128, (64, 256)).astype(np.int8)
+    b2 = rng.integers(-128, 128, (2, 24, 128)).astype(np.int8)
+    want2 = sum(a2[:, j * 128:(j + 1) * 128].astype(np.int64) @ b2[j].astype(np.int64).T for j in range(2))
+    guarded("qk D 256", lambda: report("qk A[64,256] w8, B[2,24,128] (two D chunks)", micro_qk(a2, b2, "w8", None),
+                                       want2))
     a64 = rng.integers(-128, 128, (64, 64)).astype(np.int8)
     b32 = rng.integers(-128, 128, (32, 64)).astype(np.int8)
-    for layout in ("w8", "wg"):
+    for layout in ("w8",):
         guarded(f"pv {layout}", lambda layout=layout: report(
             f"pv A[64,64] {layout} swizzle 64, B[32,64]", micro_qk(a64, b32, layout, None),
             a64.astype(np.int64) @ b32.astype(np.int64).T))
@@ -248,13 +269,28 @@ def one_plane(ops, r: int):
     return ops.replace(k=ops.k & msk, v=ops.v & msk)
 
 
+def _inputs(rng, ci):
+    """(case tuple, q, region): a parity case (int ``ci``: ragged, poisoned, B 3, Hkv 2, T 512) or a simple one
+    (``"s2"`` / ``"s4"``: INT2 / INT4 symmetric, D 128, g 4, B 1, Hkv 1, two full blocks, float32 qparams)."""
+    if isinstance(ci, str):
+        bits = int(ci[1:])
+        case = (bits, "symmetric", "symmetric", 0, 128, 4)
+        kf = vf = KVFormat(f"int{bits}", "token", "symmetric")
+        t = 2 * 64 * (8 // bits)
+        reg = random_region(rng, kf, vf, 1, 1, t, 128, [0], [t], poison=False)
+        q = jnp.asarray(rng.standard_normal((1, 4, 128)).astype(np.float32))
+        return case, q, reg
+    case = PARITY[ci]
+    bits, kz, vz, vg, d, g = case
+    kf, vf = KVFormat(f"int{bits}", "token", kz), KVFormat(f"int{bits}", "token", vz, vg)
+    reg, _, _, queries = ck.parity_inputs(rng, kf, vf, d, g)
+    return case, queries[0][1], reg
+
+
 def kernel_all(rng, cases):
     for ci in cases:
-        bits, kz, vz, vg, d, g = PARITY[ci]
-        kf, vf = KVFormat(f"int{bits}", "token", kz), KVFormat(f"int{bits}", "token", vz, vg)
-        reg, kn, vn, queries = ck.parity_inputs(rng, kf, vf, d, g)
+        (bits, kz, vz, vg, d, g), q, reg = _inputs(rng, ci)
         ops = mp.prepare_token_planar_region(reg)
-        q = queries[0][1]
         for r in [None] + list(range(8 // bits)):
             o_ = ops if r is None else one_plane(ops, r)
             tag = f"case {ci} int{bits} K {kz} V {vz} Gv={vg} D={d} g={g} planes {'all' if r is None else r}"
@@ -278,7 +314,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--parts", default="micro,kernel")
-    ap.add_argument("--cases", default="5,0")
+    ap.add_argument("--cases", default="s4,s2,5,0,3", help="parity case numbers, or s2 / s4 (simple inputs)")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
@@ -286,7 +322,7 @@ def main(argv=None):
     if "micro" in parts:
         micro_all(rng)
     if "kernel" in parts:
-        kernel_all(rng, [int(c) for c in args.cases.split(",")])
+        kernel_all(rng, [c if c.startswith("s") else int(c) for c in args.cases.split(",")])
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "debug.json"), "w") as f:

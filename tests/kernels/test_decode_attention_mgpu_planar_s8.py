@@ -177,3 +177,29 @@ def test_debug_reference_matches_the_twin(case, plane):
     bad = dataclasses.replace(ops, v_scale=jnp.where(rows, ops.v_scale * 0.5, ops.v_scale))
     ob = dbg.raw_reference(q, bad)[0]
     assert _max_rel(ob, o) > 1e-3
+
+
+@pytest.mark.parametrize("which", ["qk", "qk_two_chunks", "pv", "limbs"])
+def test_debug_micro_kernels_lower_for_cuda(which):
+    """experiments/debug_mgpu_s8.py's micro kernels pass Mosaic GPU's lowering (layouts, wgmma operand checks) on
+    CPU, so the GPU run spends its time on numbers, not on a broken script."""
+    import jax
+
+    from experiment_scripts import load_experiment
+
+    dbg = load_experiment("debug_mgpu_s8")
+    texts = []
+
+    def lower(fn, *args):
+        texts.append(jax.jit(fn).trace(*map(jnp.asarray, args)).lower(lowering_platforms=("cuda",)).as_text())
+
+    i8 = np.zeros((64, 128), np.int8)
+    if which == "qk":
+        dbg.micro_qk(i8, np.zeros((24, 128), np.int8), "w8", s8._plane_mask(1, 4), run=lower)
+    elif which == "qk_two_chunks":
+        dbg.micro_qk(np.zeros((64, 256), np.int8), np.zeros((2, 24, 128), np.int8), "w8", None, run=lower)
+    elif which == "pv":
+        dbg.micro_qk(np.zeros((64, 64), np.int8), np.zeros((32, 64), np.int8), "w8", None, run=lower)
+    else:
+        dbg.micro_limbs(np.zeros((64, 64), np.int8), run=lower)
+    assert texts and "mosaic_gpu" in texts[0]
