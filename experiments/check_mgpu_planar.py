@@ -58,13 +58,16 @@ def variant_configs(dflt: mk.KiviMgpuConfig, s0: int) -> dict[str, mk.KiviMgpuCo
 
 
 def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS8Config]:
-    """--variants of the s8 kernel (the names it shares with :func:`variant_configs`)."""
+    """--variants of the s8 kernel: the names it shares with :func:`variant_configs`, and ``limbs <path>`` for
+    each other :data:`~pallas_kernels.decode_attention_mgpu_planar_s8.LIMB_PATHS` entry."""
     rep = dataclasses.replace
     return {"stages 3": rep(dflt, max_concurrent_steps=3), "stages 4": rep(dflt, max_concurrent_steps=4),
-            "splits x2": rep(dflt, num_splits=2 * s0), "splits /2": rep(dflt, num_splits=max(1, s0 // 2))}
+            "splits x2": rep(dflt, num_splits=2 * s0), "splits /2": rep(dflt, num_splits=max(1, s0 // 2)),
+            **{f"limbs {lp}": rep(dflt, limb_path=lp) for lp in s8.LIMB_PATHS if lp != dflt.limb_path}}
 
 
-VARIANTS = tuple(variant_configs(mk.KiviMgpuConfig(), 1))
+#: every --variants name (the bf16 kernel's, then the s8 kernel's own: an impl times the names it has)
+VARIANTS = tuple(dict.fromkeys([*variant_configs(mk.KiviMgpuConfig(), 1), *s8_variant_configs(s8.PlanarS8Config(), 1)]))
 #: the s8 kernel as a timed impl (``--impls ...,mgpu_s8``)
 S8_IMPL = ck.MosaicImpl(s8.decode_attention_mgpu_planar_s8_prepared, s8.PlanarS8Config(),
                         lambda ops, g, cfg: s8._spec(ops, g, cfg).ns, s8_variant_configs)
@@ -92,17 +95,17 @@ def parity(args, results) -> bool:
                     q, reg, kn, vn), {}, True)
                 ok_all &= ck.parity_row(args, results, row, serve, ref, BOUND[prec],
                                         f"case {ci} int{bits} K {kz} V {vz} Gv={vg} D={d} g={g} q={qname} {prec}")
-            if not s8_reads:
-                continue
-            row = dict(kind="parity", case=ci, bits=bits, k_zero=kz, v_zero=vz, v_group=vg, d=d, g=g, q=qname,
-                       precision="s8")
-            cfg = s8.PlanarS8Config(num_splits=2)
-            entry = s8.decode_attention_mgpu_planar_s8_prepared
-            serve = lambda q=q, ops=ops, cfg=cfg: (jax.jit(lambda q, o, kn, vn: entry(  # noqa: E731
-                q, o, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32, interpret=interp))(
-                q, ops, kn, vn), {}, True)
-            ok_all &= ck.parity_row(args, results, row, serve, ref, BOUND_S8,
-                                    f"case {ci} int{bits} K {kz} V {vz} Gv={vg} D={d} g={g} q={qname} s8")
+            # every limb path on a GPU (the twin is the same for all: one on CPU)
+            for lp in (s8.LIMB_PATHS if s8_reads and not interp else ("i32",) if s8_reads else ()):
+                row = dict(kind="parity", case=ci, bits=bits, k_zero=kz, v_zero=vz, v_group=vg, d=d, g=g, q=qname,
+                           precision="s8", limb_path=lp)
+                cfg = s8.PlanarS8Config(num_splits=2, limb_path=lp)
+                entry = s8.decode_attention_mgpu_planar_s8_prepared
+                serve = lambda q=q, ops=ops, cfg=cfg: (jax.jit(lambda q, o, kn, vn: entry(  # noqa: E731
+                    q, o, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32, interpret=interp))(
+                    q, ops, kn, vn), {}, True)
+                ok_all &= ck.parity_row(args, results, row, serve, ref, BOUND_S8,
+                                        f"case {ci} int{bits} K {kz} V {vz} Gv={vg} D={d} g={g} q={qname} s8 {lp}")
     return ok_all
 
 

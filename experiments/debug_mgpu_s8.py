@@ -5,10 +5,11 @@
 (1) Micro kernels, each against integer NumPy: the QK s8 wgmma (A int8 [64, 128] from registers in WGMMA_8BIT,
     plain and plane-masked; B int8 [24, 128] SMEM, K-major; also N 32 and two D chunks), the PV s8 wgmma (A
     [64, 64] swizzle 64, B [32, 64]), the limb path (int32 [64, 8] WGMMA registers -> limbs -> transposed 32-bit
-    store -> converting copy -> swizzled int8 B operand) and the limb path followed by the PV wgmma.
+    store -> converting copy -> swizzled int8 B operand; every ``limb_path``: the 32-bit one and the two 16-bit
+    ones) followed by the PV wgmmas of two planes.
 (2) The kernel's raw outputs ``o, z, m, l`` (one split) against float64 NumPy of the same decomposition, on parity
-    inputs, with all planes and with the codes of one plane only (K and V), so a wrong plane or a wrong side (QK:
-    ``m, l``; V min term: ``z``; PV: ``o``) shows.
+    inputs, with all planes under every ``PlanarS8Config.limb_path`` and with the codes of one plane only (K and
+    V), so a wrong plane, a wrong side (QK: ``m, l``; V min term: ``z``; PV: ``o``) or a wrong limb path shows.
 """
 from __future__ import annotations
 
@@ -76,16 +77,18 @@ def _run(fn, *args):
     return [np.asarray(o) for o in out] if isinstance(out, (tuple, list)) else np.asarray(out)
 
 
-def _s8_product(a_regs, b_smems, shape):
-    """Inside a kernel: ``sum_j a_regs[:, j K:(j+1) K] int8 @ b_smems[j][N, K].T`` on s8 wgmma (one accumulator,
-    as the kernel's QK over D chunks) -> int32 ``[64, N]`` registers."""
+def _s8_product(a_regs, b_smems, shape, split_a: bool = True):
+    """Inside a kernel: ``sum_j a_j int8 @ b_smems[j][N, K].T`` on s8 wgmma into one accumulator -> int32 ``[64,
+    N]`` registers; ``a_j = a_regs[:, j K:(j+1) K]`` (``split_a``: the kernel's QK over D chunks) or ``a_regs``
+    for every ``j`` (the kernel's PV over planes, one V tile)."""
     plgpu = _plgpu()
     from jax.experimental import pallas as pl
 
     def mm(acc_ref):
         kc = a_regs.shape[1] // len(b_smems)
         for j, b_smem in enumerate(b_smems):
-            plgpu.wgmma(acc_ref, a_regs if len(b_smems) == 1 else a_regs[:, j * kc:(j + 1) * kc], b_smem.T)
+            a_j = a_regs[:, j * kc:(j + 1) * kc] if split_a and len(b_smems) > 1 else a_regs
+            plgpu.wgmma(acc_ref, a_j, b_smem.T)
         return acc_ref[...]
 
     return pl.run_scoped(mm, plgpu.ACC(shape, jnp.int32))
@@ -124,49 +127,72 @@ def micro_qk(a, b, layout: str, mask: int | None, run=None):
     return (run or _run)(fn, a, b)
 
 
-def _limb_values():
+def _limb_values(r: int = 0):
     t = np.arange(64)[:, None]
     c = np.arange(8)[None, :]
-    return (t * 8 + c) * 4099 - 1_000_000                      # int [64, 8], in [-LIM, LIM], all limbs busy
+    return (t * 8 + c) * 4099 - 1_000_000 + 12345 * r          # int [64, 8], in [-LIM, LIM], all limbs busy
 
 
-def micro_limbs(v, run=None):
-    """The kernel's limb path for x = :func:`_limb_values` (made in registers from iotas), then one PV wgmma with
-    ``v int8 [64 ch, 64 tok]`` as A.  Returns (x_smem int32 [32, 64], p_smem int8 [32, 64], acc int32 [64, 32]).
-    """
+def _limb_rows(r: int):
+    """The scratch rows [32, 64] plane ``r``'s limbs of :func:`_limb_values` take (24 rows of limbs, 8 of zeros)."""
+    rows = np.zeros((32, 64), np.int64)
+    for li, limb in enumerate(s8.limbs(_limb_values(r).astype(np.int64))):
+        rows[li * 8:(li + 1) * 8] = limb.T
+    return rows
+
+
+def micro_limbs(v, path: str = "i32", run=None):
+    """The kernel's limb path (``PlanarS8Config.limb_path``) for two planes' x = :func:`_limb_values` (made in
+    registers from iotas), then the PV wgmmas of both planes with ``v int8 [64 ch, 64 tok]`` as A into one
+    accumulator.  Returns (the scratch [64, 64] in its dtype, p_smem int8 [64, 64], acc int32 [64, 32])."""
     plgpu = _plgpu()
     from jax.experimental import pallas as pl
     i8, i32 = jnp.int8, jnp.int32
     wg, w8 = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA_8BIT
-    n, M, NP = 8, 64, 32
-    copy_layout = plgpu.Layout.SMEM_GMEM_COPY((NP, M), i8, 64)
+    n, M, NP, rows = 8, 64, 32, 64
+    x_dtype = {"i32": i32, "i16": jnp.int16, "bf16": jnp.bfloat16}[path]
+    wide = path == "i32"
+    copy_layout = plgpu.Layout.SMEM_GMEM_COPY((rows, M), i8, 64)
 
     def body(v_ref, xo_ref, po_ref, ao_ref):
         def scoped(v_smem, x_smem, p_smem, a_smem, bar):
             plgpu.copy_gmem_to_smem(v_ref, v_smem, bar)
-            x_smem[...] = jnp.zeros((NP, M), i32)
+            zeros = jnp.zeros((rows, M), x_dtype)
+            x_smem[...] = zeros if wide else plgpu.layout_cast(zeros, wg)
             plgpu.commit_smem()
-            rows = plgpu.broadcasted_iota(i32, (M, n), 0, layout=wg)
-            cols = plgpu.broadcasted_iota(i32, (M, n), 1, layout=wg)
-            x = (rows * 8 + cols) * 4099 - 1_000_000
-            for li, limb in enumerate(s8.limbs(x)):
-                x_smem.at[pl.ds(li * n, n)].T[...] = plgpu.layout_cast(limb, plgpu.Layout.WGMMA_TRANSPOSED)
+            t_idx = plgpu.broadcasted_iota(i32, (M, n), 0, layout=wg)
+            c_idx = plgpu.broadcasted_iota(i32, (M, n), 1, layout=wg)
+            for r in range(2):
+                x = (t_idx * 8 + c_idx) * 4099 - 1_000_000 + 12345 * r
+                for li, limb in enumerate(s8.limbs(x)):
+                    val = limb.astype(jnp.float32).astype(x_dtype) if path == "bf16" else limb.astype(x_dtype)
+                    x_smem.at[pl.ds(r * NP + li * n, n)].T[...] = plgpu.layout_cast(
+                        val, plgpu.Layout.WGMMA_TRANSPOSED)
             plgpu.commit_smem()
-            p_smem[...] = plgpu.load(x_smem, (), layout=copy_layout, optimized=False).astype(i8)
+            if wide:
+                xv = plgpu.load(x_smem, (), layout=copy_layout, optimized=False)
+            else:
+                xv = plgpu.load(x_smem, (), layout=wg)
+                xv = xv.astype(jnp.float32).astype(i32) if path == "bf16" else xv
+            p_smem[...] = xv.astype(i8)
             plgpu.commit_smem()
             plgpu.barrier_wait(bar)
-            a_smem[...] = _s8_product(plgpu.load(v_smem, (), layout=w8), [p_smem], (M, NP))
+            vb = plgpu.load(v_smem, (), layout=w8)
+            a_smem[...] = _s8_product(vb, [p_smem.at[pl.ds(0, NP)], p_smem.at[pl.ds(NP, NP)]], (M, NP),
+                                      split_a=False)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(x_smem, xo_ref)
             plgpu.copy_smem_to_gmem(p_smem, po_ref)
             plgpu.copy_smem_to_gmem(a_smem, ao_ref)
             plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(scoped, plgpu.SMEM((M, M), i8, transforms=_tile_transforms(i8, M)), plgpu.SMEM((NP, M), i32),
-                      plgpu.SMEM((NP, M), i8, transforms=_tile_transforms(i8, M)), plgpu.SMEM((M, NP), i32),
+        pl.run_scoped(scoped, plgpu.SMEM((M, M), i8, transforms=_tile_transforms(i8, M)),
+                      plgpu.SMEM((rows, M), x_dtype, transforms=() if wide else _tile_transforms(x_dtype, M)),
+                      plgpu.SMEM((rows, M), i8, transforms=_tile_transforms(i8, M)), plgpu.SMEM((M, NP), i32),
                       plgpu.Barrier(num_arrivals=1))
 
-    outs = (jax.ShapeDtypeStruct((NP, M), i32), jax.ShapeDtypeStruct((NP, M), i8), jax.ShapeDtypeStruct((M, NP), i32))
+    outs = (jax.ShapeDtypeStruct((rows, M), x_dtype), jax.ShapeDtypeStruct((rows, M), i8),
+            jax.ShapeDtypeStruct((M, NP), i32))
     fn = plgpu.kernel(body, out_type=outs, grid=(1,), grid_names=("x",))
     return (run or _run)(fn, v)
 
@@ -198,28 +224,29 @@ def micro_all(rng):
             a64.astype(np.int64) @ b32.astype(np.int64).T))
     v = rng.integers(-128, 128, (64, 64)).astype(np.int8)
 
-    def limb_check():
-        xo, po, ao = micro_limbs(v)
-        x = _limb_values()
-        lim = np.zeros((32, 64), np.int64)
-        for li, limb in enumerate(s8.limbs(x.astype(np.int64))):
-            lim[li * 8:(li + 1) * 8] = limb.T
-        report("limbs: x_smem after the transposed store", xo, lim)
-        report("limbs: p_smem after the converting copy", po.astype(np.int64), lim)
-        report("limbs: PV wgmma on p_smem", ao, v.astype(np.int64) @ lim.T)
-        report("limbs: PV wgmma on the p_smem it read back", ao, v.astype(np.int64) @ po.astype(np.int64).T)
+    lim = np.concatenate([_limb_rows(0), _limb_rows(1)])                       # [64, 64]: two planes' rows
+    want_pv = v.astype(np.int64) @ (lim[:32] + lim[32:]).T
+    for path in s8.LIMB_PATHS:
+        def limb_check(path=path):
+            xo, po, ao = micro_limbs(v, path)
+            report(f"limbs {path}: scratch after the transposed store", np.asarray(xo, np.float64), lim)
+            report(f"limbs {path}: p_smem after the converting copy", po.astype(np.int64), lim)
+            report(f"limbs {path}: PV wgmmas (two planes) on p_smem", ao, want_pv)
+            pp = po.astype(np.int64)
+            report(f"limbs {path}: PV wgmmas on the p_smem it read back", ao,
+                   v.astype(np.int64) @ (pp[:32] + pp[32:]).T)
 
-    guarded("limbs", limb_check)
+        guarded(f"limbs {path}", limb_check)
 
 
 # ------------------------------------------------------------------------------------------------------------
 # (2) the kernel's raw outputs against float64 NumPy
 # ------------------------------------------------------------------------------------------------------------
-def raw_kernel(q, ops, sm_scale=None):
+def raw_kernel(q, ops, limb_path: str = "i32", sm_scale=None):
     """The kernel's raw ``o [BH, 1, D, 8], z [BH, 1, C, 8], m, l [BH, 1, 8]`` (one split)."""
     b, hq, d = q.shape
     hkv = ops.num_kv_heads
-    sp = s8._spec(ops, hq // hkv, s8.PlanarS8Config(num_splits=1))
+    sp = s8._spec(ops, hq // hkv, s8.PlanarS8Config(num_splits=1, limb_path=limb_path))
     qb, qs, qsum = s8.query_limbs(q, hkv, sm_scale)
     qb = jnp.swapaxes(qb.reshape(qb.shape[0], s8._NQ, d // sp.kc, sp.kc), 1, 2)
     qaux = jnp.pad(jnp.stack([qs, qsum], 1), ((0, 0), (0, 0), (0, s8._NL)))
@@ -291,12 +318,15 @@ def kernel_all(rng, cases):
     for ci in cases:
         (bits, kz, vz, vg, d, g), q, reg = _inputs(rng, ci)
         ops = mp.prepare_token_planar_region(reg)
-        for r in [None] + list(range(8 // bits)):
+        # every limb path on all planes, then the default path one plane at a time
+        runs = [(lp, None) for lp in s8.LIMB_PATHS] + [("i32", r) for r in range(8 // bits)]
+        for lp, r in runs:
             o_ = ops if r is None else one_plane(ops, r)
-            tag = f"case {ci} int{bits} K {kz} V {vz} Gv={vg} D={d} g={g} planes {'all' if r is None else r}"
+            tag = (f"case {ci} int{bits} K {kz} V {vz} Gv={vg} D={d} g={g} limbs {lp} "
+                   f"planes {'all' if r is None else r}")
 
-            def go(o_=o_, tag=tag):
-                got = raw_kernel(q, o_)
+            def go(o_=o_, tag=tag, lp=lp):
+                got = raw_kernel(q, o_, lp)
                 want = raw_reference(q, o_)
                 for nm, gt, wt in zip("ozml", got, want):
                     sl = (slice(None),) * (gt.ndim - 1) + (slice(0, g),)

@@ -58,7 +58,7 @@ from pallas_kernels.decode_attention_mgpu_kivi import (_F32, _LN2, _M, _NEG, _ke
 from pallas_kernels.decode_attention_mgpu_planar import (TokenPlanarOperands, _check_operands,
                                                          token_planar_layout_unsupported, token_planar_operands)
 
-__all__ = ["PlanarS8Config", "LIM", "s8_unsupported", "query_limbs", "limbs",
+__all__ = ["PlanarS8Config", "LIM", "LIMB_PATHS", "s8_unsupported", "query_limbs", "limbs",
            "decode_attention_mgpu_planar_s8_partials", "decode_attention_mgpu_planar_s8_prepared", "token_planar_s8_layout_unsupported",
            "token_planar_s8_layer_unsupported", "decode_attention_token_planar_s8"]
 
@@ -76,10 +76,21 @@ class PlanarS8Config:
 
     num_splits: split-K programs per (sequence, KV head); None -> ~2 CTAs per SM.
     max_concurrent_steps: TMA pipeline depth (stages in SMEM).
+    limb_path: how the ``p sv`` limbs reach the int8 B operand of the PV wgmma (:data:`LIMB_PATHS`; the values are
+        the same, exact in every path: ``|limb| <= 128``):
+        ``"i32"`` a 32-bit transposed store into an untiled int32 scratch, then one ``SMEM_GMEM_COPY``-layout
+        load converted to int8; ``"i16"`` / ``"bf16"`` a 16-bit transposed store into a tiled, swizzled scratch
+        (the bf16 kernels' own P store), then a ``WGMMA``-layout load converted to int8.  (The first GPU run,
+        2026-12-07, used ``"i32"`` and failed parity; the 16-bit paths are the alternatives to time against it.)
     """
 
     num_splits: Optional[int] = None
     max_concurrent_steps: int = 2
+    limb_path: str = "i32"
+
+
+#: the ways :class:`PlanarS8Config.limb_path` may take
+LIMB_PATHS = ("i32", "i16", "bf16")
 
 
 def _group_unsupported(g: int) -> Optional[str]:
@@ -148,6 +159,7 @@ class _S8Spec(_PlaneBlock):
     k_zero: str
     v_zero: str
     vg: int
+    limb_path: str = "i32"
 
     n = _NL            # query columns (the outputs' N; one limb tile)
     dup = 0            # (no hi / lo column halves: ``_kernel_partials`` reads it)
@@ -181,6 +193,19 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
     half = 2.0 ** (sp.bits - 1)
     prows = pln * _NP                                   # rows of one channel group's PV B operands (all planes)
     copy_layout = plgpu.Layout.SMEM_GMEM_COPY((prows, _M), i8, 64)
+    x_dtype = {"i32": i32, "i16": jnp.int16, "bf16": jnp.bfloat16}[sp.limb_path]
+    wide = sp.limb_path == "i32"
+
+    def limb_value(limb):           # int32 [64, 8] in [-128, 127] -> the scratch's dtype (exact)
+        if sp.limb_path == "bf16":
+            return limb.astype(_F32).astype(jnp.bfloat16)
+        return limb.astype(x_dtype)
+
+    def scratch_to_i8(x_rows):      # one channel group's scratch rows (a ref) -> int8 (in the load's layout)
+        if wide:
+            return plgpu.load(x_rows, (), layout=copy_layout, optimized=False).astype(i8)
+        xv = plgpu.load(x_rows, (), layout=wg)
+        return (xv.astype(_F32).astype(i32) if sp.limb_path == "bf16" else xv).astype(i8)
 
     def body(start_ref, end_ref, qb_ref, qaux_ref, *refs):
         in_refs = dict(zip(names, refs[:len(names)]))
@@ -194,7 +219,8 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
             plgpu.barrier_wait(a_bar)
             qs = plgpu.load(qaux_smem.at[0, pl.ds(0, n)], (), layout=wg.reduce(0), optimized=False)
             qsum = plgpu.load(qaux_smem.at[1, pl.ds(0, n)], (), layout=wg.reduce(0), optimized=False)
-            x_smem[...] = jnp.zeros((nvg * prows, _M), i32)          # the padding rows stay 0
+            zeros = jnp.zeros((nvg * prows, _M), x_dtype)            # the padding rows stay 0
+            x_smem[...] = zeros if wide else plgpu.layout_cast(zeros, wg)
             plgpu.commit_smem()
             rows_t = plgpu.broadcasted_iota(jnp.int32, (_M, n), 0, layout=wg)
             bcol = lambda x: lax.broadcast_in_dim(x, (_M, n), [1])  # noqa: E731
@@ -269,12 +295,11 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                         xi = jnp.clip((xs[ci][r] * inv).astype(i32), -LIM, LIM)
                         for li, limb in enumerate(limbs(xi)):
                             x_smem.at[pl.ds(ci * prows + r * _NP + li * n, n)].T[...] = plgpu.layout_cast(
-                                limb, plgpu.Layout.WGMMA_TRANSPOSED)
+                                limb_value(limb), plgpu.Layout.WGMMA_TRANSPOSED)
                 plgpu.commit_smem()
                 for ci in range(nvg):
                     xr = pl.ds(ci * prows, prows)
-                    p_smem.at[xr][...] = plgpu.load(x_smem.at[xr], (), layout=copy_layout,
-                                                    optimized=False).astype(i8)
+                    p_smem.at[xr][...] = scratch_to_i8(x_smem.at[xr])
                 plgpu.commit_smem()
 
                 # 4. O^T[d-tile j] += V^T plane r [64, 64] @ limbs (r): ONE s8 wgmma per (plane, d-tile)
@@ -318,7 +343,7 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
             scoped,
             plgpu.SMEM((dq, _NQ, kc), i8, transforms=_tile_transforms(i8, kc)),
             plgpu.SMEM((2, 2 * n), _F32),
-            plgpu.SMEM((nvg * prows, _M), i32),
+            plgpu.SMEM((nvg * prows, _M), x_dtype, transforms=() if wide else _tile_transforms(x_dtype, _M)),
             plgpu.SMEM((nvg * prows, _M), i8, transforms=_tile_transforms(i8, _M)),
             plgpu.SMEM((d, n), _F32),
             plgpu.SMEM((nvg, n), _F32),
@@ -337,12 +362,15 @@ def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config) -> _S8Spec:
     why = s8_unsupported(ops, g)
     if why:
         raise NotImplementedError(f"decode_attention_mgpu_planar_s8: {why}")
+    if cfg.limb_path not in LIMB_PATHS:
+        raise ValueError(f"PlanarS8Config.limb_path={cfg.limb_path!r}: one of {LIMB_PATHS}")
     nb = ops.rows // ops.block_t
     ns = cfg.num_splits or _auto_splits(ops.k.shape[0], nb)
     if nb % ns:
         raise ValueError(f"num_splits={ns} does not divide the {nb} blocks")
     return _S8Spec(d=ops.head_dim, g=g, bits=ops.bits, ns=ns, nbs=nb // ns, stages=cfg.max_concurrent_steps,
-                   hkv=ops.num_kv_heads, k_zero=ops.k_zero, v_zero=ops.v_zero_kind, vg=ops.v_group)
+                   hkv=ops.num_kv_heads, k_zero=ops.k_zero, v_zero=ops.v_zero_kind, vg=ops.v_group,
+                   limb_path=cfg.limb_path)
 
 
 def decode_attention_mgpu_planar_s8_partials(q, ops: TokenPlanarOperands, *, sm_scale: float | None = None,

@@ -144,7 +144,25 @@ def test_splits_must_divide_blocks(rng):
     q, reg, kn, vn = _case(rng, 2, "symmetric", "symmetric", 0, 128, 4, b=2, poison=False)
     with pytest.raises(ValueError, match="num_splits=3"):
         _run(q, reg, kn, vn, config=s8.PlanarS8Config(num_splits=3))
-    assert dataclasses.asdict(s8.PlanarS8Config()) == {"num_splits": None, "max_concurrent_steps": 2}
+    assert dataclasses.asdict(s8.PlanarS8Config()) == {"num_splits": None, "max_concurrent_steps": 2,
+                                                       "limb_path": "i32"}
+
+
+def test_limb_path_is_checked_and_changes_the_kernel(rng):
+    """An unknown ``limb_path`` is refused by name; each known one lowers to a different kernel (the knob is
+    live), while the twin -- the same exact limbs -- is the same for all of them."""
+    import jax
+
+    q, reg, kn, vn = _case(rng, 4, "symmetric", "symmetric", 0, 128, 4, b=2, poison=False)
+    with pytest.raises(ValueError, match="limb_path='i8'"):
+        _run(q, reg, kn, vn, config=s8.PlanarS8Config(limb_path="i8"))
+    ops = mp.prepare_token_planar_region(reg)
+    texts = {lp: jax.jit(lambda q, o, lp=lp: s8.decode_attention_mgpu_planar_s8_prepared(
+        q, o, config=s8.PlanarS8Config(num_splits=2, limb_path=lp), interpret=False)).trace(q, ops).lower(
+        lowering_platforms=("cuda",)).as_text() for lp in s8.LIMB_PATHS}
+    assert len(set(texts.values())) == len(s8.LIMB_PATHS)
+    twins = [np.asarray(_run(q, reg, kn, vn, config=s8.PlanarS8Config(limb_path=lp))) for lp in s8.LIMB_PATHS]
+    assert all(np.array_equal(t, twins[0]) for t in twins[1:])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -179,7 +197,7 @@ def test_debug_reference_matches_the_twin(case, plane):
     assert _max_rel(ob, o) > 1e-3
 
 
-@pytest.mark.parametrize("which", ["qk", "qk_two_chunks", "pv", "limbs"])
+@pytest.mark.parametrize("which", ["qk", "qk_two_chunks", "pv", "limbs i32", "limbs i16", "limbs bf16"])
 def test_debug_micro_kernels_lower_for_cuda(which):
     """experiments/debug_mgpu_s8.py's micro kernels pass Mosaic GPU's lowering (layouts, wgmma operand checks) on
     CPU, so the GPU run spends its time on numbers, not on a broken script."""
@@ -201,5 +219,17 @@ def test_debug_micro_kernels_lower_for_cuda(which):
     elif which == "pv":
         dbg.micro_qk(np.zeros((64, 64), np.int8), np.zeros((32, 64), np.int8), "w8", None, run=lower)
     else:
-        dbg.micro_limbs(np.zeros((64, 64), np.int8), run=lower)
+        dbg.micro_limbs(np.zeros((64, 64), np.int8), which.split()[1], run=lower)
     assert texts and "mosaic_gpu" in texts[0]
+
+
+def test_check_script_times_each_limb_path_as_a_variant():
+    """check_mgpu_planar.py accepts ``--variants "limbs i16,limbs bf16"`` and maps each to its limb path."""
+    from experiment_scripts import load_experiment
+
+    mod = load_experiment("check_mgpu_planar")
+    every = mod.s8_variant_configs(s8.PlanarS8Config(), 4)
+    for lp in s8.LIMB_PATHS[1:]:
+        assert f"limbs {lp}" in mod.VARIANTS
+        assert every[f"limbs {lp}"] == s8.PlanarS8Config(limb_path=lp)
+    assert "limbs i32" not in every                              # the default is not a variant of itself
