@@ -58,7 +58,7 @@ from pallas_kernels.decode_attention_mgpu_kivi import (_F32, _LN2, _M, _NEG, _ke
 from pallas_kernels.decode_attention_mgpu_planar import (TokenPlanarOperands, _check_operands,
                                                          token_planar_layout_unsupported, token_planar_operands)
 
-__all__ = ["PlanarS8Config", "LIM", "LIMB_PATHS", "s8_unsupported", "query_limbs", "limbs",
+__all__ = ["PlanarS8Config", "LIM", "LIMB_PATHS", "SMEM_BUDGET", "smem_bytes_estimate", "s8_unsupported", "query_limbs", "limbs",
            "decode_attention_mgpu_planar_s8_partials", "decode_attention_mgpu_planar_s8_prepared", "token_planar_s8_layout_unsupported",
            "token_planar_s8_layer_unsupported", "decode_attention_token_planar_s8"]
 
@@ -358,6 +358,24 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
     return fn(start, end, qb, qaux, *[arrays[nm] for nm in names])
 
 
+#: Hopper's shared memory per block (what Mosaic GPU checks against), less a margin for what
+#: :func:`smem_bytes_estimate` does not count (barriers, alignment: Mosaic's count was 5.9-6.4 KB above the
+#: estimate in seven configurations, tested)
+SMEM_BUDGET = 232448 - 8192
+
+
+def smem_bytes_estimate(sp: _S8Spec, qparam_bytes: int) -> int:
+    """Shared memory the s8 kernel allocates for ``sp``, in bytes, without barriers and alignment (Mosaic GPU counts
+    ~6 KB more): the pipeline stages of K / V codes and their qparams, the query limbs, the limb scratch in
+    ``sp.limb_path``'s dtype, the int8 B operands, the outputs."""
+    d, bt, nvg = sp.d, sp.bt, sp.vgroups
+    rows = nvg * sp.planes * _NP
+    per_stage = _M * d * 2 + (sp.k_rows + nvg * (1 if sp.v_zero == "symmetric" else 2)) * bt * qparam_bytes
+    scratch = rows * _M * (4 if sp.limb_path == "i32" else 2)
+    return (min(sp.stages, sp.nbs) * per_stage + (d // sp.kc) * _NQ * sp.kc + 2 * 2 * _NL * 4 + scratch + rows * _M
+            + (d + nvg + 2) * _NL * 4)
+
+
 def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config) -> _S8Spec:
     why = s8_unsupported(ops, g)
     if why:
@@ -368,9 +386,16 @@ def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config) -> _S8Spec:
     ns = cfg.num_splits or _auto_splits(ops.k.shape[0], nb)
     if nb % ns:
         raise ValueError(f"num_splits={ns} does not divide the {nb} blocks")
-    return _S8Spec(d=ops.head_dim, g=g, bits=ops.bits, ns=ns, nbs=nb // ns, stages=cfg.max_concurrent_steps,
-                   hkv=ops.num_kv_heads, k_zero=ops.k_zero, v_zero=ops.v_zero_kind, vg=ops.v_group,
-                   limb_path=cfg.limb_path)
+    sp = _S8Spec(d=ops.head_dim, g=g, bits=ops.bits, ns=ns, nbs=nb // ns, stages=cfg.max_concurrent_steps,
+                 hkv=ops.num_kv_heads, k_zero=ops.k_zero, v_zero=ops.v_zero_kind, vg=ops.v_group,
+                 limb_path=cfg.limb_path)
+    need = smem_bytes_estimate(sp, ops.k_qparams.dtype.itemsize)
+    if need > SMEM_BUDGET:
+        raise NotImplementedError(
+            f"decode_attention_mgpu_planar_s8: ~{need // 1024} KB of shared memory (INT{ops.bits}, D {ops.head_dim}, "
+            f"{sp.vgroups} V groups, {sp.stages} stages, limb_path {cfg.limb_path!r}) is over the "
+            f"{SMEM_BUDGET // 1024} KB budget; a 16-bit limb_path ('i16') halves the limb scratch")
+    return sp
 
 
 def decode_attention_mgpu_planar_s8_partials(q, ops: TokenPlanarOperands, *, sm_scale: float | None = None,

@@ -233,3 +233,36 @@ def test_check_script_times_each_limb_path_as_a_variant():
         assert f"limbs {lp}" in mod.VARIANTS
         assert every[f"limbs {lp}"] == s8.PlanarS8Config(limb_path=lp)
     assert "limbs i32" not in every                              # the default is not a variant of itself
+
+
+def test_over_the_smem_budget_is_refused_by_name(rng):
+    """INT2, D 256, four V groups: the 32-bit limb scratch (128 KB) puts the kernel over Hopper's shared memory.
+    It is refused before Mosaic sees it, the message names the cause and the cure, and the 16-bit path fits."""
+    q, reg, kn, vn = _case(rng, 2, "symmetric", "symmetric", 64, 256, 4, b=2, t=2048, poison=False)
+    with pytest.raises(NotImplementedError, match=r"shared memory .* limb_path 'i32'.*'i16'"):
+        _run(q, reg, kn, vn, config=s8.PlanarS8Config(num_splits=1, limb_path="i32"))
+    ops = mp.prepare_token_planar_region(reg)
+    assert s8._spec(ops, 4, s8.PlanarS8Config(num_splits=1, limb_path="i16")).limb_path == "i16"
+
+
+@pytest.mark.parametrize("bits,vz,vg,d,limb_path,stages", [(2, "symmetric", 64, 256, "i32", 2),
+                                                           (4, "min", 64, 256, "i32", 6),
+                                                           (2, "symmetric", 0, 256, "bf16", 8)])
+def test_smem_estimate_is_just_below_mosaics_count(rng, monkeypatch, bits, vz, vg, d, limb_path, stages):
+    """Over-budget configurations let through (the budget lifted) make Mosaic GPU's lowering report its own count:
+    the estimate is below it by at most the budget's margin, so SMEM_BUDGET refuses only what Mosaic would."""
+    import re
+
+    import jax
+
+    q, reg, _, _ = _case(rng, bits, "symmetric", vz, vg, d, 4, b=2, t=2048, poison=False, q_dtype=jnp.bfloat16)
+    ops = mp.prepare_token_planar_region(reg)
+    cfg = s8.PlanarS8Config(num_splits=1, limb_path=limb_path, max_concurrent_steps=stages)
+    margin = 232448 - s8.SMEM_BUDGET
+    monkeypatch.setattr(s8, "SMEM_BUDGET", 10 ** 9)
+    est = s8.smem_bytes_estimate(s8._spec(ops, 4, cfg), ops.k_qparams.dtype.itemsize)
+    with pytest.raises(ValueError, match="exceeds available shared memory") as err:
+        jax.jit(lambda q, o: s8.decode_attention_mgpu_planar_s8_prepared(q, o, config=cfg, interpret=False)).trace(
+            q, ops).lower(lowering_platforms=("cuda",))
+    mosaic = int(re.search(r"smem_bytes=(\d+)", str(err.value)).group(1))
+    assert 0 < mosaic - est <= margin
