@@ -371,11 +371,12 @@ def test_planar_child_runs_the_twin_on_cpu(nd, capsys):
 def test_planar_s8_child_runs_the_twin_on_cpu(nd, capsys):
     """The mgpu_planar_s8 child: the same inputs through the s8 entry (its twin on CPU), its own config type."""
     nd.main(["--child", "--impl", "mgpu_planar_s8", "--format", "int2", "--T", "512", "--B", "2", "--interpret",
-             "--config", '{"max_concurrent_steps": 3}'])
+             "--config", '{"max_concurrent_steps": 3, "limb_path": "i16"}'])
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("NCU_CHILD")][-1]
     info = json.loads(line.split(" ", 1)[1])
     assert (info["impl"], info["format"], info["interpret"]) == ("mgpu_planar_s8", "int2", True)
-    assert info["config"] == {"num_splits": None, "max_concurrent_steps": 3} and info["num_splits"] >= 1
+    assert info["config"] == {"num_splits": None, "max_concurrent_steps": 3, "limb_path": "i16"}
+    assert info["num_splits"] >= 1
 
 
 def test_kivi_pattern_matches_the_lowered_kernel_once_per_call(nd, rng):
