@@ -76,6 +76,9 @@ S8_IMPL = ck.MosaicImpl(s8.decode_attention_mgpu_planar_s8_prepared, s8.PlanarS8
 def parity(args, results) -> bool:
     rng = np.random.default_rng(0)
     interp = jax.devices()[0].platform != "gpu"      # CPU: the plain-JAX twin
+    # the s8 kernel under every limb path on a GPU (the twin is the same for all: the default alone on CPU)
+    s8_paths = (s8.PlanarS8Config().limb_path,) if interp else s8.LIMB_PATHS
+    s8_entry = s8.decode_attention_mgpu_planar_s8_prepared
     ok_all = True
     for ci, (bits, kz, vz, vg, d, g) in enumerate(PARITY_CASES):
         if args.cases is not None and ci not in args.cases:
@@ -95,13 +98,11 @@ def parity(args, results) -> bool:
                     q, reg, kn, vn), {}, True)
                 ok_all &= ck.parity_row(args, results, row, serve, ref, BOUND[prec],
                                         f"case {ci} int{bits} K {kz} V {vz} Gv={vg} D={d} g={g} q={qname} {prec}")
-            # every limb path on a GPU (the twin is the same for all: one on CPU)
-            for lp in (s8.LIMB_PATHS if s8_reads and not interp else ("i32",) if s8_reads else ()):
+            for lp in s8_paths if s8_reads else ():
                 row = dict(kind="parity", case=ci, bits=bits, k_zero=kz, v_zero=vz, v_group=vg, d=d, g=g, q=qname,
                            precision="s8", limb_path=lp)
                 cfg = s8.PlanarS8Config(num_splits=2, limb_path=lp)
-                entry = s8.decode_attention_mgpu_planar_s8_prepared
-                serve = lambda q=q, ops=ops, cfg=cfg: (jax.jit(lambda q, o, kn, vn: entry(  # noqa: E731
+                serve = lambda q=q, ops=ops, cfg=cfg: (jax.jit(lambda q, o, kn, vn: s8_entry(  # noqa: E731
                     q, o, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32, interpret=interp))(
                     q, ops, kn, vn), {}, True)
                 ok_all &= ck.parity_row(args, results, row, serve, ref, BOUND_S8,

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import check_mgpu_kivi as ck  # noqa: E402
+import check_mgpu_planar as cp  # noqa: E402
 from kvquant_jax.abi.regions import KVFormat  # noqa: E402
 from kvquant_jax.attention.synthetic import random_region  # noqa: E402
 from pallas_kernels import decode_attention_mgpu_kivi as mk  # noqa: E402
@@ -94,15 +95,15 @@ def _s8_product(a_regs, b_smems, shape, split_a: bool = True):
     return pl.run_scoped(mm, plgpu.ACC(shape, jnp.int32))
 
 
-def micro_qk(a, b, layout: str, mask: int | None, run=None):
+def micro_qk(a, b, mask: int | None, run=None):
     """``(a & mask) [64, dq K] @ b[dq, N, K]`` (summed over the ``dq`` chunks; a 2-D ``b`` is one chunk) -> int32
-    ``[64, N]`` on s8 wgmma, A from registers, B the chunk ``j`` of one 3-D SMEM ref (the kernel's query limbs)."""
+    ``[64, N]`` on s8 wgmma, A from registers in ``WGMMA_8BIT`` (int8 A in the ``WGMMA`` layout does not lower),
+    B the chunk ``j`` of one 3-D SMEM ref (the kernel's query limbs)."""
     plgpu = _plgpu()
     from jax.experimental import pallas as pl
     b = b if b.ndim == 3 else b[None]
     m, k = a.shape
     dq, n, kc = b.shape
-    lay = plgpu.Layout.WGMMA_8BIT if layout == "w8" else plgpu.Layout.WGMMA
     i8, i32 = jnp.int8, jnp.int32
 
     def body(a_ref, b_ref, o_ref):
@@ -111,7 +112,7 @@ def micro_qk(a, b, layout: str, mask: int | None, run=None):
             plgpu.copy_gmem_to_smem(b_ref, b_smem, bar_b)
             plgpu.barrier_wait(bar_a)
             plgpu.barrier_wait(bar_b)
-            av = plgpu.load(a_smem, (), layout=lay)
+            av = plgpu.load(a_smem, (), layout=plgpu.Layout.WGMMA_8BIT)
             if mask is not None:
                 av = av & jnp.full(av.shape, mask, i8)
             o_smem[...] = _s8_product(av, [b_smem.at[j] for j in range(dq)], (m, n))
@@ -142,39 +143,30 @@ def _limb_rows(r: int):
 
 
 def micro_limbs(v, path: str = "i32", run=None):
-    """The kernel's limb path (``PlanarS8Config.limb_path``) for two planes' x = :func:`_limb_values` (made in
-    registers from iotas), then the PV wgmmas of both planes with ``v int8 [64 ch, 64 tok]`` as A into one
-    accumulator.  Returns (the scratch [64, 64] in its dtype, p_smem int8 [64, 64], acc int32 [64, 32])."""
+    """The kernel's limb path (``PlanarS8Config.limb_path``, through the kernel module's own helpers) for two
+    planes' x = :func:`_limb_values` (made in registers from iotas), then the PV wgmmas of both planes with
+    ``v int8 [64 ch, 64 tok]`` as A into one accumulator.  Returns (the scratch [64, 64] in its dtype, p_smem int8
+    [64, 64], acc int32 [64, 32])."""
     plgpu = _plgpu()
     from jax.experimental import pallas as pl
     i8, i32 = jnp.int8, jnp.int32
     wg, w8 = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA_8BIT
     n, M, NP, rows = 8, 64, 32, 64
-    x_dtype = {"i32": i32, "i16": jnp.int16, "bf16": jnp.bfloat16}[path]
-    wide = path == "i32"
-    copy_layout = plgpu.Layout.SMEM_GMEM_COPY((rows, M), i8, 64)
 
     def body(v_ref, xo_ref, po_ref, ao_ref):
         def scoped(v_smem, x_smem, p_smem, a_smem, bar):
             plgpu.copy_gmem_to_smem(v_ref, v_smem, bar)
-            zeros = jnp.zeros((rows, M), x_dtype)
-            x_smem[...] = zeros if wide else plgpu.layout_cast(zeros, wg)
+            x_smem[...] = s8._limb_zeros(rows, path)
             plgpu.commit_smem()
             t_idx = plgpu.broadcasted_iota(i32, (M, n), 0, layout=wg)
             c_idx = plgpu.broadcasted_iota(i32, (M, n), 1, layout=wg)
             for r in range(2):
                 x = (t_idx * 8 + c_idx) * 4099 - 1_000_000 + 12345 * r
                 for li, limb in enumerate(s8.limbs(x)):
-                    val = limb.astype(jnp.float32).astype(x_dtype) if path == "bf16" else limb.astype(x_dtype)
                     x_smem.at[pl.ds(r * NP + li * n, n)].T[...] = plgpu.layout_cast(
-                        val, plgpu.Layout.WGMMA_TRANSPOSED)
+                        s8._limb_value(limb, path), plgpu.Layout.WGMMA_TRANSPOSED)
             plgpu.commit_smem()
-            if wide:
-                xv = plgpu.load(x_smem, (), layout=copy_layout, optimized=False)
-            else:
-                xv = plgpu.load(x_smem, (), layout=wg)
-                xv = xv.astype(jnp.float32).astype(i32) if path == "bf16" else xv
-            p_smem[...] = xv.astype(i8)
+            p_smem[...] = s8._limb_scratch_to_i8(x_smem, path)
             plgpu.commit_smem()
             plgpu.barrier_wait(bar)
             vb = plgpu.load(v_smem, (), layout=w8)
@@ -186,12 +178,11 @@ def micro_limbs(v, path: str = "i32", run=None):
             plgpu.copy_smem_to_gmem(a_smem, ao_ref)
             plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(scoped, plgpu.SMEM((M, M), i8, transforms=_tile_transforms(i8, M)),
-                      plgpu.SMEM((rows, M), x_dtype, transforms=() if wide else _tile_transforms(x_dtype, M)),
+        pl.run_scoped(scoped, plgpu.SMEM((M, M), i8, transforms=_tile_transforms(i8, M)), s8._limb_scratch(rows, path),
                       plgpu.SMEM((rows, M), i8, transforms=_tile_transforms(i8, M)), plgpu.SMEM((M, NP), i32),
                       plgpu.Barrier(num_arrivals=1))
 
-    outs = (jax.ShapeDtypeStruct((rows, M), x_dtype), jax.ShapeDtypeStruct((rows, M), i8),
+    outs = (jax.ShapeDtypeStruct((rows, M), s8._LIMB_DTYPES[path]), jax.ShapeDtypeStruct((rows, M), i8),
             jax.ShapeDtypeStruct((M, NP), i32))
     fn = plgpu.kernel(body, out_type=outs, grid=(1,), grid_names=("x",))
     return (run or _run)(fn, v)
@@ -200,28 +191,23 @@ def micro_limbs(v, path: str = "i32", run=None):
 def micro_all(rng):
     a = rng.integers(-128, 128, (64, 128)).astype(np.int8)
     b = rng.integers(-128, 128, (24, 128)).astype(np.int8)
-    # (int8 A in the WGMMA layout does not lower -- NotImplementedError on CPU -- so only WGMMA_8BIT is run)
-    for layout in ("w8",):
-        for mask in (None, s8._plane_mask(0, 4), s8._plane_mask(1, 4), s8._plane_mask(3, 2)):
-            am = a if mask is None else (a & np.int8(mask))
-            want = am.astype(np.int64) @ b.astype(np.int64).T
-            guarded(f"qk {layout} mask {mask}",
-                    lambda layout=layout, mask=mask, want=want: report(
-                        f"qk A[64,128] {layout} mask {mask}", micro_qk(a, b, layout, mask), want))
+    for mask in (None, s8._plane_mask(0, 4), s8._plane_mask(1, 4), s8._plane_mask(3, 2)):
+        am = a if mask is None else (a & np.int8(mask))
+        want = am.astype(np.int64) @ b.astype(np.int64).T
+        guarded(f"qk mask {mask}", lambda mask=mask, want=want: report(
+            f"qk A[64,128] w8 mask {mask}", micro_qk(a, b, mask), want))
     b32q = rng.integers(-128, 128, (32, 128)).astype(np.int8)
-    guarded("qk N 32", lambda: report("qk A[64,128] w8, B[32,128] (N 32)", micro_qk(a, b32q, "w8", None),
+    guarded("qk N 32", lambda: report("qk A[64,128] w8, B[32,128] (N 32)", micro_qk(a, b32q, None),
                                       a.astype(np.int64) @ b32q.astype(np.int64).T))
     a2 = rng.integers(-128, 128, (64, 256)).astype(np.int8)
     b2 = rng.integers(-128, 128, (2, 24, 128)).astype(np.int8)
     want2 = sum(a2[:, j * 128:(j + 1) * 128].astype(np.int64) @ b2[j].astype(np.int64).T for j in range(2))
-    guarded("qk D 256", lambda: report("qk A[64,256] w8, B[2,24,128] (two D chunks)", micro_qk(a2, b2, "w8", None),
+    guarded("qk D 256", lambda: report("qk A[64,256] w8, B[2,24,128] (two D chunks)", micro_qk(a2, b2, None),
                                        want2))
     a64 = rng.integers(-128, 128, (64, 64)).astype(np.int8)
     b32 = rng.integers(-128, 128, (32, 64)).astype(np.int8)
-    for layout in ("w8",):
-        guarded(f"pv {layout}", lambda layout=layout: report(
-            f"pv A[64,64] {layout} swizzle 64, B[32,64]", micro_qk(a64, b32, layout, None),
-            a64.astype(np.int64) @ b32.astype(np.int64).T))
+    guarded("pv", lambda: report("pv A[64,64] w8 swizzle 64, B[32,64]", micro_qk(a64, b32, None),
+                                 a64.astype(np.int64) @ b32.astype(np.int64).T))
     v = rng.integers(-128, 128, (64, 64)).astype(np.int8)
 
     lim = np.concatenate([_limb_rows(0), _limb_rows(1)])                       # [64, 64]: two planes' rows
@@ -244,15 +230,8 @@ def micro_all(rng):
 # ------------------------------------------------------------------------------------------------------------
 def raw_kernel(q, ops, limb_path: str = "i32", sm_scale=None):
     """The kernel's raw ``o [BH, 1, D, 8], z [BH, 1, C, 8], m, l [BH, 1, 8]`` (one split)."""
-    b, hq, d = q.shape
-    hkv = ops.num_kv_heads
-    sp = s8._spec(ops, hq // hkv, s8.PlanarS8Config(num_splits=1, limb_path=limb_path))
-    qb, qs, qsum = s8.query_limbs(q, hkv, sm_scale)
-    qb = jnp.swapaxes(qb.reshape(qb.shape[0], s8._NQ, d // sp.kc, sp.kc), 1, 2)
-    qaux = jnp.pad(jnp.stack([qs, qsum], 1), ((0, 0), (0, 0), (0, s8._NL)))
-    out = s8._s8_call(ops.start.astype(jnp.int32), ops.end.astype(jnp.int32), qb, qaux, ops.k, ops.v,
-                      ops.k_qparams, ops.v_scale, ops.v_zero, sp)
-    return [np.asarray(o, np.float64) for o in out]
+    sp = s8._spec(ops, q.shape[1] // ops.num_kv_heads, s8.PlanarS8Config(num_splits=1, limb_path=limb_path))
+    return [np.asarray(o, np.float64) for o in s8._raw_outputs(q, ops, sm_scale, sp)]
 
 
 def raw_reference(q, ops, sm_scale=None):
@@ -307,7 +286,7 @@ def _inputs(rng, ci):
         reg = random_region(rng, kf, vf, 1, 1, t, 128, [0], [t], poison=False)
         q = jnp.asarray(rng.standard_normal((1, 4, 128)).astype(np.float32))
         return case, q, reg
-    case = PARITY[ci]
+    case = cp.PARITY_CASES[ci]
     bits, kz, vz, vg, d, g = case
     kf, vf = KVFormat(f"int{bits}", "token", kz), KVFormat(f"int{bits}", "token", vz, vg)
     reg, _, _, queries = ck.parity_inputs(rng, kf, vf, d, g)
@@ -319,7 +298,8 @@ def kernel_all(rng, cases):
         (bits, kz, vz, vg, d, g), q, reg = _inputs(rng, ci)
         ops = mp.prepare_token_planar_region(reg)
         # every limb path on all planes, then the default path one plane at a time
-        runs = [(lp, None) for lp in s8.LIMB_PATHS] + [("i32", r) for r in range(8 // bits)]
+        dflt = s8.PlanarS8Config().limb_path
+        runs = [(lp, None) for lp in s8.LIMB_PATHS] + [(dflt, r) for r in range(8 // bits)]
         for lp, r in runs:
             o_ = ops if r is None else one_plane(ops, r)
             tag = (f"case {ci} int{bits} K {kz} V {vz} Gv={vg} D={d} g={g} limbs {lp} "
@@ -333,11 +313,6 @@ def kernel_all(rng, cases):
                     report(f"{tag} {nm}", gt[sl], wt[sl], tol=1e-4)
 
             guarded(tag, go)
-
-
-PARITY = [(2, "symmetric", "symmetric", 0, 128, 4), (4, "offset", "offset", 0, 128, 4),
-          (2, "min", "offset", 16, 64, 3), (4, "symmetric", "min", 64, 256, 8),
-          (2, "offset", "symmetric", 32, 64, 1), (4, "symmetric", "symmetric", 0, 128, 4)]
 
 
 def main(argv=None):

@@ -178,7 +178,7 @@ for job in $JOBS; do
       start_job s8 0.20 bash -c "$PY experiments/debug_mgpu_s8.py --out docs/results/decode_mgpu/pending-s8-debug; \
         $PY experiments/check_mgpu_planar.py --check-only --cases 0,1,3,5 --impls mgpu_s8 \
         --out docs/results/decode_mgpu/pending-s8-parity && $PY experiments/check_mgpu_planar.py --skip-check \
-        --T 32768,4096 --repeat 3 --impls mgpu,mgpu_s8 --variants 'stages 3,splits x2,splits /2' \
+        --T 32768,4096 --repeat 3 --impls mgpu,mgpu_s8 --variants 'limbs i16,limbs bf16,stages 3,splits x2,splits /2' \
         --out docs/results/decode_mgpu/pending-s8" ;;
     kivi_block)
       start_job kivi_block 0.10 $PY experiments/bench_decode_attention.py --T 32768 --baselines cudnn --reps 8 \

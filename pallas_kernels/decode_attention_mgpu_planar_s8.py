@@ -91,6 +91,43 @@ class PlanarS8Config:
 
 #: the ways :class:`PlanarS8Config.limb_path` may take
 LIMB_PATHS = ("i32", "i16", "bf16")
+_LIMB_DTYPES = {"i32": jnp.int32, "i16": jnp.int16, "bf16": jnp.bfloat16}
+
+
+def _limb_scratch(rows: int, path: str):
+    """The SMEM scratch ``[rows, 64]`` the limbs of ``path`` are stored to (transposed) before the int8 copy:
+    untiled int32 for ``"i32"``, tiled and swizzled 16-bit otherwise."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    dt = _LIMB_DTYPES[path]
+    return plgpu.SMEM((rows, _M), dt, transforms=() if path == "i32" else _tile_transforms(dt, _M))
+
+
+def _limb_zeros(rows: int, path: str):
+    """Zeros for the whole scratch (its padding rows stay 0), in a layout its store takes (inside a kernel)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    zeros = jnp.zeros((rows, _M), _LIMB_DTYPES[path])
+    return zeros if path == "i32" else plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+
+
+def _limb_value(limb, path: str):
+    """int32 limbs ``[64, 8]`` in ``[-128, 127]`` -> the scratch's dtype (exact), inside a kernel."""
+    if path == "bf16":
+        return limb.astype(_F32).astype(jnp.bfloat16)
+    return limb.astype(_LIMB_DTYPES[path])
+
+
+def _limb_scratch_to_i8(x_rows, path: str):
+    """Scratch rows ``[R, 64]`` (a ref; R a multiple of 64) -> int8 registers for the B operand's store, inside a
+    kernel: one ``SMEM_GMEM_COPY``-layout load (``"i32"``) or one ``WGMMA``-layout load (16-bit)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if path == "i32":
+        copy_layout = plgpu.Layout.SMEM_GMEM_COPY((x_rows.shape[0], _M), jnp.int8, 64)
+        return plgpu.load(x_rows, (), layout=copy_layout, optimized=False).astype(jnp.int8)
+    xv = plgpu.load(x_rows, (), layout=plgpu.Layout.WGMMA)
+    return (xv.astype(_F32).astype(jnp.int32) if path == "bf16" else xv).astype(jnp.int8)
 
 
 def _group_unsupported(g: int) -> Optional[str]:
@@ -192,20 +229,7 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
     arrays = dict(k=k, v=v, ks=ks, vs=vs, vm=vm)
     half = 2.0 ** (sp.bits - 1)
     prows = pln * _NP                                   # rows of one channel group's PV B operands (all planes)
-    copy_layout = plgpu.Layout.SMEM_GMEM_COPY((prows, _M), i8, 64)
-    x_dtype = {"i32": i32, "i16": jnp.int16, "bf16": jnp.bfloat16}[sp.limb_path]
-    wide = sp.limb_path == "i32"
-
-    def limb_value(limb):           # int32 [64, 8] in [-128, 127] -> the scratch's dtype (exact)
-        if sp.limb_path == "bf16":
-            return limb.astype(_F32).astype(jnp.bfloat16)
-        return limb.astype(x_dtype)
-
-    def scratch_to_i8(x_rows):      # one channel group's scratch rows (a ref) -> int8 (in the load's layout)
-        if wide:
-            return plgpu.load(x_rows, (), layout=copy_layout, optimized=False).astype(i8)
-        xv = plgpu.load(x_rows, (), layout=wg)
-        return (xv.astype(_F32).astype(i32) if sp.limb_path == "bf16" else xv).astype(i8)
+    lp = sp.limb_path
 
     def body(start_ref, end_ref, qb_ref, qaux_ref, *refs):
         in_refs = dict(zip(names, refs[:len(names)]))
@@ -219,8 +243,7 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
             plgpu.barrier_wait(a_bar)
             qs = plgpu.load(qaux_smem.at[0, pl.ds(0, n)], (), layout=wg.reduce(0), optimized=False)
             qsum = plgpu.load(qaux_smem.at[1, pl.ds(0, n)], (), layout=wg.reduce(0), optimized=False)
-            zeros = jnp.zeros((nvg * prows, _M), x_dtype)            # the padding rows stay 0
-            x_smem[...] = zeros if wide else plgpu.layout_cast(zeros, wg)
+            x_smem[...] = _limb_zeros(nvg * prows, lp)               # the padding rows stay 0
             plgpu.commit_smem()
             rows_t = plgpu.broadcasted_iota(jnp.int32, (_M, n), 0, layout=wg)
             bcol = lambda x: lax.broadcast_in_dim(x, (_M, n), [1])  # noqa: E731
@@ -295,11 +318,11 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                         xi = jnp.clip((xs[ci][r] * inv).astype(i32), -LIM, LIM)
                         for li, limb in enumerate(limbs(xi)):
                             x_smem.at[pl.ds(ci * prows + r * _NP + li * n, n)].T[...] = plgpu.layout_cast(
-                                limb_value(limb), plgpu.Layout.WGMMA_TRANSPOSED)
+                                _limb_value(limb, lp), plgpu.Layout.WGMMA_TRANSPOSED)
                 plgpu.commit_smem()
                 for ci in range(nvg):
                     xr = pl.ds(ci * prows, prows)
-                    p_smem.at[xr][...] = scratch_to_i8(x_smem.at[xr])
+                    p_smem.at[xr][...] = _limb_scratch_to_i8(x_smem.at[xr], lp)
                 plgpu.commit_smem()
 
                 # 4. O^T[d-tile j] += V^T plane r [64, 64] @ limbs (r): ONE s8 wgmma per (plane, d-tile)
@@ -343,7 +366,7 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
             scoped,
             plgpu.SMEM((dq, _NQ, kc), i8, transforms=_tile_transforms(i8, kc)),
             plgpu.SMEM((2, 2 * n), _F32),
-            plgpu.SMEM((nvg * prows, _M), x_dtype, transforms=() if wide else _tile_transforms(x_dtype, _M)),
+            _limb_scratch(nvg * prows, lp),
             plgpu.SMEM((nvg * prows, _M), i8, transforms=_tile_transforms(i8, _M)),
             plgpu.SMEM((d, n), _F32),
             plgpu.SMEM((nvg, n), _F32),
@@ -371,7 +394,7 @@ def smem_bytes_estimate(sp: _S8Spec, qparam_bytes: int) -> int:
     d, bt, nvg = sp.d, sp.bt, sp.vgroups
     rows = nvg * sp.planes * _NP
     per_stage = _M * d * 2 + (sp.k_rows + nvg * (1 if sp.v_zero == "symmetric" else 2)) * bt * qparam_bytes
-    scratch = rows * _M * (4 if sp.limb_path == "i32" else 2)
+    scratch = rows * _M * jnp.dtype(_LIMB_DTYPES[sp.limb_path]).itemsize
     return (min(sp.stages, sp.nbs) * per_stage + (d // sp.kc) * _NQ * sp.kc + 2 * 2 * _NL * 4 + scratch + rows * _M
             + (d + nvg + 2) * _NL * 4)
 
@@ -410,13 +433,19 @@ def decode_attention_mgpu_planar_s8_partials(q, ops: TokenPlanarOperands, *, sm_
     sp = _spec(ops, g, cfg)
     if interpret:
         return _partials_jnp(q, ops, sm_scale, sp)
-    qb, qs, qsum = query_limbs(q, hkv, sm_scale)
+    return _kernel_partials(_raw_outputs(q, ops, sm_scale, sp), sp, b, hkv)
+
+
+def _raw_outputs(q, ops: TokenPlanarOperands, sm_scale, sp: _S8Spec):
+    """The kernel's own outputs ``o [BH, S, D, 8], z [BH, S, C, 8], m, l [BH, S, 8]`` (log2 ``m``; all 8 query
+    columns): the query limbs built, laid out for the kernel, and the kernel launched."""
+    d = q.shape[2]
+    qb, qs, qsum = query_limbs(q, ops.num_kv_heads, sm_scale)
     kc = sp.kc
     qb = jnp.swapaxes(qb.reshape(qb.shape[0], _NQ, d // kc, kc), 1, 2)               # [BH, D/KC, 24, KC]
     qaux = jnp.pad(jnp.stack([qs, qsum], 1), ((0, 0), (0, 0), (0, _NL)))          # 128 bytes: one TMA per thread
-    out = _s8_call(ops.start.astype(jnp.int32), ops.end.astype(jnp.int32), qb, qaux,
-                   ops.k, ops.v, ops.k_qparams, ops.v_scale, ops.v_zero, sp)
-    return _kernel_partials(out, sp, b, hkv)
+    return _s8_call(ops.start.astype(jnp.int32), ops.end.astype(jnp.int32), qb, qaux,
+                    ops.k, ops.v, ops.k_qparams, ops.v_scale, ops.v_zero, sp)
 
 
 def _partials_jnp(q, ops: TokenPlanarOperands, sm_scale, sp: _S8Spec):

@@ -213,11 +213,11 @@ def test_debug_micro_kernels_lower_for_cuda(which):
 
     i8 = np.zeros((64, 128), np.int8)
     if which == "qk":
-        dbg.micro_qk(i8, np.zeros((24, 128), np.int8), "w8", s8._plane_mask(1, 4), run=lower)
+        dbg.micro_qk(i8, np.zeros((24, 128), np.int8), s8._plane_mask(1, 4), run=lower)
     elif which == "qk_two_chunks":
-        dbg.micro_qk(np.zeros((64, 256), np.int8), np.zeros((2, 24, 128), np.int8), "w8", None, run=lower)
+        dbg.micro_qk(np.zeros((64, 256), np.int8), np.zeros((2, 24, 128), np.int8), None, run=lower)
     elif which == "pv":
-        dbg.micro_qk(np.zeros((64, 64), np.int8), np.zeros((32, 64), np.int8), "w8", None, run=lower)
+        dbg.micro_qk(np.zeros((64, 64), np.int8), np.zeros((32, 64), np.int8), None, run=lower)
     else:
         dbg.micro_limbs(np.zeros((64, 64), np.int8), which.split()[1], run=lower)
     assert texts and "mosaic_gpu" in texts[0]
