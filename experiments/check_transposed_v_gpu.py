@@ -5,7 +5,7 @@
     python experiments/check_transposed_v_gpu.py --parity-schemes fp8_e4m3_vt fp8_e5m2_vt \
         --schemes fp8_e4m3_vt fp8_e4m3 --T 4096 32768            # FP8: Mosaic (in place) vs Triton (layout 1)
     python experiments/check_transposed_v_gpu.py --parity-schemes int2_planar int4_planar \
-        --schemes int2_planar int2 --T 4096 32768                # INT2: the token-planar kernel vs Triton
+        --schemes int2_planar int2 --T 4096 32768                # INT2: the token-planar s8 kernel vs Triton
 
 (a) Parity: ragged random caches built by the scheme's own appends (odd lengths, several appends), GQA 4 and 3,
     D 64 / 128, bf16 and float32 queries, the current token in the same softmax:
@@ -56,8 +56,9 @@ def filled_state(scheme, key, b, hkv, t, d, lengths, chunks=1):
 
 
 #: the dispatcher entry that must serve each layout's layers on a Hopper GPU, and whether it serves float32 queries
+#: (token-planar: the s8 tensor-core kernel, every parity shape here has <= 8 query heads per KV head)
 MOSAIC_ENTRY = {"TransposedVFormat": ("decode_attention_transposed_v", False),
-                "TokenPlanarFormat": ("decode_attention_token_planar", True)}
+                "TokenPlanarFormat": ("decode_attention_token_planar_s8", True)}
 
 
 def parity(rows, log, names=("int8_vt", "int4_vt")):

@@ -1,14 +1,16 @@
-"""Where the s8 planar kernel goes wrong on a GPU (issue J; first GPU run 2026-12-07: parity 0.45-0.87 relative).
+"""Each integer step of the s8 planar kernel on a GPU, on its own (issue J).  H100, 2026-12-07: every step exact
+except the 32-bit limb path's converting copy, which swaps 4-byte groups of the int8 B operand's rows (the kernel
+then failed parity by 0.45-0.87; the 16-bit paths pass, and ``"i32"`` is refused: ``WRONG_LIMB_PATHS``).
 
     python3 experiments/debug_mgpu_s8.py --out $OUT/dbg          # Hopper GPU only
 
 (1) Micro kernels, each against integer NumPy: the QK s8 wgmma (A int8 [64, 128] from registers in WGMMA_8BIT,
     plain and plane-masked; B int8 [24, 128] SMEM, K-major; also N 32 and two D chunks), the PV s8 wgmma (A
     [64, 64] swizzle 64, B [32, 64]), the limb path (int32 [64, 8] WGMMA registers -> limbs -> transposed 32-bit
-    store -> converting copy -> swizzled int8 B operand; every ``limb_path``: the 32-bit one and the two 16-bit
-    ones) followed by the PV wgmmas of two planes.
+    store -> converting copy -> swizzled int8 B operand; every path: the two 16-bit ones and the refused 32-bit
+    one) followed by the PV wgmmas of two planes.
 (2) The kernel's raw outputs ``o, z, m, l`` (one split) against float64 NumPy of the same decomposition, on parity
-    inputs, with all planes under every ``PlanarS8Config.limb_path`` and with the codes of one plane only (K and
+    inputs, with all planes under every limb path and with the codes of one plane only (K and
     V), so a wrong plane, a wrong side (QK: ``m, l``; V min term: ``z``; PV: ``o``) or a wrong limb path shows.
 """
 from __future__ import annotations
@@ -36,6 +38,8 @@ from pallas_kernels import decode_attention_mgpu_planar_s8 as s8  # noqa: E402
 from pallas_kernels.decode_attention_mgpu import _tile_transforms  # noqa: E402
 
 ROWS: list[dict] = []
+#: every limb path the kernel module can build: the public ones and the refused ones (to show their fault)
+ALL_PATHS = s8.LIMB_PATHS + tuple(s8.WRONG_LIMB_PATHS)
 
 
 def report(name, got, want, tol: float = 0.0, **extra):
@@ -142,7 +146,7 @@ def _limb_rows(r: int):
     return rows
 
 
-def micro_limbs(v, path: str = "i32", run=None):
+def micro_limbs(v, path: str = "i16", run=None):
     """The kernel's limb path (``PlanarS8Config.limb_path``, through the kernel module's own helpers) for two
     planes' x = :func:`_limb_values` (made in registers from iotas), then the PV wgmmas of both planes with
     ``v int8 [64 ch, 64 tok]`` as A into one accumulator.  Returns (the scratch [64, 64] in its dtype, p_smem int8
@@ -212,7 +216,7 @@ def micro_all(rng):
 
     lim = np.concatenate([_limb_rows(0), _limb_rows(1)])                       # [64, 64]: two planes' rows
     want_pv = v.astype(np.int64) @ (lim[:32] + lim[32:]).T
-    for path in s8.LIMB_PATHS:
+    for path in ALL_PATHS:
         def limb_check(path=path):
             xo, po, ao = micro_limbs(v, path)
             report(f"limbs {path}: scratch after the transposed store", np.asarray(xo, np.float64), lim)
@@ -228,9 +232,11 @@ def micro_all(rng):
 # ------------------------------------------------------------------------------------------------------------
 # (2) the kernel's raw outputs against float64 NumPy
 # ------------------------------------------------------------------------------------------------------------
-def raw_kernel(q, ops, limb_path: str = "i32", sm_scale=None):
-    """The kernel's raw ``o [BH, 1, D, 8], z [BH, 1, C, 8], m, l [BH, 1, 8]`` (one split)."""
-    sp = s8._spec(ops, q.shape[1] // ops.num_kv_heads, s8.PlanarS8Config(num_splits=1, limb_path=limb_path))
+def raw_kernel(q, ops, limb_path: str = "i16", sm_scale=None):
+    """The kernel's raw ``o [BH, 1, D, 8], z [BH, 1, C, 8], m, l [BH, 1, 8]`` (one split); any of
+    :data:`ALL_PATHS`, the refused ones included."""
+    sp = s8._spec(ops, q.shape[1] // ops.num_kv_heads, s8.PlanarS8Config(num_splits=1, limb_path=limb_path),
+                  allow_wrong=True)
     return [np.asarray(o, np.float64) for o in s8._raw_outputs(q, ops, sm_scale, sp)]
 
 
@@ -299,7 +305,7 @@ def kernel_all(rng, cases):
         ops = mp.prepare_token_planar_region(reg)
         # every limb path on all planes, then the default path one plane at a time
         dflt = s8.PlanarS8Config().limb_path
-        runs = [(lp, None) for lp in s8.LIMB_PATHS] + [(dflt, r) for r in range(8 // bits)]
+        runs = [(lp, None) for lp in ALL_PATHS] + [(dflt, r) for r in range(8 // bits)]
         for lp, r in runs:
             o_ = ops if r is None else one_plane(ops, r)
             tag = (f"case {ci} int{bits} K {kz} V {vz} Gv={vg} D={d} g={g} limbs {lp} "

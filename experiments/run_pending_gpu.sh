@@ -46,12 +46,12 @@
 #                  qserve4_planar caches through the dispatcher (H100 2026-12-07: one run each, 16/16 + 20/20
 #                  parity; INT2 1.78x / 1.88x, QServe 1.70x / 1.87x cuDNN); ALONE.  Its counters:
 #                  `ncu_decode.py --T 32768 --formats int2,qserve,int4 --impls mgpu_planar,triton`
-#   s8             J: the s8 tensor-core planar kernel (decode_attention_mgpu_planar_s8; first H100 run 2026-12-07:
-#                  compiles and runs, parity FAILS 0.45-0.87): experiments/debug_mgpu_s8.py localises the fault
-#                  (micro kernels per integer step, raw o/z/m/l per plane), then its parity cases (it refuses V
-#                  groups < 64, so cases 0, 1, 3, 5), then 3 timing repeats at 4K / 32K beside the bf16 planar kernel and cuDNN
-#                  (int2, qserve, int4), variants at the first; ALONE.  If parity and timing hold, apply the
-#                  dispatcher route (benchmarks_decode.md "2026-12-07 (s8)") and run `planar`.  Its counters:
+#   s8             J: the s8 tensor-core planar kernel (decode_attention_mgpu_planar_s8; H100 2026-12-07: parity OK on
+#                  the 16-bit limb paths, the 32-bit one localised as wrong and refused; 32K x3: INT2 3.40-3.42x,
+#                  QServe 2.58-2.59x, INT4 2.66-2.67x cuDNN): experiments/debug_mgpu_s8.py (each integer step),
+#                  its parity cases (it refuses V groups < 64, so cases 0, 1, 3, 5), then 3 timing repeats at
+#                  4K / 32K beside the bf16 planar kernel and cuDNN (int2, qserve, int4), variants at the first;
+#                  ALONE.  Then `planar` (the dispatcher route).  Its counters:
 #                  `ncu_decode.py --T 32768 --formats int2,qserve --impls mgpu_planar,mgpu_planar_s8`
 #   kivi_block     J: KIVI-2/4 with the opt-in whole-block update (`kivi_update=block`, one softmax update + one
 #                  PV per block) against today's per-group path and cuDNN at 32K (timed twice, 2026-12-03 / 04:
@@ -178,7 +178,7 @@ for job in $JOBS; do
       start_job s8 0.20 bash -c "$PY experiments/debug_mgpu_s8.py --out docs/results/decode_mgpu/pending-s8-debug; \
         $PY experiments/check_mgpu_planar.py --check-only --cases 0,1,3,5 --impls mgpu_s8 \
         --out docs/results/decode_mgpu/pending-s8-parity && $PY experiments/check_mgpu_planar.py --skip-check \
-        --T 32768,4096 --repeat 3 --impls mgpu,mgpu_s8 --variants 'limbs i16,limbs bf16,stages 3,splits x2,splits /2' \
+        --T 32768,4096 --repeat 3 --impls mgpu,mgpu_s8 --variants 'limbs bf16,stages 3,splits x2,splits /2' \
         --out docs/results/decode_mgpu/pending-s8" ;;
     kivi_block)
       start_job kivi_block 0.10 $PY experiments/bench_decode_attention.py --T 32768 --baselines cudnn --reps 8 \

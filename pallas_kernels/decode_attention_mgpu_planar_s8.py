@@ -20,12 +20,13 @@ float side into a few integer limbs:
 * **PV** (per block of ``64 P`` tokens): ``x[t, c] = p[t, c] sv_t 2^(-bits*r(t))`` (float32, in registers) is
   quantized per query column with ``S_c = max_t |x[t, c]|`` over the block (one cross-warp max), to ``LIM`` and
   the same three limbs; the limbs go to SMEM as the wgmma B operand (``[32, 64]`` int8 per plane: 24 rows of limbs,
-  8 of padding), through a 32-bit transposed store and one converting copy (Mosaic GPU transposes 32-bit
-  fragments, not 8-bit ones).  ONE s8 wgmma per (plane, 64-channel tile) accumulates ``V^T x`` over the block in
+  8 of padding), through a 16-bit transposed store and one converting load (Mosaic GPU transposes 16- and
+  32-bit fragments, not 8-bit ones; the 32-bit path gives wrong numbers: :data:`WRONG_LIMB_PATHS`).  ONE s8 wgmma per (plane, 64-channel tile) accumulates ``V^T x`` over the block in
   int32 (``|acc| < 2^23``: exact); the float accumulator takes ``S_c / LIM (a0 + 2^7 a1 + 2^14 a2)`` once per block,
   after the softmax rescale.  Precision: 21 bits per block and column, fewer on the upper planes
-  (``21 - bits*r``: the bytes carry ``2^(bits*r)``), i.e. ~3e-5 of the block's largest ``p sv`` on INT2's top
-  plane; the V min term (``sum_t p_t mv_t``) stays float32 beside the denominator, as in the bf16 kernel.
+  (``21 - bits*r``: the bytes carry ``2^(bits*r)``), i.e. ~1.5e-5 of the block's largest ``p sv`` on INT2's top
+  plane, rounded to nearest (``x >= 0``: ``+ 0.5`` before the truncating conversion); the V min term
+  (``sum_t p_t mv_t``) stays float32 beside the denominator, as in the bf16 kernel.
 
 What each code element costs: one ``lop3`` per four codes (K) and per four codes (V) plus its share of the s8
 wgmma; what each (token, query column) costs: a few float32 ops and the limb split (32 x 64 int32 -> int8 per
@@ -36,8 +37,11 @@ Operands: :class:`~pallas_kernels.decode_attention_mgpu_planar.TokenPlanarOperan
 per 64-channel tile (``Gv`` 0 or a multiple of 64), query groups of at most 8 heads.  :func:`s8_unsupported`.
 
 Interpret mode runs :func:`_partials_jnp` (the same limb quantization, int32 dots, plain JAX); only a Hopper GPU runs
-the kernel (``experiments/check_mgpu_planar.py --impls mgpu_s8``).  Its first GPU run (H100, 2026-12-07) FAILS
-parity (0.45-0.87 relative; the twin passes): not routed; ``experiments/debug_mgpu_s8.py`` localises the fault.
+the kernel (``experiments/check_mgpu_planar.py --impls mgpu_s8``).  H100, JAX 0.11.2, 2026-12-07: parity cases 0, 1,
+3, 5 within 4.4e-6 (bound 5e-5) on both 16-bit limb paths; at T = 32K (B 8, Hq 32, Hkv 8, D 128; 3 repeats) INT2
+101.4-101.5 µs = 3.40-3.42x cuDNN (the bf16 planar kernel 180.9-192.2 µs), QServe 133.7-133.9 µs = 2.58-2.59x, INT4
+129.5-129.7 µs = 2.66-2.67x.  The dispatcher serves token-planar layers with it where :func:`s8_unsupported` allows
+(``attention.dispatch``).  ``experiments/debug_mgpu_s8.py`` checks each integer step on its own.
 """
 from __future__ import annotations
 
@@ -77,20 +81,25 @@ class PlanarS8Config:
     num_splits: split-K programs per (sequence, KV head); None -> ~2 CTAs per SM.
     max_concurrent_steps: TMA pipeline depth (stages in SMEM).
     limb_path: how the ``p sv`` limbs reach the int8 B operand of the PV wgmma (:data:`LIMB_PATHS`; the values are
-        the same, exact in every path: ``|limb| <= 128``):
-        ``"i32"`` a 32-bit transposed store into an untiled int32 scratch, then one ``SMEM_GMEM_COPY``-layout
-        load converted to int8; ``"i16"`` / ``"bf16"`` a 16-bit transposed store into a tiled, swizzled scratch
-        (the bf16 kernels' own P store), then a ``WGMMA``-layout load converted to int8.  (The first GPU run,
-        2026-12-07, used ``"i32"`` and failed parity; the 16-bit paths are the alternatives to time against it.)
+        the same, exact in every path: ``|limb| <= 128``): a 16-bit transposed store into a tiled, swizzled scratch
+        (the bf16 kernels' own P store), then a ``WGMMA``-layout load converted to int8; ``"i16"`` (default) stores
+        int16, ``"bf16"`` bfloat16 (H100, T = 32K, 2026-12-07: INT2 101 vs 122 µs).  ``"i32"`` (a 32-bit store into
+        an untiled scratch, then an ``SMEM_GMEM_COPY``-layout load) is refused: :data:`WRONG_LIMB_PATHS`.
     """
 
     num_splits: Optional[int] = None
     max_concurrent_steps: int = 2
-    limb_path: str = "i32"
+    limb_path: str = "i16"
 
 
-#: the ways :class:`PlanarS8Config.limb_path` may take
-LIMB_PATHS = ("i32", "i16", "bf16")
+#: the ways :class:`PlanarS8Config.limb_path` may take (the default first)
+LIMB_PATHS = ("i16", "bf16")
+#: limb paths that lower and run but give WRONG numbers on a Hopper GPU, refused by :class:`PlanarS8Config` users
+#: (kept, private, so that ``experiments/debug_mgpu_s8.py`` can show the fault): path -> what goes wrong
+WRONG_LIMB_PATHS = {
+    "i32": "its converting copy (an SMEM_GMEM_COPY-layout int32 load, converted to int8, stored into the swizzled "
+           "int8 B operand) swaps 4-byte groups of the rows (H100, JAX 0.11.2, 2026-12-07: parity 0.45-0.87 "
+           "relative; experiments/debug_mgpu_s8.py 'limbs i32')"}
 _LIMB_DTYPES = {"i32": jnp.int32, "i16": jnp.int16, "bf16": jnp.bfloat16}
 
 
@@ -174,11 +183,11 @@ def query_limbs(q, hkv: int, sm_scale):
 
 
 def _quantize_pv(x, cmax):
-    """float32 ``x [..., T, C]`` and its per-column bound ``cmax [..., 1, C]`` -> int32 in ``[-LIM, LIM]`` (the
-    kernel's truncating conversion, clamped: ``x * (LIM / cmax)`` may round past ``LIM``) and the dequantization
-    factor ``cmax / LIM``."""
+    """float32 ``x [..., T, C]`` (``p sv 2^(-bits r)``: never negative) and its per-column bound ``cmax [..., 1, C]``
+    -> int32 in ``[-LIM, LIM]`` (the kernel's rounding: ``+ 0.5`` then the truncating conversion, clamped: ``x *
+    (LIM / cmax)`` may round past ``LIM``) and the dequantization factor ``cmax / LIM``."""
     safe = jnp.where(cmax > 0, cmax, 1.0)
-    return jnp.clip((x * (LIM / safe)).astype(jnp.int32), -LIM, LIM), safe * (1.0 / LIM)
+    return jnp.clip((x * (LIM / safe) + 0.5).astype(jnp.int32), -LIM, LIM), safe * (1.0 / LIM)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -196,7 +205,7 @@ class _S8Spec(_PlaneBlock):
     k_zero: str
     v_zero: str
     vg: int
-    limb_path: str = "i32"
+    limb_path: str = "i16"
 
     n = _NL            # query columns (the outputs' N; one limb tile)
     dup = 0            # (no hi / lo column halves: ``_kernel_partials`` reads it)
@@ -314,8 +323,10 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                     inv = bcol(LIM / safe)
                     scales.append(safe * (1.0 / LIM))
                     for r in range(pln):
-                        # clamped: an approximate LIM / S rounded up must not carry the top limb past 127
-                        xi = jnp.clip((xs[ci][r] * inv).astype(i32), -LIM, LIM)
+                        # rounded (x >= 0: + 0.5, then the truncating conversion; truncation alone biased every
+                        # token the same way: INT2 1.4e-4 -> 2.5e-5 of the output on CPU); clamped: an approximate
+                        # LIM / S rounded up must not carry the top limb past 127
+                        xi = jnp.clip((xs[ci][r] * inv + 0.5).astype(i32), -LIM, LIM)
                         for li, limb in enumerate(limbs(xi)):
                             x_smem.at[pl.ds(ci * prows + r * _NP + li * n, n)].T[...] = plgpu.layout_cast(
                                 _limb_value(limb, lp), plgpu.Layout.WGMMA_TRANSPOSED)
@@ -399,11 +410,16 @@ def smem_bytes_estimate(sp: _S8Spec, qparam_bytes: int) -> int:
             + (d + nvg + 2) * _NL * 4)
 
 
-def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config) -> _S8Spec:
+def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config, allow_wrong: bool = False) -> _S8Spec:
+    """The kernel's static spec for ``ops`` with ``g`` query heads per KV head, or a named refusal.  ``allow_wrong``
+    lets a :data:`WRONG_LIMB_PATHS` entry through (``experiments/debug_mgpu_s8.py`` only)."""
     why = s8_unsupported(ops, g)
     if why:
         raise NotImplementedError(f"decode_attention_mgpu_planar_s8: {why}")
-    if cfg.limb_path not in LIMB_PATHS:
+    if cfg.limb_path in WRONG_LIMB_PATHS and not allow_wrong:
+        raise ValueError(f"PlanarS8Config.limb_path={cfg.limb_path!r} is refused: {WRONG_LIMB_PATHS[cfg.limb_path]}; "
+                         f"use one of {LIMB_PATHS}")
+    if cfg.limb_path not in LIMB_PATHS + tuple(WRONG_LIMB_PATHS):
         raise ValueError(f"PlanarS8Config.limb_path={cfg.limb_path!r}: one of {LIMB_PATHS}")
     nb = ops.rows // ops.block_t
     ns = cfg.num_splits or _auto_splits(ops.k.shape[0], nb)
@@ -417,7 +433,7 @@ def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config) -> _S8Spec:
         raise NotImplementedError(
             f"decode_attention_mgpu_planar_s8: ~{need // 1024} KB of shared memory (INT{ops.bits}, D {ops.head_dim}, "
             f"{sp.vgroups} V groups, {sp.stages} stages, limb_path {cfg.limb_path!r}) is over the "
-            f"{SMEM_BUDGET // 1024} KB budget; a 16-bit limb_path ('i16') halves the limb scratch")
+            f"{SMEM_BUDGET // 1024} KB budget; fewer pipeline stages (max_concurrent_steps) fit")
     return sp
 
 

@@ -13,6 +13,11 @@ INT2/INT4 stored token-planar, ``int2_planar`` / ``int4_planar``).
 Which path served each layer is logged once per (path, format, shape) on the ``kvquant_jax.attention`` logger at
 trace time (INFO; a WARNING when a GPU falls back to the float materialize path) and kept in :data:`SERVED`.
 
+A token-planar per-token layer (``int2_planar``, ``int4_planar``, ``qserve4_planar``) on a GPU is served by the s8
+tensor-core kernel (:mod:`pallas_kernels.decode_attention_mgpu_planar_s8`; measured faster than the bf16 planar
+kernel at every timed format, :data:`S8_ROUTE_REASON`) where it reads the layer (at most 8 query heads per KV head),
+else by the bf16 planar kernel, the s8 refusal logged as the reason.
+
 Dispatch by measurement (issue J): a transposed-V layer on a GPU (``impl`` "auto" or "kernel") is served by Mosaic
 v1 or the warp-specialized Mosaic kernel, whichever the shipped tuning table
 (:func:`pallas_kernels.decode_tuning.choose`, written by ``experiments/check_mgpu_decode.py --tune``) measured
@@ -50,11 +55,12 @@ from pallas_kernels import decode_attention_kvquant as kvquant_kernel
 from pallas_kernels import decode_attention_mgpu as mgpu_kernel
 from pallas_kernels import decode_attention_mgpu_kivi as mgpu_kivi_kernel
 from pallas_kernels import decode_attention_mgpu_planar as mgpu_planar_kernel
+from pallas_kernels import decode_attention_mgpu_planar_s8 as mgpu_planar_s8_kernel
 from pallas_kernels import decode_attention_mgpu_ws as ws_kernel
 from pallas_kernels import decode_tuning
 from pallas_kernels.backend import platform
 
-__all__ = ["decode_attention", "layer_regions", "IMPLS", "FUSED_KERNELS", "SERVED"]
+__all__ = ["decode_attention", "layer_regions", "IMPLS", "FUSED_KERNELS", "SERVED", "S8_ROUTE_REASON"]
 
 IMPLS = ("auto", "kernel", "reference")
 
@@ -113,6 +119,22 @@ def _transposed_v_route(q, fmt: TransposedVFormat, state) -> tuple[Any, Any, str
         return (mgpu_kernel.decode_attention_transposed_v, None, what,
                 f"{reason}, but that v1 config does not fit this layer ({why}): v1 default")
     return mgpu_kernel.decode_attention_transposed_v, cfg, what, reason
+
+
+#: why a token-planar layer on a GPU goes to the s8 kernel (the measurement behind the route)
+S8_ROUTE_REASON = ("s8 tensor cores: H100 2026-12-07, T=32768, 3 repeats: INT2 101 µs vs 181-192, QServe 134 vs 185, "
+                   "INT4 130 vs 179 for the bf16 planar kernel")
+
+
+def _token_planar_route(q, fmt: TokenPlanarFormat, operand) -> tuple[Any, str]:
+    """``(kernel, reason)`` for one token-planar layer on a GPU: the s8 tensor-core kernel
+    (:func:`~pallas_kernels.decode_attention_mgpu_planar_s8.decode_attention_token_planar_s8`, faster at every
+    timed format) where it reads this layer, else the bf16 planar kernel, with the s8 kernel's refusal as reason.
+    ``q [B, Hq, D]``; ``operand`` the layer's :class:`~kvquant_jax.abi.token_planar.TokenPlanarOperand`."""
+    why = mgpu_planar_s8_kernel.token_planar_s8_layout_unsupported(q, fmt, operand)
+    if why:
+        return mgpu_planar_kernel.decode_attention_token_planar, f"s8 kernel refused: {why}: the bf16 planar kernel"
+    return mgpu_planar_s8_kernel.decode_attention_token_planar_s8, S8_ROUTE_REASON
 
 
 def _dense_candidate(regions: list[Region], tail_rows: int, interpret) -> bool:
@@ -184,6 +206,9 @@ def _fused(q, scheme, layer_state, lengths, k_new, v_new, impl, interpret, sm_sc
     if isinstance(fmt, TransposedVFormat) and platform() == "gpu":
         fused, kw["config"], what, reason = _transposed_v_route(q, fmt, arrays)
         _served(fused.__name__, what, q, reason)
+    elif isinstance(fmt, TokenPlanarFormat) and platform() == "gpu":
+        fused, reason = _token_planar_route(q, fmt, arrays)
+        _served(fused.__name__, str(fmt), q, reason)
     else:
         _served(getattr(fused, "__name__", "fused"), str(fmt), q)
     out = fused(q, fmt, arrays, lengths.astype(jnp.int32), k_new, v_new, sm_scale=sm_scale, interpret=interpret,

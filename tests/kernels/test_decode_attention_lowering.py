@@ -217,14 +217,15 @@ def test_mgpu_planar_kernel_lowers_for_cuda(rng, bits, kz, vz, vg, d, g, precisi
 
 
 # pallas_kernels/decode_attention_mgpu_planar_s8.py (the same operands on s8 tensor cores): int8 register-A wgmmas
-# into int32 accumulators (QK and PV), the 32-bit transposed limb store and the converting SMEM copy, every zero
-# convention, V groups 0 / 64, D 64 / 128 / 256, GQA 1 / 3 / 4 / 8, pipeline depth 2 and 3; the 16-bit limb paths
-# (PlanarS8Config.limb_path "i16" / "bf16": a transposed 16-bit store into a swizzled scratch, a WGMMA-layout load)
+# into int32 accumulators (QK and PV), the 16-bit transposed limb store into a swizzled scratch and the converting
+# WGMMA-layout load (PlanarS8Config.limb_path "i16" and "bf16"), every zero convention, V groups 0 / 64,
+# D 64 / 128 / 256, GQA 1 / 3 / 4 / 8, pipeline depth 2 and 3 (the refused 32-bit path lowers in
+# tests/kernels/test_decode_attention_mgpu_planar_s8.py's debug micro kernels)
 @pytest.mark.parametrize("bits,kz,vz,vg,d,g,stages,limb_path", [
-    (2, "symmetric", "symmetric", 0, 128, 4, 2, "i32"), (4, "offset", "offset", 0, 128, 4, 3, "i32"),
-    (4, "symmetric", "min", 64, 256, 8, 2, "i32"), (4, "min", "symmetric", 0, 64, 3, 2, "i32"),
-    (2, "offset", "min", 0, 64, 1, 3, "i32"),
-    (2, "symmetric", "symmetric", 0, 128, 4, 2, "i16"), (4, "symmetric", "min", 64, 256, 8, 2, "i16"),
+    (2, "symmetric", "symmetric", 0, 128, 4, 2, "i16"), (4, "offset", "offset", 0, 128, 4, 3, "i16"),
+    (4, "symmetric", "min", 64, 256, 8, 2, "i16"), (4, "min", "symmetric", 0, 64, 3, 2, "i16"),
+    (2, "offset", "min", 0, 64, 1, 3, "i16"),
+    (2, "symmetric", "symmetric", 0, 128, 4, 2, "bf16"), (4, "symmetric", "min", 64, 256, 8, 2, "bf16"),
     (4, "offset", "offset", 0, 128, 4, 3, "bf16"), (2, "offset", "min", 0, 64, 1, 3, "bf16")])
 def test_mgpu_planar_s8_kernel_lowers_for_cuda(rng, bits, kz, vz, vg, d, g, stages, limb_path):
     from kvquant_jax.abi.regions import KVFormat
