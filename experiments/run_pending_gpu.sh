@@ -43,8 +43,10 @@
 #                  2026-12-06, untimed: the one try got no machine time); ALONE
 #   planar         J: the token-planar kernels (per-token INT2 / INT4 / QServe, decode_attention_mgpu_planar and
 #                  its s8 twin, mgpu_s8): every parity case, 3 timing repeats at 4K / 32K vs Triton and cuDNN, then the int2_planar /
-#                  qserve4_planar caches through the dispatcher (H100 2026-12-07: one run each, 16/16 + 20/20
-#                  parity; INT2 1.78x / 1.88x, QServe 1.70x / 1.87x cuDNN); ALONE.  Its counters:
+#                  qserve4_planar caches through the dispatcher, which serves them with the s8 kernel since
+#                  2026-12-07 afternoon (H100 2026-12-07, bf16 route: one run each, 16/16 + 20/20 parity; INT2
+#                  1.78x / 1.88x, QServe 1.70x / 1.87x cuDNN; s8 route: 14/20 parity rows run, all OK, not timed);
+#                  ALONE.  Its counters:
 #                  `ncu_decode.py --T 32768 --formats int2,qserve,int4 --impls mgpu_planar,triton`
 #   s8             J: the s8 tensor-core planar kernel (decode_attention_mgpu_planar_s8; H100 2026-12-07: parity OK on
 #                  the 16-bit limb paths, the 32-bit one localised as wrong and refused; 32K x3: INT2 3.40-3.42x,
