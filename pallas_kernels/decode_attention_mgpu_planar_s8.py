@@ -522,12 +522,26 @@ def decode_attention_mgpu_planar_s8_prepared(q, ops: TokenPlanarOperands, *, k_n
                            out_dtype=out_dtype or q.dtype)
 
 
-def token_planar_s8_layout_unsupported(q, fmt: tp.TokenPlanarFormat, operand: tp.TokenPlanarOperand) -> Optional[str]:
-    """Why the s8 kernel cannot read this token-planar cache layer's shapes (any device; None when it can): the bf16
-    kernel's conditions (:func:`~pallas_kernels.decode_attention_mgpu_planar.token_planar_layout_unsupported`) and
-    at most 8 query heads per KV head (a cache layer's V has one group: ``Gv = D``)."""
+def _layer_shape_unsupported(q, fmt: tp.TokenPlanarFormat, operand: tp.TokenPlanarOperand) -> Optional[str]:
     return (token_planar_layout_unsupported(q, fmt, operand)
             or _group_unsupported(q.shape[1] // operand.k_codes.shape[1]))
+
+
+def token_planar_s8_layout_unsupported(q, fmt: tp.TokenPlanarFormat, operand: tp.TokenPlanarOperand,
+                                       config: PlanarS8Config | None = None) -> Optional[str]:
+    """Why the s8 kernel cannot read this token-planar cache layer's shapes (any device; None when it can): the bf16
+    kernel's conditions (:func:`~pallas_kernels.decode_attention_mgpu_planar.token_planar_layout_unsupported`), at
+    most 8 query heads per KV head (a cache layer's V has one group: ``Gv = D``), and what building the kernel's
+    spec refuses with ``config`` (default: the default config), shared memory included -- so a dispatcher that asks
+    this first never meets a refusal at trace time."""
+    why = _layer_shape_unsupported(q, fmt, operand)
+    if why:
+        return why
+    try:
+        _spec(token_planar_operands(fmt, operand), q.shape[1] // operand.k_codes.shape[1], config or PlanarS8Config())
+    except (NotImplementedError, ValueError) as err:
+        return str(err).removeprefix("decode_attention_mgpu_planar_s8: ")
+    return None
 
 
 def token_planar_s8_layer_unsupported(q, fmt: tp.TokenPlanarFormat, operand: tp.TokenPlanarOperand) -> Optional[str]:
@@ -545,7 +559,7 @@ def decode_attention_token_planar_s8(q, fmt: tp.TokenPlanarFormat, operand: tp.T
     in ``out_dtype``, default float32 (the dispatcher casts).  ``lengths`` is not read (``operand.end`` holds them).
     ``interpret`` (None: off on a GPU only) runs the plain-JAX partials (CPU tests)."""
     del lengths
-    why = token_planar_s8_layout_unsupported(q, fmt, operand)
+    why = _layer_shape_unsupported(q, fmt, operand)           # (a config the spec refuses raises from there)
     if why:
         raise NotImplementedError(f"decode_attention_token_planar_s8: {why}")
     interpret = bool(interpret) if interpret is not None else default_interpret()

@@ -6,6 +6,7 @@ the kernels' numerics are tested in tests/kernels/ (twins against float64) and o
 (experiments/check_mgpu_planar.py, experiments/check_transposed_v_gpu.py)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax.numpy as jnp
@@ -101,3 +102,27 @@ def test_interpreted_s8_entry_matches_the_bf16_entry_and_the_reference():
     assert float(jnp.max(jnp.abs(got - ref))) / scale < 5e-5
     assert float(jnp.max(jnp.abs(got - bf16))) / scale < 5e-5
     assert float(jnp.max(jnp.abs(got))) > 0.1 * scale
+
+
+def test_gpu_route_falls_back_when_the_s8_spec_is_refused(calls, monkeypatch):
+    """A layer the s8 kernel's spec refuses (here: over a shared-memory budget lowered for the test) goes to the bf16
+    kernel at routing time, the reason naming shared memory -- not a refusal raised while tracing the s8 call."""
+    monkeypatch.setattr(s8, "SMEM_BUDGET", 16 * 1024)
+    key, why = _serve(TokenPlanarScheme(bits=2), g=4)
+    assert calls == ["decode_attention_token_planar"] and key[0] == calls[0]
+    assert why.startswith("s8 kernel refused: ~") and "shared memory" in why and "budget" in why
+
+
+def test_s8_layout_check_takes_the_config():
+    """``token_planar_s8_layout_unsupported`` builds the kernel's spec with the given config: the default fits a
+    D 256 layer, eight pipeline stages do not (shared memory), two do, and an unknown limb path is named."""
+    scheme = TokenPlanarScheme(bits=2)
+    st = scheme.init_layer(1, 2048, 1, 256)
+    fmt, operand = scheme.fused_decode_operand(st, jnp.array([2048], jnp.int32))
+    q = jnp.ones((1, 4, 256), jnp.bfloat16)
+    assert s8.token_planar_s8_layout_unsupported(q, fmt, operand) is None
+    why = s8.token_planar_s8_layout_unsupported(q, fmt, operand, s8.PlanarS8Config(limb_path="i8"))
+    assert "limb_path='i8'" in why
+    deep = s8.PlanarS8Config(num_splits=1, max_concurrent_steps=8)                 # 8 blocks, 8 stages of 33 KB
+    assert "shared memory" in s8.token_planar_s8_layout_unsupported(q, fmt, operand, deep)
+    assert s8.token_planar_s8_layout_unsupported(q, fmt, operand, dataclasses.replace(deep, max_concurrent_steps=2)) is None
