@@ -21,7 +21,8 @@ float side into a few integer limbs:
   quantized per query column with ``S_c = max_t |x[t, c]|`` over the block (one cross-warp max), to ``LIM`` and
   the same three limbs; the limbs go to SMEM as the wgmma B operand (``[32, 64]`` int8 per plane: 24 rows of limbs,
   8 of padding), through a 16-bit transposed store and one converting load (Mosaic GPU transposes 16- and
-  32-bit fragments, not 8-bit ones; the 32-bit path gives wrong numbers: :data:`WRONG_LIMB_PATHS`).  ONE s8 wgmma per (plane, 64-channel tile) accumulates ``V^T x`` over the block in
+  32-bit fragments, not 8-bit ones; the 32-bit path gives wrong numbers: :data:`WRONG_LIMB_PATHS`).  ONE s8
+  wgmma per (plane, 64-channel tile) accumulates ``V^T x`` over the block in
   int32 (``|acc| < 2^23``: exact); the float accumulator takes ``S_c / LIM (a0 + 2^7 a1 + 2^14 a2)`` once per block,
   after the softmax rescale.  Precision: 21 bits per block and column, fewer on the upper planes
   (``21 - bits*r``: the bytes carry ``2^(bits*r)``), i.e. ~1.5e-5 of the block's largest ``p sv`` on INT2's top
@@ -40,8 +41,9 @@ Interpret mode runs :func:`_partials_jnp` (the same limb quantization, int32 dot
 the kernel (``experiments/check_mgpu_planar.py --impls mgpu_s8``).  H100, JAX 0.11.2, 2026-12-07: parity cases 0, 1,
 3, 5 within 4.4e-6 (bound 5e-5) on both 16-bit limb paths; at T = 32K (B 8, Hq 32, Hkv 8, D 128; 3 repeats) INT2
 101.4-101.5 µs = 3.40-3.42x cuDNN (the bf16 planar kernel 180.9-192.2 µs), QServe 133.7-133.9 µs = 2.58-2.59x, INT4
-129.5-129.7 µs = 2.66-2.67x.  The dispatcher serves token-planar layers with it where :func:`s8_unsupported` allows
-(``attention.dispatch``).  ``experiments/debug_mgpu_s8.py`` checks each integer step on its own.
+129.5-129.7 µs = 2.66-2.67x.  The dispatcher serves token-planar layers with it where
+:func:`token_planar_s8_layout_unsupported` allows (``attention.dispatch``).  ``experiments/debug_mgpu_s8.py``
+checks each integer step on its own.
 """
 from __future__ import annotations
 
@@ -182,12 +184,20 @@ def query_limbs(q, hkv: int, sm_scale):
     return qb, qs, qsum
 
 
+def _round_to_lim(y):
+    """float32 ``y`` (``x * LIM / S``, never negative) -> int32 in ``[-LIM, LIM]``: rounded to nearest (``+ 0.5``,
+    then the truncating conversion; truncation alone biased every token the same way: INT2 1.4e-4 of the output
+    -> 2.5e-5 on CPU), clamped (an approximate ``LIM / S`` rounded up must not carry the top limb past 127).  The
+    kernel and its twin both call this."""
+    return jnp.clip((y + 0.5).astype(jnp.int32), -LIM, LIM)
+
+
 def _quantize_pv(x, cmax):
     """float32 ``x [..., T, C]`` (``p sv 2^(-bits r)``: never negative) and its per-column bound ``cmax [..., 1, C]``
     -> int32 in ``[-LIM, LIM]`` (the kernel's rounding: ``+ 0.5`` then the truncating conversion, clamped: ``x *
     (LIM / cmax)`` may round past ``LIM``) and the dequantization factor ``cmax / LIM``."""
     safe = jnp.where(cmax > 0, cmax, 1.0)
-    return jnp.clip((x * (LIM / safe) + 0.5).astype(jnp.int32), -LIM, LIM), safe * (1.0 / LIM)
+    return _round_to_lim(x * (LIM / safe)), safe * (1.0 / LIM)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -323,11 +333,7 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                     inv = bcol(LIM / safe)
                     scales.append(safe * (1.0 / LIM))
                     for r in range(pln):
-                        # rounded (x >= 0: + 0.5, then the truncating conversion; truncation alone biased every
-                        # token the same way: INT2 1.4e-4 -> 2.5e-5 of the output on CPU); clamped: an approximate
-                        # LIM / S rounded up must not carry the top limb past 127
-                        xi = jnp.clip((xs[ci][r] * inv + 0.5).astype(i32), -LIM, LIM)
-                        for li, limb in enumerate(limbs(xi)):
+                        for li, limb in enumerate(limbs(_round_to_lim(xs[ci][r] * inv))):
                             x_smem.at[pl.ds(ci * prows + r * _NP + li * n, n)].T[...] = plgpu.layout_cast(
                                 _limb_value(limb, lp), plgpu.Layout.WGMMA_TRANSPOSED)
                 plgpu.commit_smem()

@@ -18,6 +18,7 @@ from kvquant_jax.attention import dispatch
 from kvquant_jax.cache.token_planar import QServePlanarScheme, TokenPlanarScheme
 from pallas_kernels import decode_attention_mgpu_planar as mp
 from pallas_kernels import decode_attention_mgpu_planar_s8 as s8
+from test_dispatch_tuned import _serve_scheme                       # the same one-step probe, transposed-V there
 
 
 @pytest.fixture
@@ -43,13 +44,9 @@ def calls(monkeypatch):
     dispatch.SERVED.clear()
 
 
-def _serve(scheme, g, d=64, cap=1024, impl="auto"):
-    st = scheme.init_layer(1, cap, 2, d)
-    q = jnp.ones((1, 2 * g, d), jnp.bfloat16)
-    out = dispatch.decode_attention(q, scheme, st, jnp.array([cap // 2], jnp.int32), impl=impl)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    (key,) = dispatch.SERVED
-    return key, dispatch.SERVED[key]
+def _serve(scheme, g, impl="auto"):
+    """One decode step of a half-full 1024-row, 2-KV-head, D 64 layer through the dispatcher: (served key, reason)."""
+    return _serve_scheme(scheme, 1024, 64, g, impl=impl)
 
 
 @pytest.mark.parametrize("scheme", [TokenPlanarScheme(bits=2), TokenPlanarScheme(bits=4), QServePlanarScheme()],
@@ -125,4 +122,5 @@ def test_s8_layout_check_takes_the_config():
     assert "limb_path='i8'" in why
     deep = s8.PlanarS8Config(num_splits=1, max_concurrent_steps=8)                 # 8 blocks, 8 stages of 33 KB
     assert "shared memory" in s8.token_planar_s8_layout_unsupported(q, fmt, operand, deep)
-    assert s8.token_planar_s8_layout_unsupported(q, fmt, operand, dataclasses.replace(deep, max_concurrent_steps=2)) is None
+    shallow = dataclasses.replace(deep, max_concurrent_steps=2)
+    assert s8.token_planar_s8_layout_unsupported(q, fmt, operand, shallow) is None
