@@ -55,7 +55,8 @@ def variant_configs(dflt: mk.KiviMgpuConfig, s0: int) -> dict[str, mk.KiviMgpuCo
             **{f"inflight {k}": rep(dflt, wgmma_inflight=k) for k in (0, 1, 2, 4)},
             **{f"qk batch {k}": rep(dflt, qk_plane_batch=k) for k in (1, 2)},
             "qk batch 1 inflight 0": rep(dflt, qk_plane_batch=1, wgmma_inflight=0),
-            **{f"offsets {m}": rep(dflt, offsets=m) for m in mk.OFFSETS if m != dflt.offsets}}
+            **{f"offsets {m}": rep(dflt, offsets=m) for m in mk.OFFSETS if m != dflt.offsets},
+            **{f"barriers {b}": rep(dflt, barriers=b) for b in mk.BARRIER_MODES if b != dflt.barriers}}
 
 
 #: names of --variants (timed in the first repeat)

@@ -6,7 +6,8 @@
 
 The kernels: ``pallas_kernels/decode_attention_mgpu_planar.py`` (the token-planar KIVI kernel with per-token keys;
 impl ``mgpu``) and ``pallas_kernels/decode_attention_mgpu_planar_s8.py`` (the same operands on s8 tensor cores; impl
-``mgpu_s8``, parity rows ``precision="s8"`` bound 5e-5 where it reads the case: V groups 0 or multiples of 64).
+``mgpu_s8``, parity rows ``precision="s8"`` bound 5e-5 where it reads the case: V groups 0 or multiples of 64; its
+``pv_limbs=2`` variant bound 5e-4).
 ``--impls`` picks among ``triton,mgpu,mgpu_s8`` (default all three; the bf16 kernel's parity rows need ``mgpu``).
 (a) Small ragged cases (B=3, Hkv=2, T=512, poisoned dead rows: NaN qparams, the current token in the same softmax)
     against the float64 NumPy oracle: INT2 / INT4, zero conventions symmetric / offset (QServe) / min, V groups
@@ -44,6 +45,7 @@ PARITY_CASES = [(2, "symmetric", "symmetric", 0, 128, 4), (4, "offset", "offset"
                 (2, "offset", "symmetric", 32, 64, 1), (4, "symmetric", "symmetric", 0, 128, 4)]
 BOUND = ck.BOUND
 BOUND_S8 = 5e-5                   # the s8 kernel: 21-bit query and p*sv limbs (module docstring)
+BOUND_S8_PV2 = 5e-4               # its pv_limbs=2 variant: 14-bit p*sv, >= 12 bits per plane (CPU twin <= 2.2e-4)
 TIMED = {"int2": PRESETS["int2"], "qserve": PRESETS["qserve"], "int4": PRESETS["int4"]}
 
 
@@ -54,16 +56,22 @@ def variant_configs(dflt: mk.KiviMgpuConfig, s0: int) -> dict[str, mk.KiviMgpuCo
             "splits x2": rep(dflt, num_splits=2 * s0), "splits /2": rep(dflt, num_splits=max(1, s0 // 2)),
             "prec bf16": rep(dflt, precision="bf16"),
             **{f"inflight {k}": rep(dflt, wgmma_inflight=k) for k in (0, 1, 2)},
-            "qk batch 1": rep(dflt, qk_plane_batch=1)}
+            "qk batch 1": rep(dflt, qk_plane_batch=1),
+            **{f"barriers {b}": rep(dflt, barriers=b) for b in mk.BARRIER_MODES if b != dflt.barriers}}
 
 
 def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS8Config]:
     """--variants of the s8 kernel: the names it shares with :func:`variant_configs`, and ``limbs <path>`` for
-    each other :data:`~pallas_kernels.decode_attention_mgpu_planar_s8.LIMB_PATHS` entry."""
+    each other :data:`~pallas_kernels.decode_attention_mgpu_planar_s8.LIMB_PATHS` entry, ``pv limbs <n>`` for each
+    other ``PV_LIMBS`` entry, ``barriers <b>`` for each other ``BARRIERS`` entry, and the two together."""
     rep = dataclasses.replace
     return {"stages 3": rep(dflt, max_concurrent_steps=3), "stages 4": rep(dflt, max_concurrent_steps=4),
             "splits x2": rep(dflt, num_splits=2 * s0), "splits /2": rep(dflt, num_splits=max(1, s0 // 2)),
-            **{f"limbs {lp}": rep(dflt, limb_path=lp) for lp in s8.LIMB_PATHS if lp != dflt.limb_path}}
+            **{f"limbs {lp}": rep(dflt, limb_path=lp) for lp in s8.LIMB_PATHS if lp != dflt.limb_path},
+            **{f"pv limbs {n}": rep(dflt, pv_limbs=n) for n in s8.PV_LIMBS if n != dflt.pv_limbs},
+            **{f"barriers {b}": rep(dflt, barriers=b) for b in s8.BARRIERS if b != dflt.barriers},
+            **{f"pv limbs {n} + barriers {b}": rep(dflt, pv_limbs=n, barriers=b)
+               for n in s8.PV_LIMBS if n != dflt.pv_limbs for b in s8.BARRIERS if b != dflt.barriers}}
 
 
 #: every --variants name (the bf16 kernel's, then the s8 kernel's own: an impl times the names it has)
@@ -76,7 +84,8 @@ S8_IMPL = ck.MosaicImpl(s8.decode_attention_mgpu_planar_s8_prepared, s8.PlanarS8
 def parity(args, results) -> bool:
     rng = np.random.default_rng(0)
     interp = jax.devices()[0].platform != "gpu"      # CPU: the plain-JAX twin
-    # the s8 kernel under every limb path on a GPU (the twin is the same for all: the default alone on CPU)
+    # the s8 kernel under every limb path and barrier mode on a GPU (the twin is the same for all: the default
+    # alone on CPU), and with 2 PV limbs
     s8_paths = (s8.PlanarS8Config().limb_path,) if interp else s8.LIMB_PATHS
     s8_entry = s8.decode_attention_mgpu_planar_s8_prepared
     ok_all = True
@@ -98,15 +107,21 @@ def parity(args, results) -> bool:
                     q, reg, kn, vn), {}, True)
                 ok_all &= ck.parity_row(args, results, row, serve, ref, BOUND[prec],
                                         f"case {ci} int{bits} K {kz} V {vz} Gv={vg} D={d} g={g} q={qname} {prec}")
-            for lp in s8_paths if s8_reads else ():
+            s8_cfgs = [s8.PlanarS8Config(num_splits=2, limb_path=lp) for lp in s8_paths]
+            dflt = s8.PlanarS8Config()
+            s8_cfgs += [s8.PlanarS8Config(num_splits=2, pv_limbs=n, barriers=b) for n in s8.PV_LIMBS
+                        for b in ((dflt.barriers,) if interp else s8.BARRIERS)
+                        if (n, b) != (dflt.pv_limbs, dflt.barriers)]
+            for cfg in s8_cfgs if s8_reads else ():
+                lp, bound = cfg.limb_path, BOUND_S8 if cfg.pv_limbs == 3 else BOUND_S8_PV2
                 row = dict(kind="parity", case=ci, bits=bits, k_zero=kz, v_zero=vz, v_group=vg, d=d, g=g, q=qname,
-                           precision="s8", limb_path=lp)
-                cfg = s8.PlanarS8Config(num_splits=2, limb_path=lp)
+                           precision="s8", limb_path=lp, pv_limbs=cfg.pv_limbs, barriers=cfg.barriers)
                 serve = lambda q=q, ops=ops, cfg=cfg: (jax.jit(lambda q, o, kn, vn: s8_entry(  # noqa: E731
                     q, o, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32, interpret=interp))(
                     q, ops, kn, vn), {}, True)
-                ok_all &= ck.parity_row(args, results, row, serve, ref, BOUND_S8,
-                                        f"case {ci} int{bits} K {kz} V {vz} Gv={vg} D={d} g={g} q={qname} s8 {lp}")
+                ok_all &= ck.parity_row(args, results, row, serve, ref, bound,
+                                        f"case {ci} int{bits} K {kz} V {vz} Gv={vg} D={d} g={g} q={qname} s8 {lp} "
+                                        f"pv{cfg.pv_limbs} {cfg.barriers}")
     return ok_all
 
 

@@ -504,6 +504,10 @@ def build_cases(a) -> list[dict]:
                         skipped.append([impl, fmt, why])
                     continue
                 cases.append(dict(impl=impl, format=fmt, T=t, variant="default", config=""))
+                for ci, (cimpl, over) in enumerate(getattr(a, "configs", []) or []):   # --configs IMPL=JSON
+                    if cimpl == impl:
+                        cases.append(dict(impl=impl, format=fmt, T=t, variant=f"config {over}", config=over,
+                                          tag=f"_c{ci}"))
     a.skipped = skipped
     if "tuned" in a.impls:
         cases += tuned_cases(a.formats, a.T, a.d, a.hq // a.hkv, a.device_kind)
@@ -511,7 +515,7 @@ def build_cases(a) -> list[dict]:
 
 
 def _case_name(c: dict) -> str:
-    tag = "" if not c.get("config") else "_tuned"
+    tag = c.get("tag") or ("" if not c.get("config") else "_tuned")
     return f"{c['impl']}_{c['format']}_T{c['T']}{tag}"
 
 
@@ -707,6 +711,9 @@ def main(argv=None):
     p.add_argument("--impls", default=",".join(DRIVER_IMPLS))
     p.add_argument("--kernel-regex", action="append", default=[], metavar="IMPL=PATTERN",
                    help=f"kernel-name regex per impl (defaults {KERNEL_REGEX})")
+    p.add_argument("--configs", action="append", default=[], metavar="IMPL=JSON",
+                   help="driver: also profile IMPL with these config fields (per T and format it reads), e.g. "
+                        "mgpu_planar_s8='{\"pv_limbs\": 2}'")
     p.add_argument("--metrics", default=",".join(METRICS))
     p.add_argument("--ncu", default=os.environ.get("NCU", "ncu"))
     p.add_argument("--ncu-extra", default="", help="more ncu arguments (shell-quoted string)")
@@ -728,6 +735,19 @@ def main(argv=None):
     a.T = [int(x) for x in a.T.split(",") if x]
     a.formats = [x for x in a.formats.split(",") if x]
     a.impls = [x for x in a.impls.split(",") if x]
+    configs = []
+    for item in a.configs:
+        impl, sep, over = item.partition("=")
+        if not sep or impl not in IMPLS:
+            raise SystemExit(f"--configs {item!r}: IMPL=JSON with IMPL one of {', '.join(IMPLS)}")
+        try:
+            fields = json.loads(over)
+        except json.JSONDecodeError as err:
+            raise SystemExit(f"--configs {item!r}: not JSON ({err})") from None
+        if not isinstance(fields, dict):
+            raise SystemExit(f"--configs {item!r}: a JSON object of config fields")
+        configs.append((impl, json.dumps(fields, sort_keys=True)))
+    a.configs = configs
     bad = sorted(set(a.impls) - set(DRIVER_IMPLS)) + sorted(set(a.formats) - set(FORMATS) - set(TRITON_ONLY_FORMATS))
     if bad:
         p.error(f"unknown impls / formats {bad}")

@@ -181,7 +181,9 @@ for job in $JOBS; do
         $PY experiments/check_mgpu_planar.py --check-only --cases 0,1,3,5 --impls mgpu_s8 \
         --out docs/results/decode_mgpu/pending-s8-parity && $PY experiments/check_mgpu_planar.py --skip-check \
         --T 32768,4096 --repeat 3 --impls mgpu,mgpu_s8 --variants 'limbs bf16,stages 3,splits x2,splits /2' \
-        --out docs/results/decode_mgpu/pending-s8" ;;
+        --out docs/results/decode_mgpu/pending-s8; $PY experiments/profile_mgpu_s8.py --T 32768,4096 \
+        --formats int2,int4,qserve --variants 'default,barriers auto,pv limbs 2' \
+        --out docs/results/decode_mgpu/pending-s8-profile" ;;
     kivi_block)
       start_job kivi_block 0.10 $PY experiments/bench_decode_attention.py --T 32768 --baselines cudnn --reps 8 \
         --formats kivi2,kivi2:kivi_update=block,kivi2:kivi_update=block:block_t=128,kivi4,kivi4:kivi_update=block,kivi4:kivi_update=block:block_t=128 \

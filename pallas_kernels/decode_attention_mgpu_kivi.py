@@ -133,6 +133,16 @@ class KiviMgpuConfig:
         "rows" (one float32 multiply + sum over D per query column: sibling reductions that share ``mn``, not yet
         timed).  ``einsum(precision=HIGH)`` (8.5 us) and one multiply + sum over a ``[BH, T/G, N, D]`` product
         (29.8 us) were measured and refused (docs/benchmarks_decode.md, 2026-12-06 (third session)).
+    barriers: what orders the kernel's shared memory (:data:`BARRIER_MODES`): ``"auto"``: Pallas's warpgroup
+        barrier before and after every SMEM store (the B operands ``q' s_g`` and the ``p sv`` tiles: ~40 stores
+        per KIVI-2 step at D 128, two barriers each) and before every TMA load; ``"explicit"`` (default;
+        ``unsafe_no_auto_barriers``): the kernel's own ``commit_smem`` calls only -- after the B stores (before
+        the QK wgmma), after the P stores (before the PV wgmma), one at the end of each step (every read of the
+        pipeline stage done before the pipeline refills it) and the epilogue's; the previous step's wgmmas were
+        waited for (their SMEM reads done) before the next stores, and ``a_smem`` is read between two of the
+        softmax max's cross-warp barriers.  The same arithmetic: bit-identical outputs when the ordering is right
+        (H100, JAX 0.11.2, 2026-12-07, T = 32K: identical errors; KIVI-2 312.7 -> 303.2 us, KIVI-4 299.3 -> 276.1,
+        the token-planar bf16 kernel 1-2 % faster; docs/benchmarks_decode.md).
     """
 
     num_splits: Optional[int] = None
@@ -141,8 +151,11 @@ class KiviMgpuConfig:
     wgmma_inflight: Optional[int] = None
     qk_plane_batch: int = 0
     offsets: str = "highest"
+    barriers: str = "explicit"
 
 
+#: ``KiviMgpuConfig.barriers`` (and ``PlanarS8Config.barriers``): Pallas's automatic SMEM barriers, or the kernel's
+BARRIER_MODES = ("auto", "explicit")
 #: the ways :func:`_group_offsets` can compute ``c`` (``KiviMgpuConfig.offsets``)
 OFFSETS = ("highest", "bf16x3", "rows")
 
@@ -218,6 +231,8 @@ def _config_unsupported(cfg: KiviMgpuConfig) -> Optional[str]:
         return f"precision must be 'bf16x2' or 'bf16', got {cfg.precision!r}"
     if cfg.offsets not in OFFSETS:
         return f"offsets must be one of {OFFSETS}, got {cfg.offsets!r}"
+    if cfg.barriers not in BARRIER_MODES:
+        return f"barriers must be one of {BARRIER_MODES}, got {cfg.barriers!r}"
     for name, none_ok in (("wgmma_inflight", True), ("qk_plane_batch", False)):
         v = getattr(cfg, name)
         if v is None and none_ok:
@@ -318,6 +333,7 @@ class _KiviSpec(_PlaneBlock):
                        # "min" (row 1 = m): ``k = u s_t + m_t``
     v_zero: str = "min"  # V's ``vm`` operand: "min" (mv as read), "offset" (o: mv = -o sv), "symmetric" (not
                          # read: mv = -2^(bits-1) sv)
+    barriers: str = "explicit"  # KiviMgpuConfig.barriers
 
     @property
     def k_token(self) -> bool:        # per-token keys (decode_attention_mgpu_planar), not KIVI's channel groups
@@ -541,6 +557,8 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
                                 plgpu.wgmma_wait(sp.inflight)
 
                 accs = list(pl.run_state(pv_fn)([plgpu.ACC.init(a_) for a_ in accs]))
+                if sp.barriers == "explicit":   # every read of this stage done before the pipeline refills it
+                    plgpu.commit_smem()
                 return accs, m_new, l_i, zs
 
             blk = lambda i: (base + i, 0)            # noqa: E731  (token rows first)
@@ -585,7 +603,8 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
         )
 
     fn = plgpu.kernel(body, out_type=_split_out_types(bh, ns, d, n, nvg), grid=(bh, ns), grid_names=("bh", "split"),
-                      compiler_params=plgpu.CompilerParams(approx_math=True))
+                      compiler_params=plgpu.CompilerParams(approx_math=True,
+                                                           unsafe_no_auto_barriers=sp.barriers == "explicit"))
     return fn(start, end, qt, *[arrays[nm] for nm in names])
 
 
@@ -649,7 +668,7 @@ def _spec_for(ops: KiviMgpuOperands, g: int, cfg: KiviMgpuConfig | None) -> _Kiv
     return _KiviSpec(d=ops.head_dim, g=g, n=n, dup=dup, bits=ops.bits, kg=ops.k_group, vg=ops.v_group, ns=ns,
                      nbs=nb // ns, stages=cfg.max_concurrent_steps, parts=2 if dup else 1,
                      inflight=DEFAULT_INFLIGHT[ops.bits] if cfg.wgmma_inflight is None else cfg.wgmma_inflight,
-                     qk_batch=cfg.qk_plane_batch, hkv=ops.num_kv_heads)
+                     qk_batch=cfg.qk_plane_batch, hkv=ops.num_kv_heads, barriers=cfg.barriers)
 
 
 def _scaled_query_block(q, hkv: int, n: int, dup: int, sm_scale):

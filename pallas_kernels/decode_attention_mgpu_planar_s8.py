@@ -27,7 +27,8 @@ float side into a few integer limbs:
   after the softmax rescale.  Precision: 21 bits per block and column, fewer on the upper planes
   (``21 - bits*r``: the bytes carry ``2^(bits*r)``), i.e. ~1.5e-5 of the block's largest ``p sv`` on INT2's top
   plane, rounded to nearest (``x >= 0``: ``+ 0.5`` before the truncating conversion); the V min term
-  (``sum_t p_t mv_t``) stays float32 beside the denominator, as in the bf16 kernel.
+  (``sum_t p_t mv_t``) stays float32 beside the denominator, as in the bf16 kernel.  ``PlanarS8Config.pv_limbs=2``:
+  14 bits and two limbs (16 B rows per INT2 plane), the planes in accumulator groups (:func:`pv_plane_group`).
 
 What each code element costs: one ``lop3`` per four codes (K) and per four codes (V) plus its share of the s8
 wgmma; what each (token, query column) costs: a few float32 ops and the limb split (32 x 64 int32 -> int8 per
@@ -39,9 +40,10 @@ per 64-channel tile (``Gv`` 0 or a multiple of 64), query groups of at most 8 he
 
 Interpret mode runs :func:`_partials_jnp` (the same limb quantization, int32 dots, plain JAX); only a Hopper GPU runs
 the kernel (``experiments/check_mgpu_planar.py --impls mgpu_s8``).  H100, JAX 0.11.2, 2026-12-07: parity cases 0, 1,
-3, 5 within 4.4e-6 (bound 5e-5) on both 16-bit limb paths; at T = 32K (B 8, Hq 32, Hkv 8, D 128; 3 repeats) INT2
-101.4-101.5 µs = 3.40-3.42x cuDNN (the bf16 planar kernel 180.9-192.2 µs), QServe 133.7-133.9 µs = 2.58-2.59x, INT4
-129.5-129.7 µs = 2.66-2.67x.  The dispatcher serves token-planar layers with it where
+3, 5 within 4.4e-6 (bound 5e-5) on both 16-bit limb paths; at T = 32K (B 8, Hq 32, Hkv 8, D 128) with the
+explicit barriers (4 runs) INT2 94.9-96.4 µs = 3.60-3.73x cuDNN (the bf16 planar kernel 182-188 µs), QServe
+127.4-130.3 µs = 2.70-2.75x, INT4 123.5-126.6 µs = 2.79-2.81x; with ``pv_limbs=2`` INT2 85.4-86.6 µs = 4.02-4.15x
+(docs/results/decode_mgpu/2026-12-07-s8-barriers-h100).  The dispatcher serves token-planar layers with it where
 :func:`token_planar_s8_layout_unsupported` allows (``attention.dispatch``).  ``experiments/debug_mgpu_s8.py``
 checks each integer step on its own.
 """
@@ -50,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -73,7 +76,41 @@ LIM = 2 ** 21 - 1
 _LIMBS = 3
 _NL = 8                    # query columns per limb (one 8-column wgmma N tile per limb)
 _NQ = _LIMBS * _NL         # QK wgmma N
-_NP = 32                   # PV B rows per plane: 24 limb rows + 8 padding (the converting copy moves 4 tiles of 8)
+#: the kernel's named phases per pipeline step, in order (what ``PlanarS8Config.profile_dir`` records)
+PROFILE_PHASES = ("s8_qk", "s8_softmax", "s8_limbs", "s8_copy", "s8_pv", "s8_acc")
+#: :class:`PlanarS8Config.barriers` -> what orders the kernel's shared memory (the modes of ``BARRIER_MODES``)
+BARRIERS = {
+    "auto": "Pallas's automatic warpgroup barriers around every SMEM store and before every TMA load",
+    "explicit": "the kernel's commit_smem calls only: after the scratch's zero fill (before any limb store), after "
+                "the limb stores (before the converting load reads them), after the converting copy (before the PV "
+                "wgmma reads the B operand; also: every load of the scratch done before the next step's limb "
+                "stores), and at the end of each step (every read of the pipeline stage done before the pipeline "
+                "refills it); the epilogue's commit_smem before its TMA stores"}
+#: the ways :class:`PlanarS8Config.pv_limbs` may take: 3 (21-bit ``p sv``, the default) or 2 (14-bit)
+PV_LIMBS = (3, 2)
+
+
+def lim_of(n_limbs: int) -> int:
+    """The largest |integer| ``n_limbs`` 7-bit limbs (the top one a signed int8) carry: ``2^(7 n) - 1``."""
+    return 2 ** (7 * n_limbs) - 1
+
+
+def pv_plane_group(n_limbs: int, bits: int) -> int:
+    """Planes that share one PV accumulator: all of them with 3 limbs (plane ``r`` keeps ``21 - bits r`` bits);
+    with 2 limbs ``max(1, 4 // bits)`` (INT2: planes {0, 1} and {2, 3}; INT4: one each), and each group's ``p sv``
+    is scaled by ``2^(bits r0)`` of its first plane ``r0`` so that no plane keeps fewer than ``14 - 2`` bits.  The
+    float side multiplies group ``g``'s dot by ``2^(-bits r0)``."""
+    return 8 // bits if n_limbs == 3 else max(1, 4 // bits)
+
+
+def pv_rows_per_plane(n_limbs: int, planes: int) -> int:
+    """PV B-operand rows per plane: ``8 n_limbs`` limb rows, padded with zero rows so that the planes together
+    fill whole 64-row tiles (the converting copy loads the scratch in the 64-row ``WGMMA`` layout): INT2 (4
+    planes) 32 rows with 3 limbs, 16 with 2; INT4 (2 planes) 32 either way."""
+    rows = _NL * n_limbs
+    while (rows * planes) % _M:
+        rows += _NL
+    return rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +124,30 @@ class PlanarS8Config:
         (the bf16 kernels' own P store), then a ``WGMMA``-layout load converted to int8; ``"i16"`` (default) stores
         int16, ``"bf16"`` bfloat16 (H100, T = 32K, 2026-12-07: INT2 101 vs 122 µs).  ``"i32"`` (a 32-bit store into
         an untiled scratch, then an ``SMEM_GMEM_COPY``-layout load) is refused: :data:`WRONG_LIMB_PATHS`.
+    pv_limbs: 7-bit limbs per ``p sv`` value (:data:`PV_LIMBS`): 3 (default) quantizes ``p sv`` per block and
+        column to 21 bits; 2 to 14 bits, with two thirds of the limb stores, 16 instead of 32 B rows per INT2
+        plane (half the converting copy and the PV wgmma's N) and fewer registers.  The bytes of plane ``r`` carry
+        ``2^(bits r)``, so plane ``r`` keeps ``bits r`` fewer bits: INT2's top plane 15 (3 limbs) or 8 (2 limbs),
+        i.e. an error up to ~2^-9 of the block's largest ``p sv`` per element, as a bf16 ``p`` would have.
+    barriers: ``"auto"``: Pallas puts a warpgroup barrier before and after every shared-memory store and before
+        every TMA load (two per limb store: 24 per INT2 step with 3 limbs); ``"explicit"`` (default;
+        ``unsafe_no_auto_barriers``): only the kernel's own ``commit_smem`` calls order its shared memory
+        (:data:`BARRIERS` lists which hazard each one covers), plus one at the end of every step before the
+        pipeline refills the stage just read.  The same arithmetic: the outputs are bit-identical when the ordering
+        is right (H100, T = 32K, 2026-12-07: identical for INT2 / INT4 / QServe in two calls; INT2 101-102 ->
+        95.6-96.4 us, INT4 129-131 -> 123.5-126.6, QServe 134-135 -> 127.4-130.3).
+    profile_dir: when set, Mosaic GPU's in-kernel profiler records the kernel's named phases (``s8_qk``,
+        ``s8_softmax``, ``s8_limbs``, ``s8_copy``, ``s8_pv``, ``s8_acc``) per warpgroup in SM clock cycles and writes
+        one Perfetto trace per call there (``experiments/profile_mgpu_s8.py``); a diagnostic (the timer reads cost
+        a few cycles each), not for serving.
     """
 
     num_splits: Optional[int] = None
     max_concurrent_steps: int = 2
     limb_path: str = "i16"
+    pv_limbs: int = 3
+    barriers: str = "explicit"
+    profile_dir: str = ""
 
 
 #: the ways :class:`PlanarS8Config.limb_path` may take (the default first)
@@ -160,15 +216,20 @@ def s8_unsupported(ops: TokenPlanarOperands, g: int) -> Optional[str]:
     return None
 
 
-def limbs(xi):
-    """int32 ``x`` in ``[-LIM, LIM]`` -> ``(l0, l1, l2)`` int32 with ``x = l0 + 2^7 l1 + 2^14 l2``, ``l0, l1`` in
-    ``[0, 127]``, ``l2`` in ``[-128, 127]`` (arithmetic shifts: exact for negative ``x`` too)."""
-    return xi & 127, (xi >> 7) & 127, xi >> 14
+def limbs(xi, n_limbs: int = _LIMBS):
+    """int32 ``x`` in ``[-lim_of(n), lim_of(n)]`` -> ``n`` int32 limbs with ``x = sum_i 2^(7 i) l_i``: the lower
+    ones in ``[0, 127]``, the top one in ``[-128, 127]`` (arithmetic shifts: exact for negative ``x`` too).  The
+    default 3: ``(l0, l1, l2)`` with ``x = l0 + 2^7 l1 + 2^14 l2`` over ``[-LIM, LIM]``."""
+    return tuple((xi >> (7 * i)) & 127 for i in range(n_limbs - 1)) + (xi >> (7 * (n_limbs - 1)),)
 
 
-def _from_limbs(a0, a1, a2):
-    """float32 ``a0 + 2^7 a1 + 2^14 a2`` of int32 limb dots (the same split as :func:`limbs`)."""
-    return a0.astype(_F32) + a1.astype(_F32) * 128.0 + a2.astype(_F32) * 16384.0
+def _from_limbs(*parts):
+    """float32 ``sum_i 2^(7 i) a_i`` of int32 limb dots (the same split as :func:`limbs`; 3 parts: ``a0 + 2^7 a1 +
+    2^14 a2``)."""
+    out = parts[0].astype(_F32)
+    for i, a in enumerate(parts[1:], 1):
+        out = out + a.astype(_F32) * float(2 ** (7 * i))
+    return out
 
 
 def query_limbs(q, hkv: int, sm_scale):
@@ -184,20 +245,20 @@ def query_limbs(q, hkv: int, sm_scale):
     return qb, qs, qsum
 
 
-def _round_to_lim(y):
+def _round_to_lim(y, lim: int = LIM):
     """float32 ``y`` (``x * LIM / S``, never negative) -> int32 in ``[-LIM, LIM]``: rounded to nearest (``+ 0.5``,
     then the truncating conversion; truncation alone biased every token the same way: INT2 1.4e-4 of the output
     -> 2.5e-5 on CPU), clamped (an approximate ``LIM / S`` rounded up must not carry the top limb past 127).  The
     kernel and its twin both call this."""
-    return jnp.clip((y + 0.5).astype(jnp.int32), -LIM, LIM)
+    return jnp.clip((y + 0.5).astype(jnp.int32), -lim, lim)
 
 
-def _quantize_pv(x, cmax):
+def _quantize_pv(x, cmax, lim: int = LIM):
     """float32 ``x [..., T, C]`` (``p sv 2^(-bits r)``: never negative) and its per-column bound ``cmax [..., 1, C]``
     -> int32 in ``[-LIM, LIM]`` (the kernel's rounding: ``+ 0.5`` then the truncating conversion, clamped: ``x *
     (LIM / cmax)`` may round past ``LIM``) and the dequantization factor ``cmax / LIM``."""
     safe = jnp.where(cmax > 0, cmax, 1.0)
-    return _round_to_lim(x * (LIM / safe)), safe * (1.0 / LIM)
+    return _round_to_lim(x * (lim / safe), lim), safe * (1.0 / lim)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -216,6 +277,9 @@ class _S8Spec(_PlaneBlock):
     v_zero: str
     vg: int
     limb_path: str = "i16"
+    pv_limbs: int = 3
+    barriers: str = "explicit"
+    profile_dir: str = ""
 
     n = _NL            # query columns (the outputs' N; one limb tile)
     dup = 0            # (no hi / lo column halves: ``_kernel_partials`` reads it)
@@ -232,6 +296,22 @@ class _S8Spec(_PlaneBlock):
     def vgroups(self) -> int:
         return self.d // self.vg
 
+    @property
+    def pv_rows(self) -> int:          # PV B rows per plane (:func:`pv_rows_per_plane`)
+        return pv_rows_per_plane(self.pv_limbs, self.planes)
+
+    @property
+    def lim_pv(self) -> int:
+        return lim_of(self.pv_limbs)
+
+    @property
+    def pv_n(self) -> int:             # the PV wgmma's N: 3 limbs the padded 32 rows (as timed), 2 limbs 16
+        return self.pv_rows if self.pv_limbs == 3 else _NL * self.pv_limbs
+
+    @property
+    def pv_group(self) -> int:         # planes per PV accumulator (:func:`pv_plane_group`)
+        return pv_plane_group(self.pv_limbs, self.bits)
+
 
 def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
     """Launch.  ``qb`` int8 [BH, D/KC, 24, KC] (query limbs); ``qaux`` f32 [BH, 2, 16] (qs, qsum, 8 columns of
@@ -247,7 +327,10 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
     names = ["k", "v", "ks", "vs"] + ([] if sp.v_zero == "symmetric" else ["vm"])
     arrays = dict(k=k, v=v, ks=ks, vs=vs, vm=vm)
     half = 2.0 ** (sp.bits - 1)
-    prows = pln * _NP                                   # rows of one channel group's PV B operands (all planes)
+    npl, nlv, lim_pv, pvn, pgs = sp.pv_rows, sp.pv_limbs, sp.lim_pv, sp.pv_n, sp.pv_group
+    npg = pln // pgs                                    # PV accumulators per d-tile (plane groups)
+    r0 = lambda r: (r // pgs) * pgs                     # noqa: E731  (the first plane of r's group)
+    prows = pln * npl                                   # rows of one channel group's PV B operands (all planes)
     lp = sp.limb_path
 
     def body(start_ref, end_ref, qb_ref, qaux_ref, *refs):
@@ -275,89 +358,105 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                 accs, m_i, l_i, zs = args[len(names)]
                 row0 = (base + i) * bt
 
-                # 1. S^T per plane: ONE s8 wgmma per D chunk (N = 3 limbs x 8 columns), int32, exact
-                def qk(*acc_refs):
-                    kbytes = plgpu.load(k_smem, (), layout=w8)                   # [64, D] int8, P planes
-                    for acc_ref, r in zip(acc_refs, range(pln)):
-                        kr = kbytes & jnp.full(kbytes.shape, _plane_mask(r, sp.bits), i8)
-                        for j in range(dq):
-                            plgpu.wgmma(acc_ref, kr[:, j * kc:(j + 1) * kc], qb_smem.at[j].T)
-                    return [a_[...] for a_ in acc_refs]
+                with jax.named_scope("s8_qk"):
+                    # 1. S^T per plane: ONE s8 wgmma per D chunk (N = 3 limbs x 8 columns), int32, exact
+                    def qk(*acc_refs):
+                        kbytes = plgpu.load(k_smem, (), layout=w8)                   # [64, D] int8, P planes
+                        for acc_ref, r in zip(acc_refs, range(pln)):
+                            kr = kbytes & jnp.full(kbytes.shape, _plane_mask(r, sp.bits), i8)
+                            for j in range(dq):
+                                plgpu.wgmma(acc_ref, kr[:, j * kc:(j + 1) * kc], qb_smem.at[j].T)
+                        return [a_[...] for a_ in acc_refs]
 
-                raw = pl.run_scoped(qk, *[plgpu.ACC((_M, _NQ), i32) for _ in range(pln)])
-                ss, valids = [], []
-                for r in range(pln):
-                    dot = _from_limbs(*(raw[r][:, li * n:(li + 1) * n] for li in range(_LIMBS)))
-                    rws = pl.ds(r * _M, _M)
-                    st, *zt = [plgpu.load(ks_smem.at[row, rws], (), layout=wg.reduce(1),
-                                          optimized=False).astype(_F32) for row in range(sp.k_rows)]
-                    mt = zero_min(st, zt[0] if zt else None, sp.k_zero, sp.bits)
-                    if r == pln - 1:               # re-centred top-plane codes read u - 2^(bits-1)
-                        mt = mt + half * st
-                    s = dot * brow(st * (2.0 ** (-sp.bits * r))) * bcol(qs) + brow(mt) * bcol(qsum)
-                    rows = rows_t + (row0 + r * _M)
-                    valid = (rows >= lo) & (rows < hi)
-                    ss.append(jnp.where(valid, s, _NEG))
-                    valids.append(valid)
-
-                # 2. online softmax: ONE cross-warp max for the block
-                m_new, alpha = _online_max(ss, m_i)
-                alpha_t = bcol(alpha)
-                l_i = l_i * alpha_t
-                zs = [z * alpha_t for z in zs]
-                xs = [[None] * pln for _ in range(nvg)]
-                for r in range(pln):
-                    p = jnp.where(valids[r], jnp.exp2(ss[r] - bcol(m_new)), 0.0)
-                    l_i = l_i + p
-                    for ci in range(nvg):
-                        sv = plgpu.load(vs_smem.at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1),
-                                        optimized=False).astype(_F32)
-                        zv = None if sp.v_zero == "symmetric" else plgpu.load(
-                            sm["vm"].at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1), optimized=False
-                        ).astype(_F32)
-                        mv = zero_min(sv, zv, sp.v_zero, sp.bits)
-                        if r == pln - 1:
-                            mv = mv + half * sv
-                        # (where, not p = 0 alone: a dead row's qparams may be anything, NaN included)
-                        zs[ci] = zs[ci] + jnp.where(valids[r], p * brow(mv), 0.0)
-                        xs[ci][r] = jnp.where(valids[r], p * brow(sv * (2.0 ** (-sp.bits * r))), 0.0)
-
-                # 3. x -> 21-bit limbs per column (scale S_c: the block's max |x|), via SMEM into the B operands
-                scales = []
-                for ci in range(nvg):
-                    amax = jnp.abs(xs[ci][0])
-                    for x in xs[ci][1:]:
-                        amax = jnp.maximum(amax, jnp.abs(x))
-                    cmax = amax.max(axis=0)
-                    safe = jnp.where(cmax > 0, cmax, 1.0)
-                    inv = bcol(LIM / safe)
-                    scales.append(safe * (1.0 / LIM))
+                    raw = pl.run_scoped(qk, *[plgpu.ACC((_M, _NQ), i32) for _ in range(pln)])
+                with jax.named_scope("s8_softmax"):
+                    ss, valids = [], []
                     for r in range(pln):
-                        for li, limb in enumerate(limbs(_round_to_lim(xs[ci][r] * inv))):
-                            x_smem.at[pl.ds(ci * prows + r * _NP + li * n, n)].T[...] = plgpu.layout_cast(
-                                _limb_value(limb, lp), plgpu.Layout.WGMMA_TRANSPOSED)
-                plgpu.commit_smem()
-                for ci in range(nvg):
-                    xr = pl.ds(ci * prows, prows)
-                    p_smem.at[xr][...] = _limb_scratch_to_i8(x_smem.at[xr], lp)
-                plgpu.commit_smem()
+                        dot = _from_limbs(*(raw[r][:, li * n:(li + 1) * n] for li in range(_LIMBS)))
+                        rws = pl.ds(r * _M, _M)
+                        st, *zt = [plgpu.load(ks_smem.at[row, rws], (), layout=wg.reduce(1),
+                                              optimized=False).astype(_F32) for row in range(sp.k_rows)]
+                        mt = zero_min(st, zt[0] if zt else None, sp.k_zero, sp.bits)
+                        if r == pln - 1:               # re-centred top-plane codes read u - 2^(bits-1)
+                            mt = mt + half * st
+                        s = dot * brow(st * (2.0 ** (-sp.bits * r))) * bcol(qs) + brow(mt) * bcol(qsum)
+                        rows = rows_t + (row0 + r * _M)
+                        valid = (rows >= lo) & (rows < hi)
+                        ss.append(jnp.where(valid, s, _NEG))
+                        valids.append(valid)
 
-                # 4. O^T[d-tile j] += V^T plane r [64, 64] @ limbs (r): ONE s8 wgmma per (plane, d-tile)
-                def pv(*acc_refs):
+                    # 2. online softmax: ONE cross-warp max for the block
+                    m_new, alpha = _online_max(ss, m_i)
+                    alpha_t = bcol(alpha)
+                    l_i = l_i * alpha_t
+                    zs = [z * alpha_t for z in zs]
+                    xs = [[None] * pln for _ in range(nvg)]
+                    for r in range(pln):
+                        p = jnp.where(valids[r], jnp.exp2(ss[r] - bcol(m_new)), 0.0)
+                        l_i = l_i + p
+                        for ci in range(nvg):
+                            sv = plgpu.load(vs_smem.at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1),
+                                            optimized=False).astype(_F32)
+                            zv = None if sp.v_zero == "symmetric" else plgpu.load(
+                                sm["vm"].at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1), optimized=False
+                            ).astype(_F32)
+                            mv = zero_min(sv, zv, sp.v_zero, sp.bits)
+                            if r == pln - 1:
+                                mv = mv + half * sv
+                            # (where, not p = 0 alone: a dead row's qparams may be anything, NaN included)
+                            zs[ci] = zs[ci] + jnp.where(valids[r], p * brow(mv), 0.0)
+                            xs[ci][r] = jnp.where(valids[r], p * brow(sv * (2.0 ** (-sp.bits * (r - r0(r))))),
+                                                  0.0)
+
+                with jax.named_scope("s8_limbs"):
+                    # 3. x -> 21-bit limbs per column (scale S_c: the block's max |x|), via SMEM into the B operands
+                    scales = []
+                    for ci in range(nvg):
+                        amax = jnp.abs(xs[ci][0])
+                        for x in xs[ci][1:]:
+                            amax = jnp.maximum(amax, jnp.abs(x))
+                        cmax = amax.max(axis=0)
+                        safe = jnp.where(cmax > 0, cmax, 1.0)
+                        inv = bcol(lim_pv / safe)
+                        scales.append(safe * (1.0 / lim_pv))
+                        for r in range(pln):
+                            for li, limb in enumerate(limbs(_round_to_lim(xs[ci][r] * inv, lim_pv), nlv)):
+                                x_smem.at[pl.ds(ci * prows + r * npl + li * n, n)].T[...] = plgpu.layout_cast(
+                                    _limb_value(limb, lp), plgpu.Layout.WGMMA_TRANSPOSED)
+                with jax.named_scope("s8_copy"):
+                    plgpu.commit_smem()
+                    for ci in range(nvg):
+                        xr = pl.ds(ci * prows, prows)
+                        p_smem.at[xr][...] = _limb_scratch_to_i8(x_smem.at[xr], lp)
+                    plgpu.commit_smem()
+
+                with jax.named_scope("s8_pv"):
+                    # 4. O^T[d-tile j] += V^T plane r [64, 64] @ limbs (r): ONE s8 wgmma per (plane, d-tile),
+                    #    into the accumulator of r's plane group (one group with 3 limbs)
+                    def pv(*acc_refs):
+                        for j in range(dch):
+                            ci = j * _M // sp.vg
+                            vbytes = plgpu.load(v_smem.at[pl.ds(j * _M, _M)], (), layout=w8)
+                            for r in range(pln):
+                                vr = vbytes & jnp.full(vbytes.shape, _plane_mask(r, sp.bits), i8)
+                                plgpu.wgmma(acc_refs[j * npg + r // pgs], vr,
+                                            p_smem.at[pl.ds(ci * prows + r * npl, pvn)].T)
+                        return [a_[...] for a_ in acc_refs]
+
+                    pvr = pl.run_scoped(pv, *[plgpu.ACC((_M, pvn), i32) for _ in range(dch * npg)])
+                    if sp.barriers == "explicit":   # every read of this stage done before the pipeline refills it
+                        plgpu.commit_smem()
+                with jax.named_scope("s8_acc"):
+                    new_accs = []
                     for j in range(dch):
                         ci = j * _M // sp.vg
-                        vbytes = plgpu.load(v_smem.at[pl.ds(j * _M, _M)], (), layout=w8)
-                        for r in range(pln):
-                            vr = vbytes & jnp.full(vbytes.shape, _plane_mask(r, sp.bits), i8)
-                            plgpu.wgmma(acc_refs[j], vr, p_smem.at[pl.ds(ci * prows + r * _NP, _NP)].T)
-                    return [a_[...] for a_ in acc_refs]
-
-                pvr = pl.run_scoped(pv, *[plgpu.ACC((_M, _NP), i32) for _ in range(dch)])
-                new_accs = []
-                for j in range(dch):
-                    ci = j * _M // sp.vg
-                    part = _from_limbs(*(pvr[j][:, li * n:(li + 1) * n] for li in range(_LIMBS)))
-                    new_accs.append(accs[j] * alpha_t + part * bcol(scales[ci]))
+                        part = None
+                        for gi in range(npg):
+                            a_ = pvr[j * npg + gi]
+                            pg = _from_limbs(*(a_[:, li * n:(li + 1) * n] for li in range(nlv)))
+                            pg = pg if gi == 0 else pg * (2.0 ** (-sp.bits * gi * pgs))
+                            part = pg if part is None else part + pg
+                        new_accs.append(accs[j] * alpha_t + part * bcol(scales[ci]))
                 return new_accs, m_new, l_i, zs
 
             blk = lambda i: (base + i, 0)            # noqa: E731  (token rows first)
@@ -393,8 +492,11 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
             plgpu.Barrier(num_arrivals=1),
         )
 
+    # (room for every phase twice per step: a scope may be recorded again inside a nested region)
+    prof = dict(profile_space=2 * nbs * len(PROFILE_PHASES) + 64, profile_dir=sp.profile_dir) if sp.profile_dir else {}
     fn = plgpu.kernel(body, out_type=_split_out_types(bh, ns, d, n, nvg), grid=(bh, ns), grid_names=("bh", "split"),
-                      compiler_params=plgpu.CompilerParams(approx_math=True))
+                      compiler_params=plgpu.CompilerParams(approx_math=True,
+                                                           unsafe_no_auto_barriers=sp.barriers == "explicit", **prof))
     return fn(start, end, qb, qaux, *[arrays[nm] for nm in names])
 
 
@@ -409,7 +511,7 @@ def smem_bytes_estimate(sp: _S8Spec, qparam_bytes: int) -> int:
     ~6 KB more): the pipeline stages of K / V codes and their qparams, the query limbs, the limb scratch in
     ``sp.limb_path``'s dtype, the int8 B operands, the outputs."""
     d, bt, nvg = sp.d, sp.bt, sp.vgroups
-    rows = nvg * sp.planes * _NP
+    rows = nvg * sp.planes * sp.pv_rows
     per_stage = _M * d * 2 + (sp.k_rows + nvg * (1 if sp.v_zero == "symmetric" else 2)) * bt * qparam_bytes
     scratch = rows * _M * jnp.dtype(_LIMB_DTYPES[sp.limb_path]).itemsize
     return (min(sp.stages, sp.nbs) * per_stage + (d // sp.kc) * _NQ * sp.kc + 2 * 2 * _NL * 4 + scratch + rows * _M
@@ -427,18 +529,23 @@ def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config, allow_wrong: bo
                          f"use one of {LIMB_PATHS}")
     if cfg.limb_path not in LIMB_PATHS + tuple(WRONG_LIMB_PATHS):
         raise ValueError(f"PlanarS8Config.limb_path={cfg.limb_path!r}: one of {LIMB_PATHS}")
+    if cfg.pv_limbs not in PV_LIMBS:
+        raise ValueError(f"PlanarS8Config.pv_limbs={cfg.pv_limbs!r}: one of {PV_LIMBS}")
+    if cfg.barriers not in BARRIERS:
+        raise ValueError(f"PlanarS8Config.barriers={cfg.barriers!r}: one of {tuple(BARRIERS)}")
     nb = ops.rows // ops.block_t
     ns = cfg.num_splits or _auto_splits(ops.k.shape[0], nb)
     if nb % ns:
         raise ValueError(f"num_splits={ns} does not divide the {nb} blocks")
     sp = _S8Spec(d=ops.head_dim, g=g, bits=ops.bits, ns=ns, nbs=nb // ns, stages=cfg.max_concurrent_steps,
                  hkv=ops.num_kv_heads, k_zero=ops.k_zero, v_zero=ops.v_zero_kind, vg=ops.v_group,
-                 limb_path=cfg.limb_path)
+                 limb_path=cfg.limb_path, pv_limbs=cfg.pv_limbs, barriers=cfg.barriers, profile_dir=cfg.profile_dir)
     need = smem_bytes_estimate(sp, ops.k_qparams.dtype.itemsize)
     if need > SMEM_BUDGET:
         raise NotImplementedError(
             f"decode_attention_mgpu_planar_s8: ~{need // 1024} KB of shared memory (INT{ops.bits}, D {ops.head_dim}, "
-            f"{sp.vgroups} V groups, {sp.stages} stages, limb_path {cfg.limb_path!r}) is over the "
+            f"{sp.vgroups} V groups, {sp.stages} stages, limb_path {cfg.limb_path!r}, {cfg.pv_limbs} PV limbs) is "
+            f"over the "
             f"{SMEM_BUDGET // 1024} KB budget; fewer pipeline stages (max_concurrent_steps) fit")
     return sp
 
@@ -499,15 +606,23 @@ def _partials_jnp(q, ops: TokenPlanarOperands, sm_scale, sp: _S8Spec):
     mv = zero_min(sv, zv, ops.v_zero_kind, bits) + jnp.where(top, half, 0.0) * sv
     uv = _masked_planes(jnp.swapaxes(ops.v, 1, 2), bits)                               # [BH, T, D]
     nvg = sv.shape[1]
+    gplane = (plane // sp.pv_group) * sp.pv_group                                      # first plane of the group
+    xscale = jnp.asarray(2.0, _F32) ** (-bits * (plane - gplane).astype(_F32))       # [T]: 2^(-bits (r - r0))
     acc = []
     for ci in range(nvg):
-        x = jnp.where(valid, p * (sv[:, ci] * pscale)[..., None], 0.0)                # [BH, T, 8]
+        x = jnp.where(valid, p * (sv[:, ci] * xscale)[..., None], 0.0)                # [BH, T, 8]
         xb = x.reshape(x.shape[0], t // bt, bt, _NL)
-        xi, deq = _quantize_pv(xb, jnp.max(jnp.abs(xb), axis=2, keepdims=True))
-        xl = [l_.reshape(x.shape) for l_ in limbs(xi)]
+        xi, deq = _quantize_pv(xb, jnp.max(jnp.abs(xb), axis=2, keepdims=True), sp.lim_pv)
+        xl = [l_.reshape(x.shape) for l_ in limbs(xi, sp.pv_limbs)]
         ub = uv[:, :, ci * ops.v_group:(ci + 1) * ops.v_group].reshape(x.shape[0], t // bt, bt, ops.v_group)
-        part = _from_limbs(*(jnp.einsum("xktc,xktd->xkcd", l_.reshape(xb.shape), ub,
-                                        preferred_element_type=jnp.int32) for l_ in xl))
+        # the int32 dots per plane group (exact), each group weighted by 2^(-bits r0) in float32
+        part = 0.0
+        for g0 in range(0, 8 // bits, sp.pv_group):
+            grp = (plane >= g0) & (plane < g0 + sp.pv_group)                           # [T]
+            gmask = grp.reshape(t // bt, bt)[None, :, :, None].astype(jnp.int32)
+            part = part + _from_limbs(*(jnp.einsum("xktc,xktd->xkcd", l_.reshape(xb.shape) * gmask, ub,
+                                                   preferred_element_type=jnp.int32) for l_ in xl)) * (
+                2.0 ** (-bits * g0))
         o = jnp.sum(part * deq[:, :, 0, :, None], axis=1)                             # [BH, 8, Gv]
         o = o + jnp.einsum("xtc,xt->xc", p, jnp.where(valid[..., 0], mv[:, ci], 0.0),
                            precision=lax.Precision.HIGHEST)[..., None]

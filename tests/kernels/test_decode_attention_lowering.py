@@ -219,15 +219,17 @@ def test_mgpu_planar_kernel_lowers_for_cuda(rng, bits, kz, vz, vg, d, g, precisi
 # pallas_kernels/decode_attention_mgpu_planar_s8.py (the same operands on s8 tensor cores): int8 register-A wgmmas
 # into int32 accumulators (QK and PV), the 16-bit transposed limb store into a swizzled scratch and the converting
 # WGMMA-layout load (PlanarS8Config.limb_path "i16" and "bf16"), every zero convention, V groups 0 / 64,
-# D 64 / 128 / 256, GQA 1 / 3 / 4 / 8, pipeline depth 2 and 3 (the refused 32-bit path lowers in
-# tests/kernels/test_decode_attention_mgpu_planar_s8.py's debug micro kernels)
-@pytest.mark.parametrize("bits,kz,vz,vg,d,g,stages,limb_path", [
-    (2, "symmetric", "symmetric", 0, 128, 4, 2, "i16"), (4, "offset", "offset", 0, 128, 4, 3, "i16"),
-    (4, "symmetric", "min", 64, 256, 8, 2, "i16"), (4, "min", "symmetric", 0, 64, 3, 2, "i16"),
-    (2, "offset", "min", 0, 64, 1, 3, "i16"),
-    (2, "symmetric", "symmetric", 0, 128, 4, 2, "bf16"), (4, "symmetric", "min", 64, 256, 8, 2, "bf16"),
-    (4, "offset", "offset", 0, 128, 4, 3, "bf16"), (2, "offset", "min", 0, 64, 1, 3, "bf16")])
-def test_mgpu_planar_s8_kernel_lowers_for_cuda(rng, bits, kz, vz, vg, d, g, stages, limb_path):
+# D 64 / 128 / 256, GQA 1 / 3 / 4 / 8, pipeline depth 2 and 3, 3 and 2 PV limbs (the refused 32-bit path lowers
+# in tests/kernels/test_decode_attention_mgpu_planar_s8.py's debug micro kernels)
+@pytest.mark.parametrize("bits,kz,vz,vg,d,g,stages,limb_path,pv_limbs", [
+    (2, "symmetric", "symmetric", 0, 128, 4, 2, "i16", 3), (4, "offset", "offset", 0, 128, 4, 3, "i16", 3),
+    (4, "symmetric", "min", 64, 256, 8, 2, "i16", 3), (4, "min", "symmetric", 0, 64, 3, 2, "i16", 3),
+    (2, "offset", "min", 0, 64, 1, 3, "i16", 3),
+    (2, "symmetric", "symmetric", 0, 128, 4, 2, "bf16", 3), (4, "symmetric", "min", 64, 256, 8, 2, "bf16", 3),
+    (4, "offset", "offset", 0, 128, 4, 3, "bf16", 3), (2, "offset", "min", 0, 64, 1, 3, "bf16", 3),
+    (2, "symmetric", "symmetric", 0, 128, 4, 2, "i16", 2), (4, "offset", "offset", 0, 128, 4, 2, "i16", 2),
+    (2, "min", "offset", 64, 128, 8, 3, "i16", 2), (4, "symmetric", "min", 64, 256, 8, 2, "bf16", 2)])
+def test_mgpu_planar_s8_kernel_lowers_for_cuda(rng, bits, kz, vz, vg, d, g, stages, limb_path, pv_limbs):
     from kvquant_jax.abi.regions import KVFormat
     from pallas_kernels import decode_attention_mgpu_planar as mp
     from pallas_kernels import decode_attention_mgpu_planar_s8 as s8
@@ -235,7 +237,7 @@ def test_mgpu_planar_s8_kernel_lowers_for_cuda(rng, bits, kz, vz, vg, d, g, stag
     kf, vf = KVFormat(f"int{bits}", "token", kz), KVFormat(f"int{bits}", "token", vz, vg)
     reg = random_region(rng, kf, vf, 2, 2, 1024, d, [0, 0], [300, 1024], poison=False, qparam_dtype=jnp.float16)
     q = jnp.asarray(rng.standard_normal((2, 2 * g, d)).astype(np.float32)).astype(jnp.bfloat16)
-    cfg = s8.PlanarS8Config(num_splits=2, max_concurrent_steps=stages, limb_path=limb_path)
+    cfg = s8.PlanarS8Config(num_splits=2, max_concurrent_steps=stages, limb_path=limb_path, pv_limbs=pv_limbs)
     text = _lower_cuda(lambda q, r: s8.decode_attention_mgpu_planar_s8_prepared(
         q, mp.prepare_token_planar_region(r), config=cfg, interpret=False), q, reg)
     assert "mosaic_gpu" in text

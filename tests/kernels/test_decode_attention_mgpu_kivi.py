@@ -462,3 +462,30 @@ def test_bad_offsets_method_says_why(rng):
         mk.decode_attention_mgpu_kivi_prepared(jnp.zeros((2, 8, 128), jnp.float32), ops, config=cfg, interpret=True)
     with pytest.raises(ValueError, match="offsets"):
         mk._group_offsets(jnp.zeros((1, 8, 128)), jnp.zeros((1, 2, 128)), "tf32")
+
+
+@pytest.mark.parametrize("kind", ["kivi", "token_planar"])
+def test_barrier_mode_is_checked_and_lowers(rng, kind):
+    """``KiviMgpuConfig.barriers``: an unknown mode is refused by name; ``"explicit"`` (the kernel's own
+    ``commit_smem`` calls instead of Pallas's barriers around every SMEM store) lowers for ``cuda`` to another
+    kernel than the default's, for the KIVI kernel and the token-planar one it also runs."""
+    from pallas_kernels import decode_attention_mgpu_planar as mp
+
+    if kind == "kivi":
+        kf, vf = kivi_formats(2, 32, 32)
+        reg = _region(rng, kf, vf, t=1024)
+        prep, entry = mk.prepare_kivi_region, mk.decode_attention_mgpu_kivi_prepared
+        assert "barriers must be one of ('auto', 'explicit'), got 'none'" in mk.kivi_mgpu_unsupported(
+            reg, 128, mk.KiviMgpuConfig(barriers="none"))
+    else:
+        kf, vf = PRESETS["qserve"]
+        reg = _region(rng, kf, vf, t=1024)
+        prep, entry = mp.prepare_token_planar_region, mp.decode_attention_mgpu_planar_prepared
+    ops = prep(reg)
+    q = jnp.asarray(rng.standard_normal((2, 8, 128)).astype(np.float32)).astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match="barriers must be one of"):
+        entry(q, ops, config=mk.KiviMgpuConfig(barriers="none"), interpret=True)
+    texts = {b: jax.jit(lambda q, o, b=b: entry(q, o, config=mk.KiviMgpuConfig(num_splits=2, barriers=b),
+                                                 interpret=False)).trace(q, ops).lower(
+        lowering_platforms=("cuda",)).as_text() for b in mk.BARRIER_MODES}
+    assert all("mosaic_gpu" in t for t in texts.values()) and len(set(texts.values())) == len(mk.BARRIER_MODES)

@@ -225,20 +225,22 @@ def test_gpu_check_script_parity_runs_on_cpu_and_fails_a_broken_kernel(tmp_path,
     mod = load_experiment("check_mgpu_planar")
     assert mod.main(["--check-only", "--cases", "1", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert len(rows) == 6 and all(r["ok"] and r["k_zero"] == "offset" for r in rows)
-    assert [r["precision"] for r in rows].count("s8") == 2          # the s8 kernel's rows (both query dtypes)
+    assert len(rows) == 8 and all(r["ok"] and r["k_zero"] == "offset" for r in rows)
+    s8_rows = [r for r in rows if r["precision"] == "s8"]     # the s8 kernel's rows (both query dtypes, 3 / 2 PV limbs)
+    assert sorted((r["q"], r["pv_limbs"]) for r in s8_rows) == [("bf16", 2), ("bf16", 3), ("f32", 2), ("f32", 3)]
+    from pallas_kernels import decode_attention_mgpu_planar_s8 as s8
+    assert all(r["barriers"] == s8.PlanarS8Config().barriers for r in s8_rows)   # (on CPU: the twin, one mode)
     real = mp._partials_jnp
     monkeypatch.setattr(mp, "_partials_jnp", lambda q, ops, sm: real(q, dataclasses.replace(ops, k_zero="min"), sm))
     assert mod.main(["--check-only", "--cases", "1", "--impls", "mgpu", "--out", str(tmp_path / "broken")]) == 1
     rows = json.loads((tmp_path / "broken" / "results.json").read_text())["rows"]
     assert len(rows) == 4 and not any(r["ok"] for r in rows)
-    from pallas_kernels import decode_attention_mgpu_planar_s8 as s8
     real_s8 = s8._partials_jnp
     monkeypatch.setattr(s8, "_partials_jnp",
                         lambda q, ops, sm, sp: real_s8(q, dataclasses.replace(ops, k_zero="min"), sm, sp))
     assert mod.main(["--check-only", "--cases", "1", "--impls", "mgpu_s8", "--out", str(tmp_path / "broken_s8")]) == 1
     rows = json.loads((tmp_path / "broken_s8" / "results.json").read_text())["rows"]
-    assert len(rows) == 2 and not any(r["ok"] for r in rows)
+    assert len(rows) == 4 and not any(r["ok"] for r in rows)
 
 
 def test_gpu_check_script_refuses_unknown_formats_and_variants(tmp_path):

@@ -331,7 +331,7 @@ def test_kivi_child_on_cpu(nd, tmp_path):
                     "--config", '{"max_concurrent_steps": 3}'])
     assert info["impl"] == "mgpu_kivi" and info["format"] == "kivi2" and info["interpret"] is True
     assert info["config"] == dict(num_splits=None, max_concurrent_steps=3, precision="bf16x2", wgmma_inflight=None,
-                                  qk_plane_batch=0, offsets="highest")
+                                  qk_plane_batch=0, offsets="highest", barriers="explicit")
     assert info["num_splits"] >= 1 and info["calls"] == 1 and info["compile_s"] > 0
     # the prepared operands (less start / end) + the bf16 query: BH=4, T=512, D=128, 2-bit codes (4 tokens / byte),
     # float16 K scale / min [BH, T/32, D], V scale / min [BH, D/32, T]
@@ -375,8 +375,30 @@ def test_planar_s8_child_runs_the_twin_on_cpu(nd, capsys):
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("NCU_CHILD")][-1]
     info = json.loads(line.split(" ", 1)[1])
     assert (info["impl"], info["format"], info["interpret"]) == ("mgpu_planar_s8", "int2", True)
-    assert info["config"] == {"num_splits": None, "max_concurrent_steps": 3, "limb_path": "i16"}
+    assert info["config"] == {"num_splits": None, "max_concurrent_steps": 3, "limb_path": "i16", "pv_limbs": 3,
+                              "barriers": "explicit", "profile_dir": ""}
     assert info["num_splits"] >= 1
+
+
+def test_configs_add_a_case_per_impl_and_reach_the_child(nd, tmp_path):
+    """``--configs IMPL=JSON`` profiles IMPL once more with those fields, per T and format it reads, under a case
+    name of its own; the child gets them as ``--config``; a malformed item is refused by name."""
+    a = _shape_args(T=[4096, 32768], formats=["int2", "kivi2"], impls=["mgpu_planar_s8", "triton"],
+                    configs=[("mgpu_planar_s8", '{"pv_limbs": 2}')])
+    cases = nd.build_cases(a)
+    got = [(c["impl"], c["format"], c["T"], c.get("config", "")) for c in cases]
+    assert got == [("mgpu_planar_s8", "int2", 4096, ""), ("mgpu_planar_s8", "int2", 4096, '{"pv_limbs": 2}'),
+                   ("triton", "int2", 4096, ""), ("triton", "kivi2", 4096, "")] + [
+        ("mgpu_planar_s8", "int2", 32768, ""), ("mgpu_planar_s8", "int2", 32768, '{"pv_limbs": 2}'),
+        ("triton", "int2", 32768, ""), ("triton", "kivi2", 32768, "")]
+    names = [nd._case_name(c) for c in cases]
+    assert len(set(names)) == len(names) and "mgpu_planar_s8_int2_T4096_c0" in names
+    argv = nd.child_argv(a, cases[1], str(tmp_path / "i.json"))
+    assert argv[argv.index("--config") + 1] == '{"pv_limbs": 2}'
+    for bad, needle in (("mgpu_planar_s8", "IMPL=JSON"), ("nope={}", "IMPL=JSON"),
+                        ("mgpu_planar_s8={pv", "not JSON"), ("mgpu_planar_s8=[2]", "JSON object")):
+        with pytest.raises(SystemExit, match=needle):
+            nd.main(["--configs", bad, "--impls", "mgpu_planar_s8", "--formats", "int2", "--ncu", "false"])
 
 
 def test_kivi_pattern_matches_the_lowered_kernel_once_per_call(nd, rng):
