@@ -446,7 +446,8 @@ def timing(args, results, t, variants_here=True, tag=""):
                     "stages -1": dataclasses.replace(dflt, max_concurrent_steps=dflt.max_concurrent_steps - 1),
                     "stages +1": dataclasses.replace(dflt, max_concurrent_steps=dflt.max_concurrent_steps + 1),
                     f"bt {alt_bt}": dataclasses.replace(dflt, block_t=alt_bt, max_concurrent_steps=3),
-                    "prec bf16": dataclasses.replace(dflt, precision="bf16")})
+                    "prec bf16": dataclasses.replace(dflt, precision="bf16"),
+                    "barriers explicit": dataclasses.replace(dflt, barriers="explicit")})
                 if PRESETS[name][0].is_int:
                     variants["upcast"] = dataclasses.replace(dflt, upcast=True)
                     variants["upcast splits x2"] = dataclasses.replace(dflt, upcast=True, num_splits=2 * s0)

@@ -78,7 +78,7 @@ JOBS=${*:-engine_kivi2 engine_smollm2 sweeps fixed_order decode ws}
 PY=${PY:-python3}
 
 SEQUENTIAL=${SEQUENTIAL:-0}      # 1: the jobs run one after another (timing jobs: each alone on the GPU)
-KNOWN="paged_check engine engine_static engine_kivi2 engine_smollm2 engine_probe tv_check decode_shapes mosaic_shapes fp8_tune kivi_offsets planar s8 kivi_block gemma_passkey sweeps intactkv fixed_order decode ws ncu"
+KNOWN="v1_barriers paged_check engine engine_static engine_kivi2 engine_smollm2 engine_probe tv_check decode_shapes mosaic_shapes fp8_tune kivi_offsets planar s8 kivi_block gemma_passkey sweeps intactkv fixed_order decode ws ncu"
 for job in $JOBS; do                # every name checked before anything starts
   case " $KNOWN " in *" $job "*) ;; *) echo "unknown job $job ($KNOWN)" >&2; exit 2 ;; esac
 done
@@ -163,6 +163,10 @@ for job in $JOBS; do
         --out docs/results/decode_mgpu/pending-smollm2-shape; \
         $PY experiments/check_mgpu_decode.py --B 8 --hq 4 --hkv 1 --d 256 --T 8192,32768 --formats bf16,int8,int4 \
         $V --variant-names 'bt 64,splits x2,ws late-v' --out docs/results/decode_mgpu/pending-gemma3-shape" ;;
+    v1_barriers)
+      start_job v1_barriers 0.10 $PY experiments/check_mgpu_decode.py --no-check --T 32768,4096 --impls mgpu \
+        --formats int8,e4m3,int4,bf16 --variants --variants-at 32768,4096 --variant-names 'barriers explicit' \
+        --repeat 3 --repeat-variants --out docs/results/decode_mgpu/pending-v1-barriers ;;
     fp8_tune)
       start_job fp8_tune 0.10 $PY experiments/check_mgpu_decode.py --ws --quick --T 4096,32768 --formats e4m3 \
         --impls mgpu --reps 8 --variants --variants-at 4096,32768 --repeat 3 --repeat-variants \

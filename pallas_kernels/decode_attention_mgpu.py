@@ -125,6 +125,12 @@ class MgpuConfig:
     num_splits: split-K programs per (sequence, KV head); None -> enough for ~2 waves of the 132 SMs.
     max_concurrent_steps: TMA pipeline depth (stages in SMEM).
     precision: "bf16x2" (hi/lo p in one wgmma, ~1e-5) or "bf16" (p rounded once, ~1e-4..1e-3).
+    barriers: "auto" (default): Pallas's warpgroup barriers around every SMEM store (the P tiles: BT/64 per step,
+        two barriers each) and before every TMA load; "explicit" (``unsafe_no_auto_barriers``): the kernel's own
+        ``commit_smem`` calls only (after the P stores, before the PV wgmma; the previous step's wgmmas waited
+        for before the next stores; one at the end of each step before the pipeline refills the stage; the
+        epilogue's) -- the same arithmetic, as ``KiviMgpuConfig.barriers`` (v1 only; the warp-specialized
+        kernel keeps Pallas's barriers).
     """
 
     block_t: Optional[int] = None              # None -> default_mgpu_config
@@ -132,6 +138,7 @@ class MgpuConfig:
     max_concurrent_steps: Optional[int] = None  # None -> default_mgpu_config
     precision: str = "bf16x2"
     upcast: bool = False                         # INT codes loaded in WGMMA_UPCAST_2X/4X layouts (wider vectors)
+    barriers: str = "auto"
     split_query: bool = False                    # EXPERIMENTAL: float32 q as hi + lo MMA-dtype parts (2 QK wgmmas);
                                                  # on the H200 (2026-12-01) it did NOT lower the f32-q error
                                                  # (1.5e-3 bf16 K/V either way): unverified, off by default
@@ -306,6 +313,7 @@ class _Spec:
     v_mask: bool = False            # zero dead V columns in registers (FP8 V can hold NaN in dead rows)
     mma_dtype: Any = jnp.bfloat16   # operand type of both wgmmas (f16 for fp16/FP8 payloads: e4m3 -> f16 is one cvt)
     hkv: int = 1                    # KV heads: program pid reads start / end of sequence pid // hkv, lscale pid % hkv
+    barriers: str = "auto"          # MgpuConfig.barriers (v1's launch reads it)
 
 
 def _tile_transforms(dtype, minor: int):
@@ -462,8 +470,11 @@ def _mgpu_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec):
                 ks_smem = more.pop(0) if has_ks else None
                 vs_smem = more.pop(0) if has_vs else None
                 (i,) = indices
-                return _block_update(sp, q_smem, p_smem, [(k_smem, v_smem, ks_smem, vs_smem, (base + i) * bt)],
-                                     carry, lo, hi, lsc)
+                out = _block_update(sp, q_smem, p_smem, [(k_smem, v_smem, ks_smem, vs_smem, (base + i) * bt)],
+                                    carry, lo, hi, lsc)
+                if sp.barriers == "explicit":   # every read of this stage done before the pipeline refills it
+                    plgpu.commit_smem()
+                return out
 
             kspec = plgpu.BlockSpec((bt, d), lambda i: (base + i, 0), transforms=k_tf)
             if sp.v_regs:
@@ -506,7 +517,8 @@ def _mgpu_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec):
     out_type = (jax.ShapeDtypeStruct((bh, ns, d, n), _F32), jax.ShapeDtypeStruct((bh, ns, n), _F32),
                 jax.ShapeDtypeStruct((bh, ns, n), _F32))
     fn = plgpu.kernel(body, out_type=out_type, grid=(bh, ns), grid_names=("bh", "split"),
-                      compiler_params=plgpu.CompilerParams(approx_math=True))
+                      compiler_params=plgpu.CompilerParams(approx_math=True,
+                                                           unsafe_no_auto_barriers=sp.barriers == "explicit"))
     args = [start, end, lscale, q, k, v] + ([ks] if has_ks else []) + ([vs] if has_vs else [])
     return fn(*args)
 
@@ -525,6 +537,8 @@ def _spec_for(ops: MgpuOperands, g: int, cfg: MgpuConfig | None, q_dtype=jnp.bfl
     d, t, bh = ops.head_dim, ops.rows, ops.k.shape[0]
     if cfg.precision not in ("bf16x2", "bf16"):
         raise ValueError(f"precision must be 'bf16x2' or 'bf16', got {cfg.precision!r}")
+    if cfg.barriers not in ("auto", "explicit"):
+        raise ValueError(f"barriers must be 'auto' or 'explicit', got {cfg.barriers!r}")
     dup = g if cfg.precision == "bf16x2" else 0
     n = max(8, -(-(2 * g if dup else g) // 8) * 8)
     if cfg.block_t % 64 or t % cfg.block_t:
@@ -540,7 +554,8 @@ def _spec_for(ops: MgpuOperands, g: int, cfg: MgpuConfig | None, q_dtype=jnp.bfl
                  v_tok_scale=ops.v_scale is not None,
                  q_split=2 if cfg.split_query and jnp.dtype(q_dtype) != jnp.dtype(mma) else 1,
                  v_mask=vf.payload in ("e4m3", "e5m2"), mma_dtype=mma,
-                 upcast=(4 if kf.bits == 4 else 2) if cfg.upcast and kf.is_int else 0, hkv=ops.num_kv_heads)
+                 upcast=(4 if kf.bits == 4 else 2) if cfg.upcast and kf.is_int else 0, hkv=ops.num_kv_heads,
+                 barriers=cfg.barriers)
 
 
 def _query_block(q, hkv: int, sp: _Spec):

@@ -52,12 +52,18 @@ def _lower_cuda(fn, *args) -> str:
 @pytest.mark.parametrize("name", MGPU_FORMATS)
 def test_mgpu_kernel_lowers_for_cuda(rng, name):
     q, reg = _mgpu_case(rng, name)
-    cfgs = [mg.MgpuConfig(num_splits=2), mg.MgpuConfig(precision="bf16")]
+    cfgs = [mg.MgpuConfig(num_splits=2), mg.MgpuConfig(precision="bf16"), mg.MgpuConfig(barriers="explicit")]
     if PRESETS[name][0].is_int:
         cfgs.append(mg.MgpuConfig(upcast=True))
+    texts = []
     for cfg in cfgs:
         text = _lower_cuda(lambda q, r, cfg=cfg: mg.decode_attention_mgpu(q, r, config=cfg), q, reg)
         assert "mosaic_gpu" in text
+        texts.append(text)
+    # the barrier mode is live: explicit barriers lower to another kernel than the default's; a bad mode is refused
+    assert texts[2] != _lower_cuda(lambda q, r: mg.decode_attention_mgpu(q, r, config=mg.MgpuConfig()), q, reg)
+    with pytest.raises(ValueError, match="barriers must be 'auto' or 'explicit', got 'none'"):
+        _lower_cuda(lambda q, r: mg.decode_attention_mgpu(q, r, config=mg.MgpuConfig(barriers="none")), q, reg)
 
 
 @pytest.mark.parametrize("name", MGPU_FORMATS)
