@@ -126,16 +126,18 @@ class PlanarS8Config:
         an untiled scratch, then an ``SMEM_GMEM_COPY``-layout load) is refused: :data:`WRONG_LIMB_PATHS`.
     pv_limbs: 7-bit limbs per ``p sv`` value (:data:`PV_LIMBS`): 3 (default) quantizes ``p sv`` per block and
         column to 21 bits; 2 to 14 bits, with two thirds of the limb stores, 16 instead of 32 B rows per INT2
-        plane (half the converting copy and the PV wgmma's N) and fewer registers.  The bytes of plane ``r`` carry
-        ``2^(bits r)``, so plane ``r`` keeps ``bits r`` fewer bits: INT2's top plane 15 (3 limbs) or 8 (2 limbs),
-        i.e. an error up to ~2^-9 of the block's largest ``p sv`` per element, as a bf16 ``p`` would have.
+        plane (half the converting copy and the PV wgmma's N).  The bytes of plane ``r`` carry ``2^(bits r)``, so
+        plane ``r`` keeps ``bits r`` fewer bits: with 3 limbs INT2's top plane keeps 15; with 2 limbs the planes
+        share accumulators in groups (:func:`pv_plane_group`) so that every plane keeps >= 12 (one accumulator would
+        leave INT2's top plane 8).  H100, T = 32K: 8.9e-6 (INT2), 9.1e-6 (INT4), 1.3e-4 (QServe: its unsigned codes
+        make ``sum p sv u`` ~8x the output) against <= 7e-6 with 3 limbs, 10-12 % faster on INT2.
     barriers: ``"auto"``: Pallas puts a warpgroup barrier before and after every shared-memory store and before
         every TMA load (two per limb store: 24 per INT2 step with 3 limbs); ``"explicit"`` (default;
         ``unsafe_no_auto_barriers``): only the kernel's own ``commit_smem`` calls order its shared memory
         (:data:`BARRIERS` lists which hazard each one covers), plus one at the end of every step before the
         pipeline refills the stage just read.  The same arithmetic: the outputs are bit-identical when the ordering
-        is right (H100, T = 32K, 2026-12-07: identical for INT2 / INT4 / QServe in two calls; INT2 101-102 ->
-        95.6-96.4 us, INT4 129-131 -> 123.5-126.6, QServe 134-135 -> 127.4-130.3).
+        is right (H100, T = 32K, 2026-12-07: identical for INT2 / INT4 / QServe in three calls; INT2 101-102 ->
+        94.9-96.4 us, INT4 129-131 -> 123.5-126.6, QServe 133-135 -> 127.4-130.3).
     profile_dir: when set, Mosaic GPU's in-kernel profiler records the kernel's named phases (``s8_qk``,
         ``s8_softmax``, ``s8_limbs``, ``s8_copy``, ``s8_pv``, ``s8_acc``) per warpgroup in SM clock cycles and writes
         one Perfetto trace per call there (``experiments/profile_mgpu_s8.py``); a diagnostic (the timer reads cost
