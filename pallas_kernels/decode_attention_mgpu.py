@@ -472,8 +472,7 @@ def _mgpu_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec):
                 (i,) = indices
                 out = _block_update(sp, q_smem, p_smem, [(k_smem, v_smem, ks_smem, vs_smem, (base + i) * bt)],
                                     carry, lo, hi, lsc)
-                if sp.barriers == "explicit":   # every read of this stage done before the pipeline refills it
-                    plgpu.commit_smem()
+                release_stage(sp.barriers)
                 return out
 
             kspec = plgpu.BlockSpec((bt, d), lambda i: (base + i, 0), transforms=k_tf)
@@ -517,10 +516,30 @@ def _mgpu_call(start, end, lscale, q, k, v, ks, vs, sp: _Spec):
     out_type = (jax.ShapeDtypeStruct((bh, ns, d, n), _F32), jax.ShapeDtypeStruct((bh, ns, n), _F32),
                 jax.ShapeDtypeStruct((bh, ns, n), _F32))
     fn = plgpu.kernel(body, out_type=out_type, grid=(bh, ns), grid_names=("bh", "split"),
-                      compiler_params=plgpu.CompilerParams(approx_math=True,
-                                                           unsafe_no_auto_barriers=sp.barriers == "explicit"))
+                      compiler_params=plgpu.CompilerParams(approx_math=True, **barrier_compiler_params(sp.barriers)))
     args = [start, end, lscale, q, k, v] + ([ks] if has_ks else []) + ([vs] if has_vs else [])
     return fn(*args)
+
+
+#: what orders a Mosaic decode kernel's shared memory (``MgpuConfig.barriers``, ``KiviMgpuConfig.barriers``,
+#: ``PlanarS8Config.barriers``): Pallas's automatic warpgroup barriers around every SMEM store and before every TMA
+#: load ("auto"), or the kernel's own ``commit_smem`` calls ("explicit")
+BARRIER_MODES = ("auto", "explicit")
+
+
+def barrier_compiler_params(barriers: str) -> dict:
+    """The ``plgpu.CompilerParams`` fields of a barrier mode: ``"explicit"`` turns Pallas's automatic barriers off."""
+    return dict(unsafe_no_auto_barriers=barriers == "explicit")
+
+
+def release_stage(barriers: str) -> None:
+    """The end of a pipeline step (inside a kernel) under ``"explicit"`` barriers: one warpgroup barrier
+    (``commit_smem``), so that every thread's reads of the stage just used are done before ``emit_pipeline`` issues
+    the TMA that refills it (what Pallas's barrier before that copy did).  Nothing under ``"auto"``."""
+    if barriers == "explicit":
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        plgpu.commit_smem()
 
 
 def _auto_splits(bh: int, nb: int) -> int:
@@ -537,7 +556,7 @@ def _spec_for(ops: MgpuOperands, g: int, cfg: MgpuConfig | None, q_dtype=jnp.bfl
     d, t, bh = ops.head_dim, ops.rows, ops.k.shape[0]
     if cfg.precision not in ("bf16x2", "bf16"):
         raise ValueError(f"precision must be 'bf16x2' or 'bf16', got {cfg.precision!r}")
-    if cfg.barriers not in ("auto", "explicit"):
+    if cfg.barriers not in BARRIER_MODES:
         raise ValueError(f"barriers must be 'auto' or 'explicit', got {cfg.barriers!r}")
     dup = g if cfg.precision == "bf16x2" else 0
     n = max(8, -(-(2 * g if dup else g) // 8) * 8)

@@ -91,7 +91,8 @@ from kvquant_jax.abi.reference import decode_attention_reference as _oracle_f64
 from kvquant_jax.abi.reference import unpack_codes
 from kvquant_jax.abi.regions import KVFormat, Region, check_query
 from pallas_kernels.backend import default_interpret
-from pallas_kernels.decode_attention_mgpu import _auto_splits, _merge_partials, _tile_transforms, hopper_unsupported
+from pallas_kernels.decode_attention_mgpu import (BARRIER_MODES, _auto_splits, _merge_partials, _tile_transforms,
+                                                  barrier_compiler_params, hopper_unsupported, release_stage)
 
 __all__ = ["KiviMgpuConfig", "KiviMgpuOperands", "kivi_mgpu_unsupported", "prepare_kivi_region",
            "kivi_planar_unsupported", "kivi_planar_layout_unsupported", "planar_operands", "decode_attention_kivi_planar",
@@ -154,8 +155,6 @@ class KiviMgpuConfig:
     barriers: str = "explicit"
 
 
-#: ``KiviMgpuConfig.barriers`` (and ``PlanarS8Config.barriers``): Pallas's automatic SMEM barriers, or the kernel's
-BARRIER_MODES = ("auto", "explicit")
 #: the ways :func:`_group_offsets` can compute ``c`` (``KiviMgpuConfig.offsets``)
 OFFSETS = ("highest", "bf16x3", "rows")
 
@@ -557,8 +556,7 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
                                 plgpu.wgmma_wait(sp.inflight)
 
                 accs = list(pl.run_state(pv_fn)([plgpu.ACC.init(a_) for a_ in accs]))
-                if sp.barriers == "explicit":   # every read of this stage done before the pipeline refills it
-                    plgpu.commit_smem()
+                release_stage(sp.barriers)
                 return accs, m_new, l_i, zs
 
             blk = lambda i: (base + i, 0)            # noqa: E731  (token rows first)
@@ -603,8 +601,7 @@ def _kivi_call(start, end, qt, c, k, v, ks, vs, vm, sp: _KiviSpec):
         )
 
     fn = plgpu.kernel(body, out_type=_split_out_types(bh, ns, d, n, nvg), grid=(bh, ns), grid_names=("bh", "split"),
-                      compiler_params=plgpu.CompilerParams(approx_math=True,
-                                                           unsafe_no_auto_barriers=sp.barriers == "explicit"))
+                      compiler_params=plgpu.CompilerParams(approx_math=True, **barrier_compiler_params(sp.barriers)))
     return fn(start, end, qt, *[arrays[nm] for nm in names])
 
 

@@ -59,7 +59,8 @@ from jax.experimental import pallas as pl
 
 from kvquant_jax.abi import token_planar as tp
 from pallas_kernels.backend import default_interpret
-from pallas_kernels.decode_attention_mgpu import _auto_splits, _merge_partials, _tile_transforms, hopper_unsupported
+from pallas_kernels.decode_attention_mgpu import (_auto_splits, _merge_partials, _tile_transforms,
+                                                  barrier_compiler_params, hopper_unsupported, release_stage)
 from pallas_kernels.decode_attention_mgpu_kivi import (_F32, _LN2, _M, _NEG, _kernel_partials, _masked_planes,
                                                        _online_max, _PlaneBlock, _plane_mask, _program_rows,
                                                        _scaled_query_block, _split_out_types, _top_plane_rows,
@@ -78,7 +79,8 @@ _NL = 8                    # query columns per limb (one 8-column wgmma N tile p
 _NQ = _LIMBS * _NL         # QK wgmma N
 #: the kernel's named phases per pipeline step, in order (what ``PlanarS8Config.profile_dir`` records)
 PROFILE_PHASES = ("s8_qk", "s8_softmax", "s8_limbs", "s8_copy", "s8_pv", "s8_acc")
-#: :class:`PlanarS8Config.barriers` -> what orders the kernel's shared memory (the modes of ``BARRIER_MODES``)
+#: :class:`PlanarS8Config.barriers` -> what orders this kernel's shared memory (the modes of
+#: ``decode_attention_mgpu.BARRIER_MODES``)
 BARRIERS = {
     "auto": "Pallas's automatic warpgroup barriers around every SMEM store and before every TMA load",
     "explicit": "the kernel's commit_smem calls only: after the scratch's zero fill (before any limb store), after "
@@ -446,8 +448,7 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                         return [a_[...] for a_ in acc_refs]
 
                     pvr = pl.run_scoped(pv, *[plgpu.ACC((_M, pvn), i32) for _ in range(dch * npg)])
-                    if sp.barriers == "explicit":   # every read of this stage done before the pipeline refills it
-                        plgpu.commit_smem()
+                    release_stage(sp.barriers)
                 with jax.named_scope("s8_acc"):
                     new_accs = []
                     for j in range(dch):
@@ -497,8 +498,8 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
     # (room for every phase twice per step: a scope may be recorded again inside a nested region)
     prof = dict(profile_space=2 * nbs * len(PROFILE_PHASES) + 64, profile_dir=sp.profile_dir) if sp.profile_dir else {}
     fn = plgpu.kernel(body, out_type=_split_out_types(bh, ns, d, n, nvg), grid=(bh, ns), grid_names=("bh", "split"),
-                      compiler_params=plgpu.CompilerParams(approx_math=True,
-                                                           unsafe_no_auto_barriers=sp.barriers == "explicit", **prof))
+                      compiler_params=plgpu.CompilerParams(approx_math=True, **barrier_compiler_params(sp.barriers),
+                                                           **prof))
     return fn(start, end, qb, qaux, *[arrays[nm] for nm in names])
 
 
