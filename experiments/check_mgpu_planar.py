@@ -63,7 +63,8 @@ def variant_configs(dflt: mk.KiviMgpuConfig, s0: int) -> dict[str, mk.KiviMgpuCo
 def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS8Config]:
     """--variants of the s8 kernel: the names it shares with :func:`variant_configs`, and ``limbs <path>`` for
     each other :data:`~pallas_kernels.decode_attention_mgpu_planar_s8.LIMB_PATHS` entry, ``pv limbs <n>`` for each
-    other ``PV_LIMBS`` entry, ``barriers <b>`` for each other ``BARRIERS`` entry, and the two together."""
+    other ``PV_LIMBS`` entry, ``barriers <b>`` for each other ``BARRIERS`` entry, and the two together; ``qparams
+    early``, ``v early`` (each flag flipped), ``early loads`` (both on) and that with the other PV limbs."""
     rep = dataclasses.replace
     return {"stages 3": rep(dflt, max_concurrent_steps=3), "stages 4": rep(dflt, max_concurrent_steps=4),
             "splits x2": rep(dflt, num_splits=2 * s0), "splits /2": rep(dflt, num_splits=max(1, s0 // 2)),
@@ -71,7 +72,12 @@ def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS
             **{f"pv limbs {n}": rep(dflt, pv_limbs=n) for n in s8.PV_LIMBS if n != dflt.pv_limbs},
             **{f"barriers {b}": rep(dflt, barriers=b) for b in s8.BARRIERS if b != dflt.barriers},
             **{f"pv limbs {n} + barriers {b}": rep(dflt, pv_limbs=n, barriers=b)
-               for n in s8.PV_LIMBS if n != dflt.pv_limbs for b in s8.BARRIERS if b != dflt.barriers}}
+               for n in s8.PV_LIMBS if n != dflt.pv_limbs for b in s8.BARRIERS if b != dflt.barriers},
+            "qparams early": rep(dflt, qparams_early=not dflt.qparams_early),
+            "v early": rep(dflt, v_early=not dflt.v_early),
+            "early loads": rep(dflt, qparams_early=True, v_early=True),
+            **{f"early loads + pv limbs {n}": rep(dflt, qparams_early=True, v_early=True, pv_limbs=n)
+               for n in s8.PV_LIMBS if n != dflt.pv_limbs}}
 
 
 #: every --variants name (the bf16 kernel's, then the s8 kernel's own: an impl times the names it has)

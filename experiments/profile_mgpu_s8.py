@@ -143,16 +143,25 @@ def run_case(a, fmt: str, variant: str, t: int, tmp: str, q, ops, ref) -> dict:
         row["profile"] = None
         return row
     with open(traces[-1]) as f:
-        row["profile"] = summarize(phase_cycles(json.load(f)))
+        trace = json.load(f)
+    row["profile"] = summarize(phase_cycles(trace))
+    row["subprofile"] = summarize(phase_cycles(trace, SUBPHASES))
     return row
 
 
-def table(rows) -> list[str]:
-    cols = (*s8.PROFILE_PHASES, "between")
+#: every sub-phase of ``PROFILE_SUBPHASES``, in order (their own table: ``rest`` = the step less the sub-phases)
+SUBPHASES = tuple(n for subs in s8.PROFILE_SUBPHASES.values() for n in subs)
+
+
+def table(rows, key: str = "profile") -> list[str]:
+    """Markdown rows of ``rows``' ``key`` profile (``"profile"``: the phases; ``"subprofile"``: the sub-phases)."""
+    cols = (*s8.PROFILE_PHASES, "between") if key == "profile" else (*SUBPHASES, "between")
     out = ["| format | variant | T | call µs | kernel µs | vs default | steps/CTA | "
-           + " | ".join(c.removeprefix("s8_") for c in cols) + " | step cycles |", "|---" * (8 + len(cols)) + "|"]
+           + " | ".join(c.removeprefix("s8_") for c in cols).replace("between", "between" if key == "profile"
+                                                                    else "rest")
+           + " | step cycles |", "|---" * (8 + len(cols)) + "|"]
     for r in rows:
-        p = r.get("profile") or {}
+        p = r.get(key) or {}
         cyc, sh = p.get("cycles_per_step", {}), p.get("share", {})
         cells = [f"{cyc[c]:.0f} ({100 * sh[c]:.0f} %)" if c in cyc else "-" for c in cols]
         out.append(f"| {r['format']} | {r['variant']} | {r['T']} | {r.get('call_us', float('nan')):.1f} | "
@@ -188,7 +197,7 @@ def main(argv=None) -> int:
                     row = run_case(a, fmt, variant, t, tmp, q, ops, ref)
                     rows.append(row)
                     print("\n".join(table([row])[2:]), flush=True)
-    lines = table(rows)
+    lines = table(rows) + ["", "Sub-phases (``rest``: the step less the sub-phases):", ""] + table(rows, "subprofile")
     print("\n".join(lines))
     if a.out:
         os.makedirs(a.out, exist_ok=True)

@@ -68,7 +68,7 @@ from pallas_kernels.decode_attention_mgpu_kivi import (_F32, _LN2, _M, _NEG, _ke
 from pallas_kernels.decode_attention_mgpu_planar import (TokenPlanarOperands, _check_operands,
                                                          token_planar_layout_unsupported, token_planar_operands)
 
-__all__ = ["PlanarS8Config", "LIM", "LIMB_PATHS", "SMEM_BUDGET", "smem_bytes_estimate", "s8_unsupported", "query_limbs", "limbs",
+__all__ = ["PlanarS8Config", "LIM", "LIMB_PATHS", "PROFILE_PHASES", "PROFILE_SUBPHASES", "SMEM_BUDGET", "smem_bytes_estimate", "s8_unsupported", "query_limbs", "limbs",
            "decode_attention_mgpu_planar_s8_partials", "decode_attention_mgpu_planar_s8_prepared", "token_planar_s8_layout_unsupported",
            "token_planar_s8_layer_unsupported", "decode_attention_token_planar_s8"]
 
@@ -79,6 +79,15 @@ _NL = 8                    # query columns per limb (one 8-column wgmma N tile p
 _NQ = _LIMBS * _NL         # QK wgmma N
 #: the kernel's named phases per pipeline step, in order (what ``PlanarS8Config.profile_dir`` records)
 PROFILE_PHASES = ("s8_qk", "s8_softmax", "s8_limbs", "s8_copy", "s8_pv", "s8_acc")
+#: finer named scopes inside those phases (what the profiler records beside them): phase -> its sub-phases, in
+#: order (``experiments/profile_mgpu_s8.py --subphases``)
+PROFILE_SUBPHASES = {
+    "s8_qk": ("qk_issue", "qk_wait"),          # K bytes load, plane masks, wgmma issue / the wait and the reads
+    "s8_softmax": ("sm_logits", "sm_max", "sm_p"),   # logits per plane (ks loads) / online max / p, l, V min, x
+    "s8_limbs": ("lb_amax", "lb_store"),       # per-column max |x| (cross-warp) / rounding, limb split, stores
+    "s8_copy": ("cp_commit1", "cp_convert", "cp_commit2"),
+    "s8_pv": ("pv_issue", "pv_wait", "pv_release"),
+}
 #: :class:`PlanarS8Config.barriers` -> what orders this kernel's shared memory (the modes of
 #: ``decode_attention_mgpu.BARRIER_MODES``)
 BARRIERS = {
@@ -144,6 +153,12 @@ class PlanarS8Config:
         ``s8_softmax``, ``s8_limbs``, ``s8_copy``, ``s8_pv``, ``s8_acc``) per warpgroup in SM clock cycles and writes
         one Perfetto trace per call there (``experiments/profile_mgpu_s8.py``); a diagnostic (the timer reads cost
         a few cycles each), not for serving.
+    qparams_early: load every plane's K and V qparams (scales, zeros) from the stage right after issuing the QK
+        wgmmas, while they run, instead of where the softmax uses them (more registers live across the QK wait).
+    v_early: load the V codes (the PV wgmma's register operand) right after issuing the QK wgmmas instead of before
+        the PV wgmmas; the stage's last read then precedes the B-operand copy's second ``commit_smem``, which also
+        releases the stage (under ``barriers="explicit"`` the end-of-step barrier goes: one warpgroup barrier per
+        step fewer).  16 more registers live through the softmax and the limb split.
     """
 
     num_splits: Optional[int] = None
@@ -152,6 +167,8 @@ class PlanarS8Config:
     pv_limbs: int = 3
     barriers: str = "explicit"
     profile_dir: str = ""
+    qparams_early: bool = False
+    v_early: bool = False
 
 
 #: the ways :class:`PlanarS8Config.limb_path` may take (the default first)
@@ -284,6 +301,8 @@ class _S8Spec(_PlaneBlock):
     pv_limbs: int = 3
     barriers: str = "explicit"
     profile_dir: str = ""
+    qparams_early: bool = False
+    v_early: bool = False
 
     n = _NL            # query columns (the outputs' N; one limb tile)
     dup = 0            # (no hi / lo column halves: ``_kernel_partials`` reads it)
@@ -362,24 +381,49 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                 accs, m_i, l_i, zs = args[len(names)]
                 row0 = (base + i) * bt
 
+                def load_k_qparams(r):       # plane r's K qparam rows (scale [, zero]) [64] each, float32
+                    return [plgpu.load(ks_smem.at[row, pl.ds(r * _M, _M)], (), layout=wg.reduce(1),
+                                       optimized=False).astype(_F32) for row in range(sp.k_rows)]
+
+                def load_v_qparams(r, ci):   # plane r's V scale and zero (None: symmetric) of channel group ci
+                    sv = plgpu.load(vs_smem.at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1),
+                                    optimized=False).astype(_F32)
+                    zv = None if sp.v_zero == "symmetric" else plgpu.load(
+                        sm["vm"].at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1), optimized=False).astype(_F32)
+                    return sv, zv
+
+                def load_qparams():
+                    return ([load_k_qparams(r) for r in range(pln)],
+                            [[load_v_qparams(r, ci) for ci in range(nvg)] for r in range(pln)])
+
+                def load_v_tile(j):          # V codes [64 channels, 64 tokens] int8 of d-tile j
+                    return plgpu.load(v_smem.at[pl.ds(j * _M, _M)], (), layout=w8)
+
+                def load_v():
+                    return [load_v_tile(j) for j in range(dch)]
+
                 with jax.named_scope("s8_qk"):
                     # 1. S^T per plane: ONE s8 wgmma per D chunk (N = 3 limbs x 8 columns), int32, exact
                     def qk(*acc_refs):
-                        kbytes = plgpu.load(k_smem, (), layout=w8)                   # [64, D] int8, P planes
-                        for acc_ref, r in zip(acc_refs, range(pln)):
-                            kr = kbytes & jnp.full(kbytes.shape, _plane_mask(r, sp.bits), i8)
-                            for j in range(dq):
-                                plgpu.wgmma(acc_ref, kr[:, j * kc:(j + 1) * kc], qb_smem.at[j].T)
-                        return [a_[...] for a_ in acc_refs]
+                        with jax.named_scope("qk_issue"):
+                            kbytes = plgpu.load(k_smem, (), layout=w8)               # [64, D] int8, P planes
+                            for acc_ref, r in zip(acc_refs, range(pln)):
+                                kr = kbytes & jnp.full(kbytes.shape, _plane_mask(r, sp.bits), i8)
+                                for j in range(dq):
+                                    plgpu.wgmma(acc_ref, kr[:, j * kc:(j + 1) * kc], qb_smem.at[j].T)
+                            # (while the wgmmas run: what the config loads early)
+                            early = (load_qparams() if sp.qparams_early else None,
+                                     load_v() if sp.v_early else None)
+                        with jax.named_scope("qk_wait"):
+                            return [a_[...] for a_ in acc_refs], early
 
-                    raw = pl.run_scoped(qk, *[plgpu.ACC((_M, _NQ), i32) for _ in range(pln)])
-                with jax.named_scope("s8_softmax"):
+                    raw, (qparams, vbytes_all) = pl.run_scoped(qk, *[plgpu.ACC((_M, _NQ), i32) for _ in range(pln)])
+                with jax.named_scope("s8_softmax"), jax.named_scope("sm_logits"):
+                    kq, vq = qparams if qparams is not None else (None, None)
                     ss, valids = [], []
                     for r in range(pln):
                         dot = _from_limbs(*(raw[r][:, li * n:(li + 1) * n] for li in range(_LIMBS)))
-                        rws = pl.ds(r * _M, _M)
-                        st, *zt = [plgpu.load(ks_smem.at[row, rws], (), layout=wg.reduce(1),
-                                              optimized=False).astype(_F32) for row in range(sp.k_rows)]
+                        st, *zt = kq[r] if kq is not None else load_k_qparams(r)
                         mt = zero_min(st, zt[0] if zt else None, sp.k_zero, sp.bits)
                         if r == pln - 1:               # re-centred top-plane codes read u - 2^(bits-1)
                             mt = mt + half * st
@@ -389,21 +433,19 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                         ss.append(jnp.where(valid, s, _NEG))
                         valids.append(valid)
 
+                with jax.named_scope("s8_softmax"), jax.named_scope("sm_max"):
                     # 2. online softmax: ONE cross-warp max for the block
                     m_new, alpha = _online_max(ss, m_i)
                     alpha_t = bcol(alpha)
                     l_i = l_i * alpha_t
                     zs = [z * alpha_t for z in zs]
+                with jax.named_scope("s8_softmax"), jax.named_scope("sm_p"):
                     xs = [[None] * pln for _ in range(nvg)]
                     for r in range(pln):
                         p = jnp.where(valids[r], jnp.exp2(ss[r] - bcol(m_new)), 0.0)
                         l_i = l_i + p
                         for ci in range(nvg):
-                            sv = plgpu.load(vs_smem.at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1),
-                                            optimized=False).astype(_F32)
-                            zv = None if sp.v_zero == "symmetric" else plgpu.load(
-                                sm["vm"].at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1), optimized=False
-                            ).astype(_F32)
+                            sv, zv = vq[r][ci] if vq is not None else load_v_qparams(r, ci)
                             mv = zero_min(sv, zv, sp.v_zero, sp.bits)
                             if r == pln - 1:
                                 mv = mv + half * sv
@@ -414,41 +456,51 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
 
                 with jax.named_scope("s8_limbs"):
                     # 3. x -> 21-bit limbs per column (scale S_c: the block's max |x|), via SMEM into the B operands
-                    scales = []
+                    scales, invs = [], []
                     for ci in range(nvg):
-                        amax = jnp.abs(xs[ci][0])
-                        for x in xs[ci][1:]:
-                            amax = jnp.maximum(amax, jnp.abs(x))
-                        cmax = amax.max(axis=0)
-                        safe = jnp.where(cmax > 0, cmax, 1.0)
-                        inv = bcol(lim_pv / safe)
-                        scales.append(safe * (1.0 / lim_pv))
+                        with jax.named_scope("lb_amax"):
+                            amax = jnp.abs(xs[ci][0])
+                            for x in xs[ci][1:]:
+                                amax = jnp.maximum(amax, jnp.abs(x))
+                            cmax = amax.max(axis=0)
+                            safe = jnp.where(cmax > 0, cmax, 1.0)
+                            invs.append(bcol(lim_pv / safe))
+                            scales.append(safe * (1.0 / lim_pv))
+                    for ci in range(nvg):
+                        inv = invs[ci]
                         for r in range(pln):
                             for li, limb in enumerate(limbs(_round_to_lim(xs[ci][r] * inv, lim_pv), nlv)):
                                 x_smem.at[pl.ds(ci * prows + r * npl + li * n, n)].T[...] = plgpu.layout_cast(
                                     _limb_value(limb, lp), plgpu.Layout.WGMMA_TRANSPOSED)
                 with jax.named_scope("s8_copy"):
-                    plgpu.commit_smem()
-                    for ci in range(nvg):
-                        xr = pl.ds(ci * prows, prows)
-                        p_smem.at[xr][...] = _limb_scratch_to_i8(x_smem.at[xr], lp)
-                    plgpu.commit_smem()
+                    with jax.named_scope("cp_commit1"):
+                        plgpu.commit_smem()
+                    with jax.named_scope("cp_convert"):
+                        for ci in range(nvg):
+                            xr = pl.ds(ci * prows, prows)
+                            p_smem.at[xr][...] = _limb_scratch_to_i8(x_smem.at[xr], lp)
+                    with jax.named_scope("cp_commit2"):
+                        plgpu.commit_smem()
 
                 with jax.named_scope("s8_pv"):
                     # 4. O^T[d-tile j] += V^T plane r [64, 64] @ limbs (r): ONE s8 wgmma per (plane, d-tile),
                     #    into the accumulator of r's plane group (one group with 3 limbs)
                     def pv(*acc_refs):
-                        for j in range(dch):
-                            ci = j * _M // sp.vg
-                            vbytes = plgpu.load(v_smem.at[pl.ds(j * _M, _M)], (), layout=w8)
-                            for r in range(pln):
-                                vr = vbytes & jnp.full(vbytes.shape, _plane_mask(r, sp.bits), i8)
-                                plgpu.wgmma(acc_refs[j * npg + r // pgs], vr,
-                                            p_smem.at[pl.ds(ci * prows + r * npl, pvn)].T)
-                        return [a_[...] for a_ in acc_refs]
+                        with jax.named_scope("pv_issue"):
+                            for j in range(dch):
+                                ci = j * _M // sp.vg
+                                vbytes = vbytes_all[j] if vbytes_all is not None else load_v_tile(j)
+                                for r in range(pln):
+                                    vr = vbytes & jnp.full(vbytes.shape, _plane_mask(r, sp.bits), i8)
+                                    plgpu.wgmma(acc_refs[j * npg + r // pgs], vr,
+                                                p_smem.at[pl.ds(ci * prows + r * npl, pvn)].T)
+                        with jax.named_scope("pv_wait"):
+                            return [a_[...] for a_ in acc_refs]
 
                     pvr = pl.run_scoped(pv, *[plgpu.ACC((_M, pvn), i32) for _ in range(dch * npg)])
-                    release_stage(sp.barriers)
+                    if not sp.v_early:              # (v_early: cp_commit2 came after the stage's last read)
+                        with jax.named_scope("pv_release"):
+                            release_stage(sp.barriers)
                 with jax.named_scope("s8_acc"):
                     new_accs = []
                     for j in range(dch):
@@ -496,7 +548,8 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
         )
 
     # (room for every phase twice per step: a scope may be recorded again inside a nested region)
-    prof = dict(profile_space=2 * nbs * len(PROFILE_PHASES) + 64, profile_dir=sp.profile_dir) if sp.profile_dir else {}
+    nscopes = len(PROFILE_PHASES) + sum(map(len, PROFILE_SUBPHASES.values())) + 2 * nvg
+    prof = dict(profile_space=2 * nbs * nscopes + 64, profile_dir=sp.profile_dir) if sp.profile_dir else {}
     fn = plgpu.kernel(body, out_type=_split_out_types(bh, ns, d, n, nvg), grid=(bh, ns), grid_names=("bh", "split"),
                       compiler_params=plgpu.CompilerParams(approx_math=True, **barrier_compiler_params(sp.barriers),
                                                            **prof))
@@ -542,7 +595,8 @@ def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config, allow_wrong: bo
         raise ValueError(f"num_splits={ns} does not divide the {nb} blocks")
     sp = _S8Spec(d=ops.head_dim, g=g, bits=ops.bits, ns=ns, nbs=nb // ns, stages=cfg.max_concurrent_steps,
                  hkv=ops.num_kv_heads, k_zero=ops.k_zero, v_zero=ops.v_zero_kind, vg=ops.v_group,
-                 limb_path=cfg.limb_path, pv_limbs=cfg.pv_limbs, barriers=cfg.barriers, profile_dir=cfg.profile_dir)
+                 limb_path=cfg.limb_path, pv_limbs=cfg.pv_limbs, barriers=cfg.barriers, profile_dir=cfg.profile_dir,
+                 qparams_early=cfg.qparams_early, v_early=cfg.v_early)
     need = smem_bytes_estimate(sp, ops.k_qparams.dtype.itemsize)
     if need > SMEM_BUDGET:
         raise NotImplementedError(

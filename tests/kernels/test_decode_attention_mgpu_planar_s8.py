@@ -189,6 +189,25 @@ def test_barrier_mode_is_checked_and_lowers(rng, bits, pv_limbs):
     assert all(np.array_equal(t, twins[0]) for t in twins[1:])
 
 
+@pytest.mark.parametrize("bits,kz,vz,vg", [(2, "symmetric", "symmetric", 0), (4, "offset", "offset", 64)])
+def test_early_loads_lower_to_other_kernels(rng, bits, kz, vz, vg):
+    """``qparams_early`` / ``v_early`` (loads moved under the QK wgmmas; ``v_early`` also drops the end-of-step
+    barrier) each lower for ``cuda`` to a kernel of their own (the knobs are live), under both barrier modes, with
+    V zeros and two channel groups too; the numbers are the twin's either way (only where the loads are issued
+    changes)."""
+    import jax
+
+    q, reg, kn, vn = _case(rng, bits, kz, vz, vg, 128, 4, b=2, poison=False)
+    ops = mp.prepare_token_planar_region(reg)
+    cfgs = [s8.PlanarS8Config(num_splits=2, qparams_early=a, v_early=v, barriers=b)
+            for a in (False, True) for v in (False, True) for b in ("explicit", "auto")]
+    texts = [jax.jit(lambda q, o, c=c: s8.decode_attention_mgpu_planar_s8_prepared(q, o, config=c, interpret=False))
+             .trace(q, ops).lower(lowering_platforms=("cuda",)).as_text() for c in cfgs]
+    assert all("mosaic_gpu" in t for t in texts) and len(set(texts)) == len(cfgs)
+    twins = [np.asarray(_run(q, reg, kn, vn, config=c)) for c in cfgs[1::2]]
+    assert all(np.array_equal(t, twins[0]) for t in twins[1:])
+
+
 @pytest.mark.parametrize("mutation", ["min_shift", "limb_weight", "no_block_scale"])
 def test_mutations_are_caught(rng, monkeypatch, mutation):
     """The oracle comparison is not vacuous: every min off by ``2^(bits-1) s`` (the top plane's shift applied
@@ -235,7 +254,8 @@ def test_splits_must_divide_blocks(rng):
         _run(q, reg, kn, vn, config=s8.PlanarS8Config(num_splits=3))
     assert dataclasses.asdict(s8.PlanarS8Config()) == {"num_splits": None, "max_concurrent_steps": 2,
                                                        "limb_path": "i16", "pv_limbs": 3, "barriers": "explicit",
-                                                       "profile_dir": ""}
+                                                       "profile_dir": "", "qparams_early": False,
+                                                       "v_early": False}
 
 
 def test_limb_path_is_checked_and_changes_the_kernel(rng):
