@@ -7,7 +7,7 @@
 The kernels: ``pallas_kernels/decode_attention_mgpu_planar.py`` (the token-planar KIVI kernel with per-token keys;
 impl ``mgpu``) and ``pallas_kernels/decode_attention_mgpu_planar_s8.py`` (the same operands on s8 tensor cores; impl
 ``mgpu_s8``, parity rows ``precision="s8"`` bound 5e-5 where it reads the case: V groups 0 or multiples of 64; its
-``pv_limbs=2`` variant bound 5e-4).
+``pv_limbs=2`` variant bound 5e-4).  ``--check-only --variants NAMES`` runs those s8 variants' parity rows too (GPU).
 ``--impls`` picks among ``triton,mgpu,mgpu_s8`` (default all three; the bf16 kernel's parity rows need ``mgpu``).
 (a) Small ragged cases (B=3, Hkv=2, T=512, poisoned dead rows: NaN qparams, the current token in the same softmax)
     against the float64 NumPy oracle: INT2 / INT4, zero conventions symmetric / offset (QServe) / min, V groups
@@ -64,7 +64,8 @@ def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS
     """--variants of the s8 kernel: the names it shares with :func:`variant_configs`, and ``limbs <path>`` for
     each other :data:`~pallas_kernels.decode_attention_mgpu_planar_s8.LIMB_PATHS` entry, ``pv limbs <n>`` for each
     other ``PV_LIMBS`` entry, ``barriers <b>`` for each other ``BARRIERS`` entry, and the two together; ``qparams
-    early``, ``v early`` (each flag flipped), ``early loads`` (both on) and that with the other PV limbs."""
+    early``, ``v early``, ``unmasked full`` (each flag flipped), ``early loads`` (the first two on), with the third
+    and with the other PV limbs."""
     rep = dataclasses.replace
     return {"stages 3": rep(dflt, max_concurrent_steps=3), "stages 4": rep(dflt, max_concurrent_steps=4),
             "splits x2": rep(dflt, num_splits=2 * s0), "splits /2": rep(dflt, num_splits=max(1, s0 // 2)),
@@ -76,6 +77,8 @@ def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS
             "qparams early": rep(dflt, qparams_early=not dflt.qparams_early),
             "v early": rep(dflt, v_early=not dflt.v_early),
             "early loads": rep(dflt, qparams_early=True, v_early=True),
+            "unmasked full": rep(dflt, unmasked_full_blocks=not dflt.unmasked_full_blocks),
+            "early loads + unmasked full": rep(dflt, qparams_early=True, v_early=True, unmasked_full_blocks=True),
             **{f"early loads + pv limbs {n}": rep(dflt, qparams_early=True, v_early=True, pv_limbs=n)
                for n in s8.PV_LIMBS if n != dflt.pv_limbs}}
 
@@ -118,16 +121,22 @@ def parity(args, results) -> bool:
             s8_cfgs += [s8.PlanarS8Config(num_splits=2, pv_limbs=n, barriers=b) for n in s8.PV_LIMBS
                         for b in ((dflt.barriers,) if interp else s8.BARRIERS)
                         if (n, b) != (dflt.pv_limbs, dflt.barriers)]
-            for cfg in s8_cfgs if s8_reads else ():
+            # (--variants NAMES: those s8 variants too, on a GPU, each by its name)
+            named = {c: "" for c in s8_cfgs}
+            if isinstance(getattr(args, "variants", None), list) and not interp:
+                every = s8_variant_configs(s8.PlanarS8Config(num_splits=2), 2)
+                named.update({every[v]: v for v in args.variants if v in every and every[v] not in named})
+            for cfg, vname in named.items() if s8_reads else ():
                 lp, bound = cfg.limb_path, BOUND_S8 if cfg.pv_limbs == 3 else BOUND_S8_PV2
                 row = dict(kind="parity", case=ci, bits=bits, k_zero=kz, v_zero=vz, v_group=vg, d=d, g=g, q=qname,
-                           precision="s8", limb_path=lp, pv_limbs=cfg.pv_limbs, barriers=cfg.barriers)
+                           precision="s8", limb_path=lp, pv_limbs=cfg.pv_limbs, barriers=cfg.barriers,
+                           **({"variant": vname} if vname else {}))
                 serve = lambda q=q, ops=ops, cfg=cfg: (jax.jit(lambda q, o, kn, vn: s8_entry(  # noqa: E731
                     q, o, k_new=kn, v_new=vn, config=cfg, out_dtype=jnp.float32, interpret=interp))(
                     q, ops, kn, vn), {}, True)
                 ok_all &= ck.parity_row(args, results, row, serve, ref, bound,
                                         f"case {ci} int{bits} K {kz} V {vz} Gv={vg} D={d} g={g} q={qname} s8 {lp} "
-                                        f"pv{cfg.pv_limbs} {cfg.barriers}")
+                                        f"pv{cfg.pv_limbs} {cfg.barriers}" + (f" [{vname}]" if vname else ""))
     return ok_all
 
 

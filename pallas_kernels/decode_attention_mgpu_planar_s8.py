@@ -159,6 +159,9 @@ class PlanarS8Config:
         the PV wgmmas; the stage's last read then precedes the B-operand copy's second ``commit_smem``, which also
         releases the stage (under ``barriers="explicit"`` the end-of-step barrier goes: one warpgroup barrier per
         step fewer).  16 more registers live through the softmax and the limb split.
+    unmasked_full_blocks: a block wholly inside the live rows ``[lo, hi)`` (every block of a sequence but its
+        first and last) takes a branch without the row masks (four ``where`` per logit and the row compares); the
+        other blocks the masked path.  The same numbers (the masks select nothing there).
     """
 
     num_splits: Optional[int] = None
@@ -169,6 +172,7 @@ class PlanarS8Config:
     profile_dir: str = ""
     qparams_early: bool = False
     v_early: bool = False
+    unmasked_full_blocks: bool = False
 
 
 #: the ways :class:`PlanarS8Config.limb_path` may take (the default first)
@@ -303,6 +307,7 @@ class _S8Spec(_PlaneBlock):
     profile_dir: str = ""
     qparams_early: bool = False
     v_early: bool = False
+    unmasked_full_blocks: bool = False
 
     n = _NL            # query columns (the outputs' N; one limb tile)
     dup = 0            # (no hi / lo column halves: ``_kernel_partials`` reads it)
@@ -418,41 +423,57 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                             return [a_[...] for a_ in acc_refs], early
 
                     raw, (qparams, vbytes_all) = pl.run_scoped(qk, *[plgpu.ACC((_M, _NQ), i32) for _ in range(pln)])
-                with jax.named_scope("s8_softmax"), jax.named_scope("sm_logits"):
-                    kq, vq = qparams if qparams is not None else (None, None)
-                    ss, valids = [], []
-                    for r in range(pln):
-                        dot = _from_limbs(*(raw[r][:, li * n:(li + 1) * n] for li in range(_LIMBS)))
-                        st, *zt = kq[r] if kq is not None else load_k_qparams(r)
-                        mt = zero_min(st, zt[0] if zt else None, sp.k_zero, sp.bits)
-                        if r == pln - 1:               # re-centred top-plane codes read u - 2^(bits-1)
-                            mt = mt + half * st
-                        s = dot * brow(st * (2.0 ** (-sp.bits * r))) * bcol(qs) + brow(mt) * bcol(qsum)
-                        rows = rows_t + (row0 + r * _M)
-                        valid = (rows >= lo) & (rows < hi)
-                        ss.append(jnp.where(valid, s, _NEG))
-                        valids.append(valid)
+                kq, vq = qparams if qparams is not None else (None, None)
 
-                with jax.named_scope("s8_softmax"), jax.named_scope("sm_max"):
-                    # 2. online softmax: ONE cross-warp max for the block
-                    m_new, alpha = _online_max(ss, m_i)
-                    alpha_t = bcol(alpha)
-                    l_i = l_i * alpha_t
-                    zs = [z * alpha_t for z in zs]
-                with jax.named_scope("s8_softmax"), jax.named_scope("sm_p"):
-                    xs = [[None] * pln for _ in range(nvg)]
-                    for r in range(pln):
-                        p = jnp.where(valids[r], jnp.exp2(ss[r] - bcol(m_new)), 0.0)
-                        l_i = l_i + p
-                        for ci in range(nvg):
-                            sv, zv = vq[r][ci] if vq is not None else load_v_qparams(r, ci)
-                            mv = zero_min(sv, zv, sp.v_zero, sp.bits)
-                            if r == pln - 1:
-                                mv = mv + half * sv
-                            # (where, not p = 0 alone: a dead row's qparams may be anything, NaN included)
-                            zs[ci] = zs[ci] + jnp.where(valids[r], p * brow(mv), 0.0)
-                            xs[ci][r] = jnp.where(valids[r], p * brow(sv * (2.0 ** (-sp.bits * (r - r0(r))))),
-                                                  0.0)
+                def softmax(masked: bool, l_i, zs):
+                    """Logits, the online max, p, the V min sums and ``x = p sv 2^(-bits (r - r0))`` of the block;
+                    ``masked``: rows outside ``[lo, hi)`` count as absent (a dead row's qparams may be anything,
+                    NaN included: ``where``, not ``p = 0`` alone)."""
+                    mask = (lambda v, x, other: jnp.where(v, x, other)) if masked else (lambda v, x, other: x)
+                    with jax.named_scope("s8_softmax"), jax.named_scope("sm_logits"):
+                        ss, valids = [], []
+                        for r in range(pln):
+                            dot = _from_limbs(*(raw[r][:, li * n:(li + 1) * n] for li in range(_LIMBS)))
+                            st, *zt = kq[r] if kq is not None else load_k_qparams(r)
+                            mt = zero_min(st, zt[0] if zt else None, sp.k_zero, sp.bits)
+                            if r == pln - 1:               # re-centred top-plane codes read u - 2^(bits-1)
+                                mt = mt + half * st
+                            s = dot * brow(st * (2.0 ** (-sp.bits * r))) * bcol(qs) + brow(mt) * bcol(qsum)
+                            valid = None
+                            if masked:
+                                rows = rows_t + (row0 + r * _M)
+                                valid = (rows >= lo) & (rows < hi)
+                            ss.append(mask(valid, s, _NEG))
+                            valids.append(valid)
+
+                    with jax.named_scope("s8_softmax"), jax.named_scope("sm_max"):
+                        # 2. online softmax: ONE cross-warp max for the block
+                        m_new, alpha = _online_max(ss, m_i)
+                        alpha_t = bcol(alpha)
+                        l_i = l_i * alpha_t
+                        zs = [z * alpha_t for z in zs]
+                    with jax.named_scope("s8_softmax"), jax.named_scope("sm_p"):
+                        xs = [[None] * pln for _ in range(nvg)]
+                        for r in range(pln):
+                            p = mask(valids[r], jnp.exp2(ss[r] - bcol(m_new)), 0.0)
+                            l_i = l_i + p
+                            for ci in range(nvg):
+                                sv, zv = vq[r][ci] if vq is not None else load_v_qparams(r, ci)
+                                mv = zero_min(sv, zv, sp.v_zero, sp.bits)
+                                if r == pln - 1:
+                                    mv = mv + half * sv
+                                zs[ci] = zs[ci] + mask(valids[r], p * brow(mv), 0.0)
+                                xs[ci][r] = mask(valids[r], p * brow(sv * (2.0 ** (-sp.bits * (r - r0(r))))), 0.0)
+                    return m_new, alpha_t, l_i, zs, xs
+
+                if sp.unmasked_full_blocks:
+                    # a block wholly inside [lo, hi) (all but the first and last of a ragged sequence) skips the
+                    # row masks: one branch per step, on a scalar
+                    full = (row0 >= lo) & (row0 + bt <= hi)
+                    m_new, alpha_t, l_i, zs, xs = lax.cond(full, lambda li, z: softmax(False, li, z),
+                                                           lambda li, z: softmax(True, li, z), l_i, zs)
+                else:
+                    m_new, alpha_t, l_i, zs, xs = softmax(True, l_i, zs)
 
                 with jax.named_scope("s8_limbs"):
                     # 3. x -> 21-bit limbs per column (scale S_c: the block's max |x|), via SMEM into the B operands
@@ -596,7 +617,8 @@ def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config, allow_wrong: bo
     sp = _S8Spec(d=ops.head_dim, g=g, bits=ops.bits, ns=ns, nbs=nb // ns, stages=cfg.max_concurrent_steps,
                  hkv=ops.num_kv_heads, k_zero=ops.k_zero, v_zero=ops.v_zero_kind, vg=ops.v_group,
                  limb_path=cfg.limb_path, pv_limbs=cfg.pv_limbs, barriers=cfg.barriers, profile_dir=cfg.profile_dir,
-                 qparams_early=cfg.qparams_early, v_early=cfg.v_early)
+                 qparams_early=cfg.qparams_early, v_early=cfg.v_early,
+                 unmasked_full_blocks=cfg.unmasked_full_blocks)
     need = smem_bytes_estimate(sp, ops.k_qparams.dtype.itemsize)
     if need > SMEM_BUDGET:
         raise NotImplementedError(

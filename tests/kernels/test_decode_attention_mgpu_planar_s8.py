@@ -193,18 +193,20 @@ def test_barrier_mode_is_checked_and_lowers(rng, bits, pv_limbs):
 def test_early_loads_lower_to_other_kernels(rng, bits, kz, vz, vg):
     """``qparams_early`` / ``v_early`` (loads moved under the QK wgmmas; ``v_early`` also drops the end-of-step
     barrier) each lower for ``cuda`` to a kernel of their own (the knobs are live), under both barrier modes, with
-    V zeros and two channel groups too; the numbers are the twin's either way (only where the loads are issued
-    changes)."""
+    V zeros and two channel groups too, and so does ``unmasked_full_blocks`` (a branch per step); the numbers are
+    the twin's either way (only where the loads are issued, or which rows are masked, changes)."""
     import jax
 
     q, reg, kn, vn = _case(rng, bits, kz, vz, vg, 128, 4, b=2, poison=False)
     ops = mp.prepare_token_planar_region(reg)
     cfgs = [s8.PlanarS8Config(num_splits=2, qparams_early=a, v_early=v, barriers=b)
             for a in (False, True) for v in (False, True) for b in ("explicit", "auto")]
+    cfgs += [s8.PlanarS8Config(num_splits=2, unmasked_full_blocks=True),
+             s8.PlanarS8Config(num_splits=2, unmasked_full_blocks=True, qparams_early=True, v_early=True)]
     texts = [jax.jit(lambda q, o, c=c: s8.decode_attention_mgpu_planar_s8_prepared(q, o, config=c, interpret=False))
              .trace(q, ops).lower(lowering_platforms=("cuda",)).as_text() for c in cfgs]
     assert all("mosaic_gpu" in t for t in texts) and len(set(texts)) == len(cfgs)
-    twins = [np.asarray(_run(q, reg, kn, vn, config=c)) for c in cfgs[1::2]]
+    twins = [np.asarray(_run(q, reg, kn, vn, config=c)) for c in cfgs[1::2] + cfgs[-2:]]
     assert all(np.array_equal(t, twins[0]) for t in twins[1:])
 
 
@@ -255,7 +257,7 @@ def test_splits_must_divide_blocks(rng):
     assert dataclasses.asdict(s8.PlanarS8Config()) == {"num_splits": None, "max_concurrent_steps": 2,
                                                        "limb_path": "i16", "pv_limbs": 3, "barriers": "explicit",
                                                        "profile_dir": "", "qparams_early": False,
-                                                       "v_early": False}
+                                                       "v_early": False, "unmasked_full_blocks": False}
 
 
 def test_limb_path_is_checked_and_changes_the_kernel(rng):
