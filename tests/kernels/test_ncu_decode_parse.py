@@ -376,7 +376,8 @@ def test_planar_s8_child_runs_the_twin_on_cpu(nd, capsys):
     info = json.loads(line.split(" ", 1)[1])
     assert (info["impl"], info["format"], info["interpret"]) == ("mgpu_planar_s8", "int2", True)
     assert info["config"] == {"num_splits": None, "max_concurrent_steps": 3, "limb_path": "i16", "pv_limbs": 3,
-                              "barriers": "explicit", "profile_dir": ""}
+                              "barriers": "explicit", "profile_dir": "", "qparams_early": False, "v_early": False,
+                              "unmasked_full_blocks": False}
     assert info["num_splits"] >= 1
 
 
