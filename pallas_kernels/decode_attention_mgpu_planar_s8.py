@@ -162,6 +162,12 @@ class PlanarS8Config:
     unmasked_full_blocks: a block wholly inside the live rows ``[lo, hi)`` (every block of a sequence but its
         first and last) takes a branch without the row masks (four ``where`` per logit and the row compares); the
         other blocks the masked path.  The same numbers (the masks select nothing there).
+    pack_planes: with at most 4 query heads per KV head (LLaMA-3-8B, Gemma-3, SmolLM2), half of the 8 query
+        columns are padding; packed, a plane PAIR shares one ``[64, 8]`` float tile: the even plane's logits in
+        columns ``[0, 4)``, the odd plane's in ``[4, 8)`` (two QK wgmmas into one accumulator, the query's limbs in
+        one column half each), so the softmax, the limb split and the B-operand copy run on half the tiles.  Each
+        column half keeps its own online softmax and ``p sv`` scale (an "even" and an "odd" partial per head,
+        merged outside like two splits); the PV wgmmas accumulate per plane parity.  3 PV limbs only.
     """
 
     num_splits: Optional[int] = None
@@ -173,6 +179,7 @@ class PlanarS8Config:
     qparams_early: bool = False
     v_early: bool = False
     unmasked_full_blocks: bool = False
+    pack_planes: bool = False
 
 
 #: the ways :class:`PlanarS8Config.limb_path` may take (the default first)
@@ -257,17 +264,25 @@ def _from_limbs(*parts):
     return out
 
 
-def query_limbs(q, hkv: int, sm_scale):
+def query_limbs(q, hkv: int, sm_scale, packed: bool = False):
     """``q [B, Hq, D]`` -> ``(qb int8 [B*Hkv, 3*8, D], qs f32 [B*Hkv, 8], qsum f32 [B*Hkv, 8])``: ``q' = q *
     sm_scale * log2 e`` per KV group, columns padded to 8, quantized per column to ``LIM`` (``q'_deq = qs *
-    int``), split into limbs stacked along rows (``[l0 | l1 | l2]``, 8 columns each); ``qsum = sum_d q'_deq``."""
+    int``), split into limbs stacked along rows (``[l0 | l1 | l2]``, 8 columns each); ``qsum = sum_d q'_deq``.
+    ``packed`` (at most 4 heads): the 4 columns twice (``qs``, ``qsum`` too), and ``qb [B*Hkv, 2, 24, D]``: the
+    limbs with only the low column half kept, then with only the high half (``PlanarS8Config.pack_planes``)."""
     qp = _scaled_query_block(q, hkv, _NL, 0, sm_scale)                               # [BH, 8, D]
+    if packed:
+        qp = jnp.concatenate([qp[:, :_NL // 2], qp[:, :_NL // 2]], axis=1)
     amax = jnp.max(jnp.abs(qp), axis=-1)
     qs = jnp.where(amax > 0, amax / LIM, 1.0)
     qi = jnp.clip(jnp.round(qp / qs[..., None]), -LIM, LIM).astype(jnp.int32)
-    qb = jnp.concatenate([x.astype(jnp.int8) for x in limbs(qi)], axis=1)           # [BH, 24, D]
     qsum = jnp.sum(qi.astype(_F32), axis=-1) * qs
-    return qb, qs, qsum
+    ql = limbs(qi)
+    if not packed:
+        return jnp.concatenate([x.astype(jnp.int8) for x in ql], axis=1), qs, qsum     # [BH, 24, D]
+    low = (jnp.arange(_NL) < _NL // 2)[None, :, None]
+    halves = [jnp.concatenate([jnp.where(keep, x, 0).astype(jnp.int8) for x in ql], axis=1) for keep in (low, ~low)]
+    return jnp.stack(halves, axis=1), qs, qsum                                        # [BH, 2, 24, D]
 
 
 def _round_to_lim(y, lim: int = LIM):
@@ -308,6 +323,7 @@ class _S8Spec(_PlaneBlock):
     qparams_early: bool = False
     v_early: bool = False
     unmasked_full_blocks: bool = False
+    pack_planes: bool = False
 
     n = _NL            # query columns (the outputs' N; one limb tile)
     dup = 0            # (no hi / lo column halves: ``_kernel_partials`` reads it)
@@ -325,8 +341,12 @@ class _S8Spec(_PlaneBlock):
         return self.d // self.vg
 
     @property
-    def pv_rows(self) -> int:          # PV B rows per plane (:func:`pv_rows_per_plane`)
-        return pv_rows_per_plane(self.pv_limbs, self.planes)
+    def tiles(self) -> int:            # [64, 8] float tiles per block: one per plane, or per plane pair (packed)
+        return self.planes // 2 if self.pack_planes else self.planes
+
+    @property
+    def pv_rows(self) -> int:          # PV B rows per tile (:func:`pv_rows_per_plane`)
+        return pv_rows_per_plane(self.pv_limbs, self.tiles)
 
     @property
     def lim_pv(self) -> int:
@@ -342,7 +362,8 @@ class _S8Spec(_PlaneBlock):
 
 
 def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
-    """Launch.  ``qb`` int8 [BH, D/KC, 24, KC] (query limbs); ``qaux`` f32 [BH, 2, 16] (qs, qsum, 8 columns of
+    """Launch.  ``qb`` int8 [BH, D/KC, 24, KC] (query limbs; packed: [BH, 2 D/KC, 24, KC], the low column half's
+    chunks, then the high half's); ``qaux`` f32 [BH, 2, 16] (qs, qsum, 8 columns of
     padding); ``k`` int8 [BH, T/P, D]; ``v`` int8 [BH, D, T/P]; ``ks`` [BH, R, T]; ``vs`` (and ``vm`` unless symmetric) [BH, C, T].
     Returns ``o [BH, S, D, 8], z [BH, S, C, 8], m [BH, S, 8] (log2), l [BH, S, 8]`` float32."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -358,7 +379,13 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
     npl, nlv, lim_pv, pvn, pgs = sp.pv_rows, sp.pv_limbs, sp.lim_pv, sp.pv_n, sp.pv_group
     npg = pln // pgs                                    # PV accumulators per d-tile (plane groups)
     r0 = lambda r: (r // pgs) * pgs                     # noqa: E731  (the first plane of r's group)
-    prows = pln * npl                                   # rows of one channel group's PV B operands (all planes)
+    pk, nt = sp.pack_planes, sp.tiles
+    # packed: tile k holds planes 2k (query columns [0, 4)) and 2k + 1 (columns [4, 8)), each column half its own
+    # online softmax ("even" / "odd" virtual heads, merged outside like two splits); PV accumulators per parity
+    tile_planes = (lambda k: (2 * k, 2 * k + 1)) if pk else (lambda k: (k,))   # noqa: E731
+    nacc = 2 if pk else npg                             # PV accumulators per d-tile
+    acc_of = (lambda r: r % 2) if pk else (lambda r: r // pgs)                  # noqa: E731
+    prows = nt * npl                                    # rows of one channel group's PV B operands (all tiles)
     lp = sp.limb_path
 
     def body(start_ref, end_ref, qb_ref, qaux_ref, *refs):
@@ -378,6 +405,16 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
             rows_t = plgpu.broadcasted_iota(jnp.int32, (_M, n), 0, layout=wg)
             bcol = lambda x: lax.broadcast_in_dim(x, (_M, n), [1])  # noqa: E731
             brow = lambda x: lax.broadcast_in_dim(x, (_M, n), [0])  # noqa: E731
+            if pk:
+                col_lo = plgpu.broadcasted_iota(jnp.int32, (_M, n), 1, layout=wg) < n // 2
+                rows_t = jnp.where(col_lo, rows_t, rows_t + _M)     # the odd plane's tokens sit 64 rows later
+
+            def sel(rows_of_planes):
+                """A tile's per-token row vectors (one per plane of the tile) -> ``[64, 8]`` (packed: the even
+                plane's in the low column half, the odd plane's in the high one)."""
+                if pk:
+                    return jnp.where(col_lo, brow(rows_of_planes[0]), brow(rows_of_planes[1]))
+                return brow(rows_of_planes[0])
 
             def step(indices, *args):
                 (i,) = indices
@@ -412,17 +449,19 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                     def qk(*acc_refs):
                         with jax.named_scope("qk_issue"):
                             kbytes = plgpu.load(k_smem, (), layout=w8)               # [64, D] int8, P planes
-                            for acc_ref, r in zip(acc_refs, range(pln)):
-                                kr = kbytes & jnp.full(kbytes.shape, _plane_mask(r, sp.bits), i8)
-                                for j in range(dq):
-                                    plgpu.wgmma(acc_ref, kr[:, j * kc:(j + 1) * kc], qb_smem.at[j].T)
+                            for k_, acc_ref in enumerate(acc_refs):
+                                for h, r in enumerate(tile_planes(k_)):  # (packed: B = the query in one half)
+                                    kr = kbytes & jnp.full(kbytes.shape, _plane_mask(r, sp.bits), i8)
+                                    for j in range(dq):
+                                        qbj = qb_smem.at[h * dq + j]        # (packed: half h's chunks after h-1's)
+                                        plgpu.wgmma(acc_ref, kr[:, j * kc:(j + 1) * kc], qbj.T)
                             # (while the wgmmas run: what the config loads early)
                             early = (load_qparams() if sp.qparams_early else None,
                                      load_v() if sp.v_early else None)
                         with jax.named_scope("qk_wait"):
                             return [a_[...] for a_ in acc_refs], early
 
-                    raw, (qparams, vbytes_all) = pl.run_scoped(qk, *[plgpu.ACC((_M, _NQ), i32) for _ in range(pln)])
+                    raw, (qparams, vbytes_all) = pl.run_scoped(qk, *[plgpu.ACC((_M, _NQ), i32) for _ in range(nt)])
                 kq, vq = qparams if qparams is not None else (None, None)
 
                 def softmax(masked: bool, l_i, zs):
@@ -432,16 +471,20 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                     mask = (lambda v, x, other: jnp.where(v, x, other)) if masked else (lambda v, x, other: x)
                     with jax.named_scope("s8_softmax"), jax.named_scope("sm_logits"):
                         ss, valids = [], []
-                        for r in range(pln):
-                            dot = _from_limbs(*(raw[r][:, li * n:(li + 1) * n] for li in range(_LIMBS)))
-                            st, *zt = kq[r] if kq is not None else load_k_qparams(r)
-                            mt = zero_min(st, zt[0] if zt else None, sp.k_zero, sp.bits)
-                            if r == pln - 1:               # re-centred top-plane codes read u - 2^(bits-1)
-                                mt = mt + half * st
-                            s = dot * brow(st * (2.0 ** (-sp.bits * r))) * bcol(qs) + brow(mt) * bcol(qsum)
+                        for k_ in range(nt):
+                            dot = _from_limbs(*(raw[k_][:, li * n:(li + 1) * n] for li in range(_LIMBS)))
+                            a_rows, m_rows = [], []
+                            for r in tile_planes(k_):
+                                st, *zt = kq[r] if kq is not None else load_k_qparams(r)
+                                mt = zero_min(st, zt[0] if zt else None, sp.k_zero, sp.bits)
+                                if r == pln - 1:           # re-centred top-plane codes read u - 2^(bits-1)
+                                    mt = mt + half * st
+                                a_rows.append(st * (2.0 ** (-sp.bits * r)))
+                                m_rows.append(mt)
+                            s = dot * sel(a_rows) * bcol(qs) + sel(m_rows) * bcol(qsum)
                             valid = None
                             if masked:
-                                rows = rows_t + (row0 + r * _M)
+                                rows = rows_t + (row0 + tile_planes(k_)[0] * _M)
                                 valid = (rows >= lo) & (rows < hi)
                             ss.append(mask(valid, s, _NEG))
                             valids.append(valid)
@@ -453,17 +496,21 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                         l_i = l_i * alpha_t
                         zs = [z * alpha_t for z in zs]
                     with jax.named_scope("s8_softmax"), jax.named_scope("sm_p"):
-                        xs = [[None] * pln for _ in range(nvg)]
-                        for r in range(pln):
-                            p = mask(valids[r], jnp.exp2(ss[r] - bcol(m_new)), 0.0)
+                        xs = [[None] * nt for _ in range(nvg)]
+                        for k_ in range(nt):
+                            p = mask(valids[k_], jnp.exp2(ss[k_] - bcol(m_new)), 0.0)
                             l_i = l_i + p
                             for ci in range(nvg):
-                                sv, zv = vq[r][ci] if vq is not None else load_v_qparams(r, ci)
-                                mv = zero_min(sv, zv, sp.v_zero, sp.bits)
-                                if r == pln - 1:
-                                    mv = mv + half * sv
-                                zs[ci] = zs[ci] + mask(valids[r], p * brow(mv), 0.0)
-                                xs[ci][r] = mask(valids[r], p * brow(sv * (2.0 ** (-sp.bits * (r - r0(r))))), 0.0)
+                                mv_rows, sv_rows = [], []
+                                for r in tile_planes(k_):
+                                    sv, zv = vq[r][ci] if vq is not None else load_v_qparams(r, ci)
+                                    mv = zero_min(sv, zv, sp.v_zero, sp.bits)
+                                    if r == pln - 1:
+                                        mv = mv + half * sv
+                                    mv_rows.append(mv)
+                                    sv_rows.append(sv * (2.0 ** (-sp.bits * (r - r0(r)))))
+                                zs[ci] = zs[ci] + mask(valids[k_], p * sel(mv_rows), 0.0)
+                                xs[ci][k_] = mask(valids[k_], p * sel(sv_rows), 0.0)
                     return m_new, alpha_t, l_i, zs, xs
 
                 if sp.unmasked_full_blocks:
@@ -489,9 +536,9 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                             scales.append(safe * (1.0 / lim_pv))
                     for ci in range(nvg):
                         inv = invs[ci]
-                        for r in range(pln):
-                            for li, limb in enumerate(limbs(_round_to_lim(xs[ci][r] * inv, lim_pv), nlv)):
-                                x_smem.at[pl.ds(ci * prows + r * npl + li * n, n)].T[...] = plgpu.layout_cast(
+                        for k_ in range(nt):
+                            for li, limb in enumerate(limbs(_round_to_lim(xs[ci][k_] * inv, lim_pv), nlv)):
+                                x_smem.at[pl.ds(ci * prows + k_ * npl + li * n, n)].T[...] = plgpu.layout_cast(
                                     _limb_value(limb, lp), plgpu.Layout.WGMMA_TRANSPOSED)
                 with jax.named_scope("s8_copy"):
                     with jax.named_scope("cp_commit1"):
@@ -513,12 +560,13 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                                 vbytes = vbytes_all[j] if vbytes_all is not None else load_v_tile(j)
                                 for r in range(pln):
                                     vr = vbytes & jnp.full(vbytes.shape, _plane_mask(r, sp.bits), i8)
-                                    plgpu.wgmma(acc_refs[j * npg + r // pgs], vr,
-                                                p_smem.at[pl.ds(ci * prows + r * npl, pvn)].T)
+                                    tile = r // 2 if pk else r
+                                    plgpu.wgmma(acc_refs[j * nacc + acc_of(r)], vr,
+                                                p_smem.at[pl.ds(ci * prows + tile * npl, pvn)].T)
                         with jax.named_scope("pv_wait"):
                             return [a_[...] for a_ in acc_refs]
 
-                    pvr = pl.run_scoped(pv, *[plgpu.ACC((_M, pvn), i32) for _ in range(dch * npg)])
+                    pvr = pl.run_scoped(pv, *[plgpu.ACC((_M, pvn), i32) for _ in range(dch * nacc)])
                     if not sp.v_early:              # (v_early: cp_commit2 came after the stage's last read)
                         with jax.named_scope("pv_release"):
                             release_stage(sp.barriers)
@@ -527,7 +575,11 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                     for j in range(dch):
                         ci = j * _M // sp.vg
                         part = None
-                        for gi in range(npg):
+                        if pk:                      # the even planes' dot in the low half, the odd ones' in the high
+                            pe, po = (_from_limbs(*(pvr[j * 2 + h][:, li * n:(li + 1) * n] for li in range(nlv)))
+                                      for h in range(2))
+                            part = jnp.where(col_lo, pe, po)
+                        for gi in range(npg if not pk else 0):
                             a_ = pvr[j * npg + gi]
                             pg = _from_limbs(*(a_[:, li * n:(li + 1) * n] for li in range(nlv)))
                             pg = pg if gi == 0 else pg * (2.0 ** (-sp.bits * gi * pgs))
@@ -556,7 +608,7 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
 
         pl.run_scoped(
             scoped,
-            plgpu.SMEM((dq, _NQ, kc), i8, transforms=_tile_transforms(i8, kc)),
+            plgpu.SMEM(((2 if pk else 1) * dq, _NQ, kc), i8, transforms=_tile_transforms(i8, kc)),
             plgpu.SMEM((2, 2 * n), _F32),
             _limb_scratch(nvg * prows, lp),
             plgpu.SMEM((nvg * prows, _M), i8, transforms=_tile_transforms(i8, _M)),
@@ -588,10 +640,11 @@ def smem_bytes_estimate(sp: _S8Spec, qparam_bytes: int) -> int:
     ~6 KB more): the pipeline stages of K / V codes and their qparams, the query limbs, the limb scratch in
     ``sp.limb_path``'s dtype, the int8 B operands, the outputs."""
     d, bt, nvg = sp.d, sp.bt, sp.vgroups
-    rows = nvg * sp.planes * sp.pv_rows
+    rows = nvg * sp.tiles * sp.pv_rows
     per_stage = _M * d * 2 + (sp.k_rows + nvg * (1 if sp.v_zero == "symmetric" else 2)) * bt * qparam_bytes
     scratch = rows * _M * jnp.dtype(_LIMB_DTYPES[sp.limb_path]).itemsize
-    return (min(sp.stages, sp.nbs) * per_stage + (d // sp.kc) * _NQ * sp.kc + 2 * 2 * _NL * 4 + scratch + rows * _M
+    qb = (2 if sp.pack_planes else 1) * (d // sp.kc) * _NQ * sp.kc
+    return (min(sp.stages, sp.nbs) * per_stage + qb + 2 * 2 * _NL * 4 + scratch + rows * _M
             + (d + nvg + 2) * _NL * 4)
 
 
@@ -610,6 +663,12 @@ def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config, allow_wrong: bo
         raise ValueError(f"PlanarS8Config.pv_limbs={cfg.pv_limbs!r}: one of {PV_LIMBS}")
     if cfg.barriers not in BARRIERS:
         raise ValueError(f"PlanarS8Config.barriers={cfg.barriers!r}: one of {tuple(BARRIERS)}")
+    if cfg.pack_planes and g > _NL // 2:
+        raise NotImplementedError(f"decode_attention_mgpu_planar_s8: pack_planes needs at most {_NL // 2} query heads "
+                                  f"per KV head (a plane pair shares the 8 columns), got {g}")
+    if cfg.pack_planes and cfg.pv_limbs != 3:
+        raise ValueError(f"PlanarS8Config.pack_planes takes 3 PV limbs (one accumulator group), got pv_limbs="
+                         f"{cfg.pv_limbs}")
     nb = ops.rows // ops.block_t
     ns = cfg.num_splits or _auto_splits(ops.k.shape[0], nb)
     if nb % ns:
@@ -618,7 +677,7 @@ def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config, allow_wrong: bo
                  hkv=ops.num_kv_heads, k_zero=ops.k_zero, v_zero=ops.v_zero_kind, vg=ops.v_group,
                  limb_path=cfg.limb_path, pv_limbs=cfg.pv_limbs, barriers=cfg.barriers, profile_dir=cfg.profile_dir,
                  qparams_early=cfg.qparams_early, v_early=cfg.v_early,
-                 unmasked_full_blocks=cfg.unmasked_full_blocks)
+                 unmasked_full_blocks=cfg.unmasked_full_blocks, pack_planes=cfg.pack_planes)
     need = smem_bytes_estimate(sp, ops.k_qparams.dtype.itemsize)
     if need > SMEM_BUDGET:
         raise NotImplementedError(
@@ -641,16 +700,47 @@ def decode_attention_mgpu_planar_s8_partials(q, ops: TokenPlanarOperands, *, sm_
     sp = _spec(ops, g, cfg)
     if interpret:
         return _partials_jnp(q, ops, sm_scale, sp)
-    return _kernel_partials(_raw_outputs(q, ops, sm_scale, sp), sp, b, hkv)
+    out = _raw_outputs(q, ops, sm_scale, sp)
+    if not sp.pack_planes:
+        return _kernel_partials(out, sp, b, hkv)
+    return _kernel_partials(unpack_columns(out), _UnpackedColumns(d=sp.d, g=g, vg=sp.vg), b, hkv)
+
+
+@dataclasses.dataclass(frozen=True)
+class _UnpackedColumns:
+    """What :func:`_kernel_partials` reads of a spec, for a packed kernel's outputs once unpacked: 4 columns."""
+    d: int
+    g: int
+    vg: int
+    n: int = _NL // 2
+    dup: int = 0
+
+
+def unpack_columns(out):
+    """A packed kernel's outputs ``o [BH, S, D, 8], z [BH, S, C, 8], m, l [BH, S, 8]`` (columns ``[0, 4)`` the even
+    planes' partial of heads 0-3, ``[4, 8)`` the odd planes') -> the same with 4 columns and ``2 S`` splits (split
+    ``2 s + h``: split ``s``'s half ``h``), for the split merge."""
+    o, z, m, l = out
+    half = _NL // 2
+
+    def cols(x, axis):                 # [..., 8 (axis), ...] -> halves as splits: [BH, 2S, ..., 4, ...]
+        x = jnp.moveaxis(x, axis, -1)
+        x = x.reshape(x.shape[:-1] + (2, half))
+        x = jnp.moveaxis(x, -2, 2)                                                     # [BH, S, 2, ..., 4]
+        x = x.reshape((x.shape[0], x.shape[1] * 2) + x.shape[3:])
+        return jnp.moveaxis(x, -1, axis)
+
+    return cols(o, 3), cols(z, 3), cols(m, 2), cols(l, 2)
 
 
 def _raw_outputs(q, ops: TokenPlanarOperands, sm_scale, sp: _S8Spec):
     """The kernel's own outputs ``o [BH, S, D, 8], z [BH, S, C, 8], m, l [BH, S, 8]`` (log2 ``m``; all 8 query
     columns): the query limbs built, laid out for the kernel, and the kernel launched."""
     d = q.shape[2]
-    qb, qs, qsum = query_limbs(q, ops.num_kv_heads, sm_scale)
+    qb, qs, qsum = query_limbs(q, ops.num_kv_heads, sm_scale, packed=sp.pack_planes)
     kc = sp.kc
-    qb = jnp.swapaxes(qb.reshape(qb.shape[0], _NQ, d // kc, kc), 1, 2)               # [BH, D/KC, 24, KC]
+    qb = jnp.swapaxes(qb.reshape(qb.shape[:-2] + (_NQ, d // kc, kc)), -3, -2)        # [BH, (2,) D/KC, 24, KC]
+    qb = qb.reshape(qb.shape[0], -1, _NQ, kc)                                       # [BH, (2 x) D/KC, 24, KC]
     qaux = jnp.pad(jnp.stack([qs, qsum], 1), ((0, 0), (0, 0), (0, _NL)))          # 128 bytes: one TMA per thread
     return _s8_call(ops.start.astype(jnp.int32), ops.end.astype(jnp.int32), qb, qaux,
                     ops.k, ops.v, ops.k_qparams, ops.v_scale, ops.v_zero, sp)
@@ -691,18 +781,25 @@ def _partials_jnp(q, ops: TokenPlanarOperands, sm_scale, sp: _S8Spec):
     for ci in range(nvg):
         x = jnp.where(valid, p * (sv[:, ci] * xscale)[..., None], 0.0)                # [BH, T, 8]
         xb = x.reshape(x.shape[0], t // bt, bt, _NL)
-        xi, deq = _quantize_pv(xb, jnp.max(jnp.abs(xb), axis=2, keepdims=True), sp.lim_pv)
-        xl = [l_.reshape(x.shape) for l_ in limbs(xi, sp.pv_limbs)]
         ub = uv[:, :, ci * ops.v_group:(ci + 1) * ops.v_group].reshape(x.shape[0], t // bt, bt, ops.v_group)
-        # the int32 dots per plane group (exact), each group weighted by 2^(-bits r0) in float32
-        part = 0.0
-        for g0 in range(0, 8 // bits, sp.pv_group):
-            grp = (plane >= g0) & (plane < g0 + sp.pv_group)                           # [T]
-            gmask = grp.reshape(t // bt, bt)[None, :, :, None].astype(jnp.int32)
-            part = part + _from_limbs(*(jnp.einsum("xktc,xktd->xkcd", l_.reshape(xb.shape) * gmask, ub,
-                                                   preferred_element_type=jnp.int32) for l_ in xl)) * (
-                2.0 ** (-bits * g0))
-        o = jnp.sum(part * deq[:, :, 0, :, None], axis=1)                             # [BH, 8, Gv]
+        # the p sv scale per block and column over the block's tokens, or (packed) over its even planes' tokens
+        # and its odd planes' tokens apart (each column half of the kernel's tile has its own)
+        plane_b = plane[:bt]
+        subsets = [plane_b % 2 == h for h in (0, 1)] if sp.pack_planes else [plane_b >= 0]
+        o = 0.0
+        for sub in subsets:
+            xs_ = jnp.where(sub[None, None, :, None], xb, 0.0)
+            xi, deq = _quantize_pv(xs_, jnp.max(jnp.abs(xs_), axis=2, keepdims=True), sp.lim_pv)
+            xl = [l_.reshape(x.shape) for l_ in limbs(xi, sp.pv_limbs)]
+            # the int32 dots per plane group (exact), each group weighted by 2^(-bits r0) in float32
+            part = 0.0
+            for g0 in range(0, 8 // bits, sp.pv_group):
+                grp = (plane >= g0) & (plane < g0 + sp.pv_group)                       # [T]
+                gmask = grp.reshape(t // bt, bt)[None, :, :, None].astype(jnp.int32)
+                part = part + _from_limbs(*(jnp.einsum("xktc,xktd->xkcd", l_.reshape(xb.shape) * gmask, ub,
+                                                       preferred_element_type=jnp.int32) for l_ in xl)) * (
+                    2.0 ** (-bits * g0))
+            o = o + jnp.sum(part * deq[:, :, 0, :, None], axis=1)                     # [BH, 8, Gv]
         o = o + jnp.einsum("xtc,xt->xc", p, jnp.where(valid[..., 0], mv[:, ci], 0.0),
                            precision=lax.Precision.HIGHEST)[..., None]
         acc.append(o)

@@ -210,6 +210,81 @@ def test_early_loads_lower_to_other_kernels(rng, bits, kz, vz, vg):
     assert all(np.array_equal(t, twins[0]) for t in twins[1:])
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Packed plane pairs (pack_planes)
+# ---------------------------------------------------------------------------------------------------------------
+PACKED_CASES = [c for c in PARITY_CASES if c[-1] <= 4]
+
+
+@pytest.mark.parametrize("bits,kz,vz,vg,d,g", PACKED_CASES, ids=lambda v: str(v))
+def test_twin_with_packed_planes_matches_oracle(rng, bits, kz, vz, vg, d, g):
+    """``pack_planes``: the ``p sv`` scale of each block over its even planes' tokens and its odd planes' apart
+    (the kernel's two column halves) -- within the 3-limb bound."""
+    q, reg, kn, vn = _case(rng, bits, kz, vz, vg, d, g)
+    ref = mp.decode_attention_mgpu_planar_reference_f64(q, reg, k_new=kn, v_new=vn)
+    out = np.asarray(_run(q, reg, kn, vn, config=s8.PlanarS8Config(pack_planes=True)))
+    assert np.isfinite(out).all() and _max_rel(out, ref) <= BOUND
+
+
+def test_packed_query_limbs_are_the_halves_of_the_duplicated_query(rng):
+    """Packed: ``qs`` / ``qsum`` hold the 4 columns twice; the two B operands are the unpacked limbs of those
+    columns with only the low (then the high) column half kept, so one wgmma per plane fills one half."""
+    import jax
+
+    q = jax.numpy.asarray(rng.standard_normal((2, 8, 128)), jnp.float32)           # 2 KV heads, g = 4
+    qb, qs, qsum = s8.query_limbs(q, 2, None)
+    qbp, qsp, qsump = s8.query_limbs(q, 2, None, packed=True)
+    assert qbp.shape == (4, 2, 24, 128) and qsp.shape == qsump.shape == (4, 8)
+    np.testing.assert_array_equal(np.asarray(qsp), np.tile(np.asarray(qs)[:, :4], 2))
+    np.testing.assert_array_equal(np.asarray(qsump), np.tile(np.asarray(qsum)[:, :4], 2))
+    lo, hi = np.asarray(qbp[:, 0]).reshape(4, 3, 8, 128), np.asarray(qbp[:, 1]).reshape(4, 3, 8, 128)
+    ref = np.asarray(qb).reshape(4, 3, 8, 128)
+    np.testing.assert_array_equal(lo[:, :, :4], ref[:, :, :4])
+    np.testing.assert_array_equal(hi[:, :, 4:], ref[:, :, :4])
+    assert not lo[:, :, 4:].any() and not hi[:, :, :4].any() and ref[:, :, :4].any()
+
+
+def test_unpack_columns_makes_each_half_a_split(rng):
+    """``o [BH, S, D, 8]`` etc. -> 4 columns and ``2 S`` splits, split ``2 s + h`` = split ``s``'s column half ``h``."""
+    bh, ns, d, nc = 3, 2, 16, 2
+    o, z, m, l_ = (rng.standard_normal(sh).astype(np.float32) for sh in ((bh, ns, d, 8), (bh, ns, nc, 8), (bh, ns, 8),
+                                                                        (bh, ns, 8)))
+    uo, uz, um, ul = (np.asarray(x) for x in s8.unpack_columns(tuple(jnp.asarray(x) for x in (o, z, m, l_))))
+    assert uo.shape == (bh, 2 * ns, d, 4) and uz.shape == (bh, 2 * ns, nc, 4) and um.shape == ul.shape == (bh, 2 * ns, 4)
+    for s_ in range(ns):
+        for h in range(2):
+            np.testing.assert_array_equal(uo[:, 2 * s_ + h], o[:, s_, :, 4 * h:4 * h + 4])
+            np.testing.assert_array_equal(uz[:, 2 * s_ + h], z[:, s_, :, 4 * h:4 * h + 4])
+            np.testing.assert_array_equal(um[:, 2 * s_ + h], m[:, s_, 4 * h:4 * h + 4])
+            np.testing.assert_array_equal(ul[:, 2 * s_ + h], l_[:, s_, 4 * h:4 * h + 4])
+
+
+def test_pack_planes_refusals(rng):
+    """More than 4 query heads per KV head (no free column half) and 2 PV limbs are refused by name."""
+    q, reg, kn, vn = _case(rng, 4, "symmetric", "symmetric", 0, 128, 8, b=2, poison=False)
+    with pytest.raises(NotImplementedError, match="pack_planes needs at most 4 query heads per KV head"):
+        _run(q, reg, kn, vn, config=s8.PlanarS8Config(pack_planes=True))
+    q, reg, kn, vn = _case(rng, 2, "symmetric", "symmetric", 0, 128, 4, b=2, poison=False)
+    with pytest.raises(ValueError, match="pack_planes takes 3 PV limbs"):
+        _run(q, reg, kn, vn, config=s8.PlanarS8Config(pack_planes=True, pv_limbs=2))
+
+
+@pytest.mark.parametrize("bits,kz,vz,vg,d,g", [(2, "symmetric", "symmetric", 0, 128, 4), (4, "offset", "min", 64, 128, 3),
+                                               (2, "min", "offset", 0, 64, 2)])
+def test_packed_kernel_lowers_for_cuda(rng, bits, kz, vz, vg, d, g):
+    """The packed kernel lowers for ``cuda`` (alone and with the other knobs) to a kernel of its own."""
+    import jax
+
+    q, reg, _, _ = _case(rng, bits, kz, vz, vg, d, g, b=2, poison=False)
+    ops = mp.prepare_token_planar_region(reg)
+    cfgs = [s8.PlanarS8Config(num_splits=2), s8.PlanarS8Config(num_splits=2, pack_planes=True),
+            s8.PlanarS8Config(num_splits=2, pack_planes=True, qparams_early=True, v_early=True,
+                              unmasked_full_blocks=True)]
+    texts = [jax.jit(lambda q, o, c=c: s8.decode_attention_mgpu_planar_s8_prepared(q, o, config=c, interpret=False))
+             .trace(q, ops).lower(lowering_platforms=("cuda",)).as_text() for c in cfgs]
+    assert all("mosaic_gpu" in t for t in texts) and len(set(texts)) == len(cfgs)
+
+
 @pytest.mark.parametrize("mutation", ["min_shift", "limb_weight", "no_block_scale"])
 def test_mutations_are_caught(rng, monkeypatch, mutation):
     """The oracle comparison is not vacuous: every min off by ``2^(bits-1) s`` (the top plane's shift applied
@@ -257,7 +332,8 @@ def test_splits_must_divide_blocks(rng):
     assert dataclasses.asdict(s8.PlanarS8Config()) == {"num_splits": None, "max_concurrent_steps": 2,
                                                        "limb_path": "i16", "pv_limbs": 3, "barriers": "explicit",
                                                        "profile_dir": "", "qparams_early": False,
-                                                       "v_early": False, "unmasked_full_blocks": False}
+                                                       "v_early": False, "unmasked_full_blocks": False,
+                                                       "pack_planes": False}
 
 
 def test_limb_path_is_checked_and_changes_the_kernel(rng):
@@ -366,12 +442,15 @@ def test_over_the_smem_budget_is_refused_by_name(rng):
     assert s8._spec(ops, 4, s8.PlanarS8Config(num_splits=1, max_concurrent_steps=2)).stages == 2
 
 
-@pytest.mark.parametrize("bits,vz,vg,d,limb_path,stages,pv_limbs", [(2, "symmetric", 64, 256, "i16", 4, 3),
-                                                                    (4, "min", 64, 256, "i16", 6, 3),
-                                                                    (2, "symmetric", 0, 256, "bf16", 8, 3),
-                                                                    (2, "symmetric", 64, 256, "i16", 6, 2),
-                                                                    (4, "min", 64, 256, "i16", 6, 2)])
-def test_smem_estimate_is_just_below_mosaics_count(rng, monkeypatch, bits, vz, vg, d, limb_path, stages, pv_limbs):
+@pytest.mark.parametrize("bits,vz,vg,d,limb_path,stages,pv_limbs,pack", [(2, "symmetric", 64, 256, "i16", 4, 3, False),
+                                                                         (4, "min", 64, 256, "i16", 6, 3, False),
+                                                                         (2, "symmetric", 0, 256, "bf16", 8, 3, False),
+                                                                         (2, "symmetric", 64, 256, "i16", 6, 2, False),
+                                                                         (4, "min", 64, 256, "i16", 6, 2, False),
+                                                                         (2, "symmetric", 64, 256, "i16", 5, 3, True),
+                                                                         (4, "min", 64, 256, "i16", 7, 3, True)])
+def test_smem_estimate_is_just_below_mosaics_count(rng, monkeypatch, bits, vz, vg, d, limb_path, stages, pv_limbs,
+                                                   pack):
     """Over-budget configurations let through (the budget lifted) make Mosaic GPU's lowering report its own count:
     the estimate is below it by at most the budget's margin, so SMEM_BUDGET refuses only what Mosaic would."""
     import re
@@ -380,7 +459,8 @@ def test_smem_estimate_is_just_below_mosaics_count(rng, monkeypatch, bits, vz, v
 
     q, reg, _, _ = _case(rng, bits, "symmetric", vz, vg, d, 4, b=2, t=2048, poison=False, q_dtype=jnp.bfloat16)
     ops = mp.prepare_token_planar_region(reg)
-    cfg = s8.PlanarS8Config(num_splits=1, limb_path=limb_path, max_concurrent_steps=stages, pv_limbs=pv_limbs)
+    cfg = s8.PlanarS8Config(num_splits=1, limb_path=limb_path, max_concurrent_steps=stages, pv_limbs=pv_limbs,
+                            pack_planes=pack)
     margin = 232448 - s8.SMEM_BUDGET
     monkeypatch.setattr(s8, "SMEM_BUDGET", 10 ** 9)
     est = s8.smem_bytes_estimate(s8._spec(ops, 4, cfg), ops.k_qparams.dtype.itemsize)
