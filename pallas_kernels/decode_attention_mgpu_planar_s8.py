@@ -353,8 +353,8 @@ class _S8Spec(_PlaneBlock):
         return lim_of(self.pv_limbs)
 
     @property
-    def pv_n(self) -> int:             # the PV wgmma's N: 3 limbs the padded 32 rows (as timed), 2 limbs 16
-        return self.pv_rows if self.pv_limbs == 3 else _NL * self.pv_limbs
+    def pv_n(self) -> int:             # the PV wgmma's N: 3 limbs 32 rows (24 + 8 zero rows, as timed), 2 limbs 16
+        return _NL * 4 if self.pv_limbs == 3 else _NL * self.pv_limbs
 
     @property
     def pv_group(self) -> int:         # planes per PV accumulator (:func:`pv_plane_group`)
