@@ -7,7 +7,8 @@
 The kernels: ``pallas_kernels/decode_attention_mgpu_planar.py`` (the token-planar KIVI kernel with per-token keys;
 impl ``mgpu``) and ``pallas_kernels/decode_attention_mgpu_planar_s8.py`` (the same operands on s8 tensor cores; impl
 ``mgpu_s8``, parity rows ``precision="s8"`` bound 5e-5 where it reads the case: V groups 0 or multiples of 64; its
-``pv_limbs=2`` variant bound 5e-4).  ``--check-only --variants NAMES`` runs those s8 variants' parity rows too (GPU).
+``pv_limbs=2`` variant bound 5e-4).  ``--check-only --variants NAMES`` runs those s8 variants' parity rows too (GPU;
+``--variants-only``: only those and the default config, not the limb paths / PV limbs / barrier modes).
 ``--impls`` picks among ``triton,mgpu,mgpu_s8`` (default all three; the bf16 kernel's parity rows need ``mgpu``).
 (a) Small ragged cases (B=3, Hkv=2, T=512, poisoned dead rows: NaN qparams, the current token in the same softmax)
     against the float64 NumPy oracle: INT2 / INT4, zero conventions symmetric / offset (QServe) / min, V groups
@@ -126,8 +127,9 @@ def parity(args, results) -> bool:
             s8_cfgs += [s8.PlanarS8Config(num_splits=2, pv_limbs=n, barriers=b) for n in s8.PV_LIMBS
                         for b in ((dflt.barriers,) if interp else s8.BARRIERS)
                         if (n, b) != (dflt.pv_limbs, dflt.barriers)]
-            # (--variants NAMES: those s8 variants too, on a GPU, each by its name)
-            named = {c: "" for c in s8_cfgs}
+            # (--variants NAMES: those s8 variants too, on a GPU, each by its name; on their own beside the default
+            #  with --variants-only)
+            named = {c: "" for c in (s8_cfgs[:1] if getattr(args, "variants_only", False) else s8_cfgs)}
             if isinstance(getattr(args, "variants", None), list) and not interp:
                 every = s8_variant_configs(s8.PlanarS8Config(num_splits=2), 2)
                 named.update({every[v]: v for v in args.variants if v in every and every[v] not in named})
@@ -162,10 +164,13 @@ def main(argv=None):
     if not any(a == "--formats" or a.startswith("--formats=") for a in argv):
         argv += ["--formats", "int2,qserve,int4"]
     kivi_variants, ck.VARIANTS = ck.VARIANTS, VARIANTS    # parse_args checks --variants against this script's list
+    variants_only = "--variants-only" in argv
+    argv = [a for a in argv if a != "--variants-only"]
     try:
         args = ck.parse_args(argv, __doc__, "triton,mgpu,mgpu_s8")
     finally:
         ck.VARIANTS = kivi_variants
+    args.variants_only = variants_only
     unknown = sorted(set(args.formats) - set(TIMED))
     if unknown:
         raise SystemExit(f"unknown formats {unknown}; known: {', '.join(TIMED)}")
