@@ -259,6 +259,61 @@ def test_unpack_columns_makes_each_half_a_split(rng):
             np.testing.assert_array_equal(ul[:, 2 * s_ + h], l_[:, s_, 4 * h:4 * h + 4])
 
 
+def _packed_raw_outputs_f64(q, reg, ops, g):
+    """What the packed kernel writes (one split), computed in float64 from the dequantized region: per KV head and
+    plane parity ``h`` (tokens of the block's even / odd planes), the log2-domain max ``m_h``, ``l_h = sum p``,
+    ``o_h = sum p v`` (the whole value: ``z = 0``), heads 0..g-1 in columns ``[4 h, 4 h + g)``."""
+    from kvquant_jax.abi.reference import dequantize_operand
+
+    b, hq, d = q.shape
+    hkv = hq // g
+    k = dequantize_operand(reg.k, d)                                                  # [B, Hkv, N, D]
+    v = dequantize_operand(reg.v, d)
+    n = k.shape[2]
+    rows = np.arange(n)
+    valid = (rows[None] >= np.asarray(reg.start)[:, None]) & (rows[None] < np.asarray(reg.end)[:, None])   # [B, N]
+    parity = (rows % ops.block_t) // 64 % 2
+    qf = np.asarray(q, np.float64).reshape(b, hkv, g, d) / np.sqrt(d) * np.log2(np.e)
+    s = np.einsum("bhgd,bhnd->bhgn", qf, np.where(valid[:, None, :, None], k, 0.0))
+    o = np.zeros((b * hkv, 1, d, 8))
+    m = np.full((b * hkv, 1, 8), float(s8._NEG))
+    l_ = np.zeros((b * hkv, 1, 8))
+    for h in (0, 1):
+        live = (valid & (parity == h)[None])[:, None, None, :]                        # [B, 1, 1, N]
+        mh = np.max(np.where(live, s, -np.inf), axis=-1)                              # [B, Hkv, g]
+        p = np.where(live, np.exp2(s - np.where(np.isfinite(mh), mh, 0.0)[..., None]), 0.0)
+        cols = slice(4 * h, 4 * h + g)
+        o[:, 0, :, cols] = np.einsum("bhgn,bhnd->bhdg", p, np.where(valid[:, None, :, None], v, 0.0)).reshape(
+            b * hkv, d, g)
+        m[:, 0, cols] = np.where(np.isfinite(mh), mh, float(s8._NEG)).reshape(b * hkv, g)
+        l_[:, 0, cols] = p.sum(-1).reshape(b * hkv, g)
+    z = np.zeros((b * hkv, 1, ops.head_dim // (ops.v_group or ops.head_dim), 8))
+    return tuple(jnp.asarray(x, jnp.float32) for x in (o, z, m, l_))
+
+
+@pytest.mark.parametrize("bits,kz,vz,vg,d,g", [(2, "symmetric", "symmetric", 0, 128, 4), (4, "offset", "min", 64, 128, 3),
+                                               (2, "min", "offset", 0, 64, 1)])
+def test_packed_outputs_unpack_and_merge_to_attention(rng, monkeypatch, bits, kz, vz, vg, d, g):
+    """The packed kernel's output contract, off the GPU: its raw outputs as float64 math says they are (each
+    column half one plane parity's online softmax, log2 ``m``) go through the wrapper's unpacking and the split
+    merge (with the current token) to the float64 attention."""
+    q, reg, kn, vn = _case(rng, bits, kz, vz, vg, d, g)
+    ops = mp.prepare_token_planar_region(reg)
+    raw = _packed_raw_outputs_f64(q, reg, ops, g)
+    monkeypatch.setattr(s8, "_raw_outputs", lambda *a, **k: raw)
+    out = np.asarray(s8.decode_attention_mgpu_planar_s8_prepared(
+        q, ops, k_new=kn, v_new=vn, config=s8.PlanarS8Config(pack_planes=True, num_splits=1), interpret=False,
+        out_dtype=jnp.float32))
+    ref = mp.decode_attention_mgpu_planar_reference_f64(q, reg, k_new=kn, v_new=vn)
+    assert _max_rel(out, ref) <= 1e-5
+    swapped = tuple(jnp.concatenate([x[..., 4:], x[..., :4]], axis=-1) if x.ndim == 3 else x for x in raw[2:])
+    monkeypatch.setattr(s8, "_raw_outputs", lambda *a, **k: raw[:2] + swapped)     # m, l of the other half
+    bad = np.asarray(s8.decode_attention_mgpu_planar_s8_prepared(
+        q, ops, k_new=kn, v_new=vn, config=s8.PlanarS8Config(pack_planes=True, num_splits=1), interpret=False,
+        out_dtype=jnp.float32))
+    assert _max_rel(bad, ref) > 1e-2
+
+
 def test_pack_planes_refusals(rng):
     """More than 4 query heads per KV head (no free column half) and 2 PV limbs are refused by name."""
     q, reg, kn, vn = _case(rng, 4, "symmetric", "symmetric", 0, 128, 8, b=2, poison=False)
