@@ -228,7 +228,8 @@ def timing_formats(args, results, t, rep: int, formats_of, prepare, prepared_ent
         del sets
 
 
-def parse_args(argv, doc: str, impls: str, impls_help: str = "", variants: bool = True, hlo: bool = False):
+def parse_args(argv, doc: str, impls: str, impls_help: str = "", variants: bool = True, hlo: bool = False,
+               variants_only: bool = False):
     """The CLI this script and ``check_kivi_planar_gpu.py`` share (shape, formats, impls, repeats, parity cases,
     clock, --out), parsed: formats a list, impls a set, cases a set or None; sets the benchmark clock."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -247,6 +248,9 @@ def parse_args(argv, doc: str, impls: str, impls_help: str = "", variants: bool 
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--cases", default=None, help="parity case indices to run (comma list; default all)")
     ap.add_argument("--skip-check", action="store_true")
+    if variants_only:
+        ap.add_argument("--variants-only", action="store_true",
+                        help="parity: the --variants configs beside the default alone (not the other fixed configs)")
     if hlo:
         ap.add_argument("--hlo", action="store_true",
                         help="write the compiled (optimized) HLO of one dispatch call per format (first repeat; "

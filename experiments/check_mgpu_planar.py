@@ -129,7 +129,7 @@ def parity(args, results) -> bool:
                         if (n, b) != (dflt.pv_limbs, dflt.barriers)]
             # (--variants NAMES: those s8 variants too, on a GPU, each by its name; on their own beside the default
             #  with --variants-only)
-            named = {c: "" for c in (s8_cfgs[:1] if getattr(args, "variants_only", False) else s8_cfgs)}
+            named = {c: "" for c in (s8_cfgs[:1] if args.variants_only else s8_cfgs)}
             if isinstance(getattr(args, "variants", None), list) and not interp:
                 every = s8_variant_configs(s8.PlanarS8Config(num_splits=2), 2)
                 named.update({every[v]: v for v in args.variants if v in every and every[v] not in named})
@@ -164,13 +164,10 @@ def main(argv=None):
     if not any(a == "--formats" or a.startswith("--formats=") for a in argv):
         argv += ["--formats", "int2,qserve,int4"]
     kivi_variants, ck.VARIANTS = ck.VARIANTS, VARIANTS    # parse_args checks --variants against this script's list
-    variants_only = "--variants-only" in argv
-    argv = [a for a in argv if a != "--variants-only"]
     try:
-        args = ck.parse_args(argv, __doc__, "triton,mgpu,mgpu_s8")
+        args = ck.parse_args(argv, __doc__, "triton,mgpu,mgpu_s8", variants_only=True)
     finally:
         ck.VARIANTS = kivi_variants
-    args.variants_only = variants_only
     unknown = sorted(set(args.formats) - set(TIMED))
     if unknown:
         raise SystemExit(f"unknown formats {unknown}; known: {', '.join(TIMED)}")

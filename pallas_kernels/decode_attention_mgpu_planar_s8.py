@@ -648,6 +648,11 @@ def smem_bytes_estimate(sp: _S8Spec, qparam_bytes: int) -> int:
             + (d + nvg + 2) * _NL * 4)
 
 
+#: the :class:`PlanarS8Config` fields the kernel spec carries as they are (the others become ``ns`` / ``stages``)
+_SPEC_FROM_CONFIG = tuple(f.name for f in dataclasses.fields(PlanarS8Config)
+                          if f.name not in ("num_splits", "max_concurrent_steps"))
+
+
 def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config, allow_wrong: bool = False) -> _S8Spec:
     """The kernel's static spec for ``ops`` with ``g`` query heads per KV head, or a named refusal.  ``allow_wrong``
     lets a :data:`WRONG_LIMB_PATHS` entry through (``experiments/debug_mgpu_s8.py`` only)."""
@@ -675,9 +680,7 @@ def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config, allow_wrong: bo
         raise ValueError(f"num_splits={ns} does not divide the {nb} blocks")
     sp = _S8Spec(d=ops.head_dim, g=g, bits=ops.bits, ns=ns, nbs=nb // ns, stages=cfg.max_concurrent_steps,
                  hkv=ops.num_kv_heads, k_zero=ops.k_zero, v_zero=ops.v_zero_kind, vg=ops.v_group,
-                 limb_path=cfg.limb_path, pv_limbs=cfg.pv_limbs, barriers=cfg.barriers, profile_dir=cfg.profile_dir,
-                 qparams_early=cfg.qparams_early, v_early=cfg.v_early,
-                 unmasked_full_blocks=cfg.unmasked_full_blocks, pack_planes=cfg.pack_planes)
+                 **{f: getattr(cfg, f) for f in _SPEC_FROM_CONFIG})
     need = smem_bytes_estimate(sp, ops.k_qparams.dtype.itemsize)
     if need > SMEM_BUDGET:
         raise NotImplementedError(
