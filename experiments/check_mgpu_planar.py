@@ -64,10 +64,13 @@ def variant_configs(dflt: mk.KiviMgpuConfig, s0: int) -> dict[str, mk.KiviMgpuCo
 def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS8Config]:
     """--variants of the s8 kernel: the names it shares with :func:`variant_configs`, and ``limbs <path>`` for
     each other :data:`~pallas_kernels.decode_attention_mgpu_planar_s8.LIMB_PATHS` entry, ``pv limbs <n>`` for each
-    other ``PV_LIMBS`` entry, ``barriers <b>`` for each other ``BARRIERS`` entry, and the two together; ``qparams
-    early``, ``v early``, ``unmasked full``, ``pack planes`` (each flag flipped), ``early loads`` (the first two on), with the third
-    and with the other PV limbs, ``pack planes + early loads`` and ``pack planes + all`` (every flag on).  A variant
-    the shape refuses (``pack planes`` with more than 4 query heads per KV head) is skipped by name."""
+    other ``PV_LIMBS`` entry, ``barriers <b>`` for each other ``BARRIERS`` entry, and the two together.  The
+    default has the early loads, the unmasked full blocks and (where g <= 4) packed planes: ``qparams late``,
+    ``v late``, ``late loads`` (both), ``masked full``, ``unpacked`` turn one off, ``unpacked + late loads + masked
+    full`` is the default before 2026-12-07 evening, ``pack planes`` forces packing (refused, and skipped by name,
+    with more than 4 query heads per KV head); ``step blocks <n>`` (with ``+ stages 3``, ``+ unpacked``) takes
+    ``n`` token blocks per pipeline step (its parity rows run with one split where the case's blocks per split are
+    too few)."""
     rep = dataclasses.replace
     return {"stages 3": rep(dflt, max_concurrent_steps=3), "stages 4": rep(dflt, max_concurrent_steps=4),
             "splits x2": rep(dflt, num_splits=2 * s0), "splits /2": rep(dflt, num_splits=max(1, s0 // 2)),
@@ -76,17 +79,17 @@ def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS
             **{f"barriers {b}": rep(dflt, barriers=b) for b in s8.BARRIERS if b != dflt.barriers},
             **{f"pv limbs {n} + barriers {b}": rep(dflt, pv_limbs=n, barriers=b)
                for n in s8.PV_LIMBS if n != dflt.pv_limbs for b in s8.BARRIERS if b != dflt.barriers},
-            "qparams early": rep(dflt, qparams_early=not dflt.qparams_early),
-            "v early": rep(dflt, v_early=not dflt.v_early),
-            "early loads": rep(dflt, qparams_early=True, v_early=True),
-            "unmasked full": rep(dflt, unmasked_full_blocks=not dflt.unmasked_full_blocks),
-            "early loads + unmasked full": rep(dflt, qparams_early=True, v_early=True, unmasked_full_blocks=True),
-            "pack planes": rep(dflt, pack_planes=not dflt.pack_planes),
-            "pack planes + early loads": rep(dflt, pack_planes=True, qparams_early=True, v_early=True),
-            "pack planes + all": rep(dflt, pack_planes=True, qparams_early=True, v_early=True,
-                                     unmasked_full_blocks=True),
-            **{f"early loads + pv limbs {n}": rep(dflt, qparams_early=True, v_early=True, pv_limbs=n)
-               for n in s8.PV_LIMBS if n != dflt.pv_limbs}}
+            "qparams late": rep(dflt, qparams_early=False),
+            "v late": rep(dflt, v_early=False),
+            "late loads": rep(dflt, qparams_early=False, v_early=False),
+            "masked full": rep(dflt, unmasked_full_blocks=False),
+            "unpacked": rep(dflt, pack_planes=False),
+            "pack planes": rep(dflt, pack_planes=True),
+            "unpacked + late loads + masked full": rep(dflt, pack_planes=False, qparams_early=False, v_early=False,
+                                                      unmasked_full_blocks=False),
+            **{f"step blocks {n}": rep(dflt, step_blocks=n) for n in (1, 2, 4)},
+            **{f"step blocks {n} + stages 3": rep(dflt, step_blocks=n, max_concurrent_steps=3) for n in (2,)},
+            "step blocks 2 + unpacked": rep(dflt, step_blocks=2, pack_planes=False)}
 
 
 #: every --variants name (the bf16 kernel's, then the s8 kernel's own: an impl times the names it has)
@@ -135,8 +138,14 @@ def parity(args, results) -> bool:
                 named.update({every[v]: v for v in args.variants if v in every and every[v] not in named})
             for cfg, vname in named.items() if s8_reads else ():
                 try:
-                    s8._spec(ops, g, cfg)
-                except NotImplementedError as err:     # (a variant this case's shape refuses: pack planes, g > 4)
+                    try:
+                        s8._spec(ops, g, cfg)
+                    except ValueError:                 # (step blocks more than a split's blocks: one split)
+                        if cfg.step_blocks in (None, 1):
+                            raise
+                        cfg = dataclasses.replace(cfg, num_splits=1)
+                        s8._spec(ops, g, cfg)
+                except (NotImplementedError, ValueError) as err:   # (a variant this case's shape refuses)
                     print(f"case {ci} s8 [{vname}]: skipped, {err}")
                     continue
                 lp, bound = cfg.limb_path, BOUND_S8 if cfg.pv_limbs == 3 else BOUND_S8_PV2

@@ -55,11 +55,11 @@
 #                  4K / 32K beside the bf16 planar kernel and cuDNN (int2, qserve, int4), variants at the first;
 #                  ALONE.  Then `planar` (the dispatcher route).  Its counters:
 #                  `ncu_decode.py --T 32768 --formats int2,qserve --impls mgpu_planar,mgpu_planar_s8`
-#   s8_knobs       J: the s8 kernel's untimed knobs (2026-12-07 evening: pack_planes, qparams_early, v_early,
-#                  unmasked_full_blocks): the in-kernel profile with its sub-phases (INT2 / INT4), GPU parity of the
-#                  variants (ragged cases 0, 1, 3: unmasked_full_blocks must mask the first and last blocks; g <= 4
-#                  for pack_planes), then 2 timing repeats at 32K against the default and cuDNN, then the
-#                  token-planar route's parity (check_transposed_v_gpu.py); ALONE
+#   s8_knobs       J: the s8 kernel's defaults of 2026-12-07 night (packed planes where g <= 4, early loads,
+#                  unmasked full blocks, auto step_blocks: 2 for INT4 / QServe), timed once or twice so far: the
+#                  in-kernel profile (INT2 / INT4), GPU parity with the old settings as variants, three timing
+#                  calls at 32K against the 1-block step and the default before (ranges), then the token-planar
+#                  route's parity (check_transposed_v_gpu.py); ALONE
 #   kivi_block     J: KIVI-2/4 with the opt-in whole-block update (`kivi_update=block`, one softmax update + one
 #                  PV per block) against today's per-group path and cuDNN at 32K (timed twice, 2026-12-03 / 04:
 #                  no gain; rerun only to repeat it); ALONE
@@ -170,12 +170,12 @@ for job in $JOBS; do
         $V --variant-names 'bt 64,splits x2,ws late-v' --out docs/results/decode_mgpu/pending-gemma3-shape" ;;
     s8_knobs)
       start_job s8_knobs 0.20 bash -c "$PY experiments/profile_mgpu_s8.py --T 32768 --formats int2,int4 \
-        --variants 'default,pack planes,pack planes + all,early loads + unmasked full' \
+        --variants 'default,step blocks 1,unpacked + late loads + masked full' \
         --out docs/results/decode_mgpu/pending-s8-knobs/prof; $PY experiments/check_mgpu_planar.py --check-only \
-        --cases 0,1,3 --impls mgpu_s8 --variants 'pack planes,pack planes + all,early loads + unmasked full' \
-        --out docs/results/decode_mgpu/pending-s8-knobs/parity; $PY experiments/check_mgpu_planar.py --skip-check \
-        --T 32768 --repeat 2 --impls mgpu_s8 --variants 'pack planes,pack planes + all,early loads + unmasked full' \
-        --out docs/results/decode_mgpu/pending-s8-knobs/time; $PY experiments/check_transposed_v_gpu.py \
+        --impls mgpu_s8 --variants 'step blocks 1,unpacked,unpacked + late loads + masked full' --variants-only \
+        --out docs/results/decode_mgpu/pending-s8-knobs/parity; for i in 1 2 3; do $PY experiments/check_mgpu_planar.py \
+        --skip-check --T 32768 --repeat 1 --impls mgpu_s8 --variants 'step blocks 1,unpacked + late loads + masked full' \
+        --out docs/results/decode_mgpu/pending-s8-knobs/time\$i; done; $PY experiments/check_transposed_v_gpu.py \
         --parity-schemes int2_planar qserve4_planar int4_planar --schemes --T 32768 \
         --out docs/results/decode_mgpu/pending-s8-knobs/route" ;;
     v1_barriers)

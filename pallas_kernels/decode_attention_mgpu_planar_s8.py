@@ -43,13 +43,17 @@ the kernel (``experiments/check_mgpu_planar.py --impls mgpu_s8``).  H100, JAX 0.
 3, 5 within 4.4e-6 (bound 5e-5) on both 16-bit limb paths; at T = 32K (B 8, Hq 32, Hkv 8, D 128) with the
 explicit barriers (4 runs) INT2 94.9-96.4 µs = 3.60-3.73x cuDNN (the bf16 planar kernel 182-188 µs), QServe
 127.4-130.3 µs = 2.70-2.75x, INT4 123.5-126.6 µs = 2.79-2.81x; with ``pv_limbs=2`` INT2 85.4-86.6 µs = 4.02-4.15x
-(docs/results/decode_mgpu/2026-12-07-s8-barriers-h100).  The dispatcher serves token-planar layers with it where
+(docs/results/decode_mgpu/2026-12-07-s8-barriers-h100).  Later that night (docs/results/decode_mgpu/
+2026-12-07-s8-pack-h100) the defaults became packed plane pairs where g <= 4, the early loads, unmasked full
+blocks and (INT4 / QServe) two blocks per step: INT2 76.1-76.8 µs = 4.51-4.53x (2 runs), QServe 110.6 µs = 3.12x
+and INT4 107.9 µs = 3.20x (1 run each); parity cases 0, 1, 3, 5 within 2.9e-6.  The dispatcher serves token-planar layers with it where
 :func:`token_planar_s8_layout_unsupported` allows (``attention.dispatch``).  ``experiments/debug_mgpu_s8.py``
 checks each integer step on its own.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Optional
 
 import jax
@@ -117,8 +121,9 @@ def pv_plane_group(n_limbs: int, bits: int) -> int:
 def pv_rows_per_plane(n_limbs: int, planes: int) -> int:
     """PV B-operand rows per plane: ``8 n_limbs`` limb rows, padded with zero rows so that the planes together
     fill whole 64-row tiles (the converting copy loads the scratch in the 64-row ``WGMMA`` layout): INT2 (4
-    planes) 32 rows with 3 limbs, 16 with 2; INT4 (2 planes) 32 either way."""
-    rows = _NL * n_limbs
+    planes) 32 rows with 3 limbs, 16 with 2; INT4 (2 planes) 32 either way.  At least the PV wgmma's N (3 limbs:
+    32, the 8 rows past the limbs zero), so that the last plane's B operand stays inside the scratch."""
+    rows = _NL * 4 if n_limbs == 3 else _NL * n_limbs
     while (rows * planes) % _M:
         rows += _NL
     return rows
@@ -153,21 +158,32 @@ class PlanarS8Config:
         ``s8_softmax``, ``s8_limbs``, ``s8_copy``, ``s8_pv``, ``s8_acc``) per warpgroup in SM clock cycles and writes
         one Perfetto trace per call there (``experiments/profile_mgpu_s8.py``); a diagnostic (the timer reads cost
         a few cycles each), not for serving.
-    qparams_early: load every plane's K and V qparams (scales, zeros) from the stage right after issuing the QK
-        wgmmas, while they run, instead of where the softmax uses them (more registers live across the QK wait).
-    v_early: load the V codes (the PV wgmma's register operand) right after issuing the QK wgmmas instead of before
+    qparams_early: (default on) load every plane's K and V qparams (scales, zeros) from the stage right after
+        issuing the QK wgmmas, while they run, instead of where the softmax uses them (more registers live across the
+        QK wait).
+    v_early: (default on) load the V codes (the PV wgmma's register operand) right after issuing the QK wgmmas instead of before
         the PV wgmmas; the stage's last read then precedes the B-operand copy's second ``commit_smem``, which also
         releases the stage (under ``barriers="explicit"`` the end-of-step barrier goes: one warpgroup barrier per
         step fewer).  16 more registers live through the softmax and the limb split.
-    unmasked_full_blocks: a block wholly inside the live rows ``[lo, hi)`` (every block of a sequence but its
+    unmasked_full_blocks: (default on) a block wholly inside the live rows ``[lo, hi)`` (every block of a sequence but its
         first and last) takes a branch without the row masks (four ``where`` per logit and the row compares); the
-        other blocks the masked path.  The same numbers (the masks select nothing there).
+        other blocks the masked path.  The same numbers (the masks select nothing there).  These three together,
+        in-kernel profile, H100, INT2, T = 32K, 2026-12-07: kernel 92.1 -> 85.5 us unpacked, 76.9 -> 71.0 packed.
     pack_planes: with at most 4 query heads per KV head (LLaMA-3-8B, Gemma-3, SmolLM2), half of the 8 query
         columns are padding; packed, a plane PAIR shares one ``[64, 8]`` float tile: the even plane's logits in
         columns ``[0, 4)``, the odd plane's in ``[4, 8)`` (two QK wgmmas into one accumulator, the query's limbs in
         one column half each), so the softmax, the limb split and the B-operand copy run on half the tiles.  Each
         column half keeps its own online softmax and ``p sv`` scale (an "even" and an "odd" partial per head,
-        merged outside like two splits); the PV wgmmas accumulate per plane parity.  3 PV limbs only.
+        merged outside like two splits); the PV wgmmas accumulate per plane parity.  3 PV limbs only.  ``None``
+        (default): packed wherever the shape allows it (g <= 4 and 3 PV limbs), unpacked otherwise; ``True`` refuses
+        the other shapes by name, ``False`` never packs.  H100, T = 32K, LLaMA-3-8B shape, 2026-12-07 (the three
+        flags above on): INT2 96.0 -> 76.8 us (x3.61 -> x4.51 cuDNN), QServe 127.9 -> 125.2, INT4 123.7 -> 122.1.
+    step_blocks: token blocks per pipeline step (each its own TMA per array, as for one): the step's softmax max,
+        ``p sv`` scale (one per column over the step's tokens), commits, accumulator update and pipeline wait are
+        paid once for ``step_blocks`` blocks, at ``step_blocks`` times the tiles in registers and the stage's
+        shared memory.  It must divide the blocks per split.  ``None`` (default): :data:`AUTO_STEP_BLOCKS` by
+        code width (INT4 / QServe 2, INT2 1) where that divides the split's blocks and fits the shared memory, else
+        1.
     """
 
     num_splits: Optional[int] = None
@@ -176,10 +192,11 @@ class PlanarS8Config:
     pv_limbs: int = 3
     barriers: str = "explicit"
     profile_dir: str = ""
-    qparams_early: bool = False
-    v_early: bool = False
-    unmasked_full_blocks: bool = False
-    pack_planes: bool = False
+    qparams_early: bool = True
+    v_early: bool = True
+    unmasked_full_blocks: bool = True
+    pack_planes: Optional[bool] = None
+    step_blocks: Optional[int] = None
 
 
 #: the ways :class:`PlanarS8Config.limb_path` may take (the default first)
@@ -324,6 +341,7 @@ class _S8Spec(_PlaneBlock):
     v_early: bool = False
     unmasked_full_blocks: bool = False
     pack_planes: bool = False
+    step_blocks: int = 1
 
     n = _NL            # query columns (the outputs' N; one limb tile)
     dup = 0            # (no hi / lo column halves: ``_kernel_partials`` reads it)
@@ -341,8 +359,16 @@ class _S8Spec(_PlaneBlock):
         return self.d // self.vg
 
     @property
-    def tiles(self) -> int:            # [64, 8] float tiles per block: one per plane, or per plane pair (packed)
-        return self.planes // 2 if self.pack_planes else self.planes
+    def vplanes(self) -> int:          # 64-token planes per pipeline step (``step_blocks`` blocks of ``planes``)
+        return self.planes * self.step_blocks
+
+    @property
+    def steps(self) -> int:            # pipeline steps per split
+        return self.nbs // self.step_blocks
+
+    @property
+    def tiles(self) -> int:            # [64, 8] float tiles per step: one per plane, or per plane pair (packed)
+        return self.vplanes // 2 if self.pack_planes else self.vplanes
 
     @property
     def pv_rows(self) -> int:          # PV B rows per tile (:func:`pv_rows_per_plane`)
@@ -375,11 +401,16 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
     wg, w8 = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA_8BIT
     names = ["k", "v", "ks", "vs"] + ([] if sp.v_zero == "symmetric" else ["vm"])
     arrays = dict(k=k, v=v, ks=ks, vs=vs, vm=vm)
+    sb, vpl = sp.step_blocks, sp.vplanes
+    # the pipeline's inputs: every array once per block of a step (step_blocks > 1: one TMA per block, as for one)
+    pipe = [(nm, h) for h in range(sb) for nm in names]
     half = 2.0 ** (sp.bits - 1)
     npl, nlv, lim_pv, pvn, pgs = sp.pv_rows, sp.pv_limbs, sp.lim_pv, sp.pv_n, sp.pv_group
     npg = pln // pgs                                    # PV accumulators per d-tile (plane groups)
     r0 = lambda r: (r // pgs) * pgs                     # noqa: E731  (the first plane of r's group)
     pk, nt = sp.pack_planes, sp.tiles
+    # virtual plane R of a step (R < vpl) is bit plane R % pln of the step's block R // pln: its 64 tokens are the
+    # step's rows [64 R, 64 R + 64), its scale 2^(-bits (R % pln))
     # packed: tile k holds planes 2k (query columns [0, 4)) and 2k + 1 (columns [4, 8)), each column half its own
     # online softmax ("even" / "odd" virtual heads, merged outside like two splits); PV accumulators per parity
     tile_planes = (lambda k: (2 * k, 2 * k + 1)) if pk else (lambda k: (k,))   # noqa: E731
@@ -418,42 +449,45 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
 
             def step(indices, *args):
                 (i,) = indices
-                sm = dict(zip(names, args[:len(names)]))
-                k_smem, v_smem, ks_smem, vs_smem = sm["k"], sm["v"], sm["ks"], sm["vs"]
-                accs, m_i, l_i, zs = args[len(names)]
-                row0 = (base + i) * bt
+                sm = dict(zip(pipe, args[:len(pipe)]))
+                accs, m_i, l_i, zs = args[len(pipe)]
+                row0 = (base + sb * i) * bt
 
-                def load_k_qparams(r):       # plane r's K qparam rows (scale [, zero]) [64] each, float32
-                    return [plgpu.load(ks_smem.at[row, pl.ds(r * _M, _M)], (), layout=wg.reduce(1),
+                def load_k_qparams(rv):      # virtual plane rv's K qparam rows (scale [, zero]) [64] each, float32
+                    h, r = divmod(rv, pln)
+                    return [plgpu.load(sm["ks", h].at[row, pl.ds(r * _M, _M)], (), layout=wg.reduce(1),
                                        optimized=False).astype(_F32) for row in range(sp.k_rows)]
 
-                def load_v_qparams(r, ci):   # plane r's V scale and zero (None: symmetric) of channel group ci
-                    sv = plgpu.load(vs_smem.at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1),
+                def load_v_qparams(rv, ci):  # virtual plane rv's V scale and zero (None: symmetric) of group ci
+                    h, r = divmod(rv, pln)
+                    sv = plgpu.load(sm["vs", h].at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1),
                                     optimized=False).astype(_F32)
                     zv = None if sp.v_zero == "symmetric" else plgpu.load(
-                        sm["vm"].at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1), optimized=False).astype(_F32)
+                        sm["vm", h].at[ci, pl.ds(r * _M, _M)], (), layout=wg.reduce(1), optimized=False).astype(_F32)
                     return sv, zv
 
                 def load_qparams():
-                    return ([load_k_qparams(r) for r in range(pln)],
-                            [[load_v_qparams(r, ci) for ci in range(nvg)] for r in range(pln)])
+                    return ([load_k_qparams(rv) for rv in range(vpl)],
+                            [[load_v_qparams(rv, ci) for ci in range(nvg)] for rv in range(vpl)])
 
-                def load_v_tile(j):          # V codes [64 channels, 64 tokens] int8 of d-tile j
-                    return plgpu.load(v_smem.at[pl.ds(j * _M, _M)], (), layout=w8)
+                def load_v_tile(j, h):       # V codes [64 channels, 64 tokens] int8 of d-tile j, the step's block h
+                    return plgpu.load(sm["v", h].at[pl.ds(j * _M, _M)], (), layout=w8)
 
                 def load_v():
-                    return [load_v_tile(j) for j in range(dch)]
+                    return [[load_v_tile(j, h) for h in range(sb)] for j in range(dch)]
 
                 with jax.named_scope("s8_qk"):
                     # 1. S^T per plane: ONE s8 wgmma per D chunk (N = 3 limbs x 8 columns), int32, exact
                     def qk(*acc_refs):
                         with jax.named_scope("qk_issue"):
-                            kbytes = plgpu.load(k_smem, (), layout=w8)               # [64, D] int8, P planes
+                            kbytes = [plgpu.load(sm["k", h], (), layout=w8)   # [64, D] int8 per block, P planes
+                                      for h in range(sb)]
                             for k_, acc_ref in enumerate(acc_refs):
-                                for h, r in enumerate(tile_planes(k_)):  # (packed: B = the query in one half)
-                                    kr = kbytes & jnp.full(kbytes.shape, _plane_mask(r, sp.bits), i8)
+                                for hc, rv in enumerate(tile_planes(k_)):  # (packed: B = the query in one half)
+                                    h, r = divmod(rv, pln)
+                                    kr = kbytes[h] & jnp.full(kbytes[h].shape, _plane_mask(r, sp.bits), i8)
                                     for j in range(dq):
-                                        qbj = qb_smem.at[h * dq + j]        # (packed: half h's chunks after h-1's)
+                                        qbj = qb_smem.at[hc * dq + j]       # (packed: half hc's chunks after hc-1's)
                                         plgpu.wgmma(acc_ref, kr[:, j * kc:(j + 1) * kc], qbj.T)
                             # (while the wgmmas run: what the config loads early)
                             early = (load_qparams() if sp.qparams_early else None,
@@ -474,8 +508,9 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                         for k_ in range(nt):
                             dot = _from_limbs(*(raw[k_][:, li * n:(li + 1) * n] for li in range(_LIMBS)))
                             a_rows, m_rows = [], []
-                            for r in tile_planes(k_):
-                                st, *zt = kq[r] if kq is not None else load_k_qparams(r)
+                            for rv in tile_planes(k_):
+                                r = rv % pln
+                                st, *zt = kq[rv] if kq is not None else load_k_qparams(rv)
                                 mt = zero_min(st, zt[0] if zt else None, sp.k_zero, sp.bits)
                                 if r == pln - 1:           # re-centred top-plane codes read u - 2^(bits-1)
                                     mt = mt + half * st
@@ -502,8 +537,9 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                             l_i = l_i + p
                             for ci in range(nvg):
                                 mv_rows, sv_rows = [], []
-                                for r in tile_planes(k_):
-                                    sv, zv = vq[r][ci] if vq is not None else load_v_qparams(r, ci)
+                                for rv in tile_planes(k_):
+                                    r = rv % pln
+                                    sv, zv = vq[rv][ci] if vq is not None else load_v_qparams(rv, ci)
                                     mv = zero_min(sv, zv, sp.v_zero, sp.bits)
                                     if r == pln - 1:
                                         mv = mv + half * sv
@@ -516,7 +552,7 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                 if sp.unmasked_full_blocks:
                     # a block wholly inside [lo, hi) (all but the first and last of a ragged sequence) skips the
                     # row masks: one branch per step, on a scalar
-                    full = (row0 >= lo) & (row0 + bt <= hi)
+                    full = (row0 >= lo) & (row0 + sb * bt <= hi)
                     m_new, alpha_t, l_i, zs, xs = lax.cond(full, lambda li, z: softmax(False, li, z),
                                                            lambda li, z: softmax(True, li, z), l_i, zs)
                 else:
@@ -555,12 +591,12 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                     #    into the accumulator of r's plane group (one group with 3 limbs)
                     def pv(*acc_refs):
                         with jax.named_scope("pv_issue"):
-                            for j in range(dch):
+                            for j, h in itertools.product(range(dch), range(sb)):
                                 ci = j * _M // sp.vg
-                                vbytes = vbytes_all[j] if vbytes_all is not None else load_v_tile(j)
+                                vbytes = vbytes_all[j][h] if vbytes_all is not None else load_v_tile(j, h)
                                 for r in range(pln):
                                     vr = vbytes & jnp.full(vbytes.shape, _plane_mask(r, sp.bits), i8)
-                                    tile = r // 2 if pk else r
+                                    tile = (h * pln + r) // 2 if pk else h * pln + r
                                     plgpu.wgmma(acc_refs[j * nacc + acc_of(r)], vr,
                                                 p_smem.at[pl.ds(ci * prows + tile * npl, pvn)].T)
                         with jax.named_scope("pv_wait"):
@@ -587,20 +623,21 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                         new_accs.append(accs[j] * alpha_t + part * bcol(scales[ci]))
                 return new_accs, m_new, l_i, zs
 
-            blk = lambda i: (base + i, 0)            # noqa: E731  (token rows first)
-            blk_t = lambda i: (0, base + i)          # noqa: E731  (tokens last)
-            spec_of = {
-                "k": plgpu.BlockSpec((_M, d), blk, transforms=_tile_transforms(i8, d)),
-                "v": plgpu.BlockSpec((d, _M), blk_t, transforms=_tile_transforms(i8, _M)),
-                "ks": plgpu.BlockSpec((sp.k_rows, bt), blk_t),
-                "vs": plgpu.BlockSpec((nvg, bt), blk_t),
-                "vm": plgpu.BlockSpec((nvg, bt), blk_t)}
+            def spec_of(nm, h):              # block h of each step: block base + sb i + h of the split
+                blk = lambda i: (base + sb * i + h, 0)       # noqa: E731  (token rows first)
+                blk_t = lambda i: (0, base + sb * i + h)     # noqa: E731  (tokens last)
+                return {"k": lambda: plgpu.BlockSpec((_M, d), blk, transforms=_tile_transforms(i8, d)),
+                        "v": lambda: plgpu.BlockSpec((d, _M), blk_t, transforms=_tile_transforms(i8, _M)),
+                        "ks": lambda: plgpu.BlockSpec((sp.k_rows, bt), blk_t),
+                        "vs": lambda: plgpu.BlockSpec((nvg, bt), blk_t),
+                        "vm": lambda: plgpu.BlockSpec((nvg, bt), blk_t)}[nm]()
             zero_t = lambda: plgpu.layout_cast(jnp.full((_M, n), 0.0, _F32), wg)  # noqa: E731
             m0 = plgpu.layout_cast(jnp.full((n,), _NEG, _F32), wg.reduce(0))
             carry0 = ([zero_t() for _ in range(dch)], m0, zero_t(), [zero_t() for _ in range(nvg)])
             accs, m_i, l_i, zs = plgpu.emit_pipeline(
-                step, grid=(nbs,), in_specs=[spec_of[nm] for nm in names],
-                max_concurrent_steps=min(sp.stages, nbs), init_carry=carry0)(*[in_refs[nm].at[pid] for nm in names])
+                step, grid=(sp.steps,), in_specs=[spec_of(nm, h) for nm, h in pipe],
+                max_concurrent_steps=min(sp.stages, sp.steps), init_carry=carry0)(
+                    *[in_refs[nm].at[pid] for nm, _ in pipe])
             for j in range(dch):
                 o_smem.at[pl.ds(j * _M, _M)][...] = accs[j]
             _write_split_outputs((o_smem, z_smem, m_smem, l_smem), (o_ref, z_ref, m_ref, l_ref), zs, m_i, l_i,
@@ -641,16 +678,30 @@ def smem_bytes_estimate(sp: _S8Spec, qparam_bytes: int) -> int:
     ``sp.limb_path``'s dtype, the int8 B operands, the outputs."""
     d, bt, nvg = sp.d, sp.bt, sp.vgroups
     rows = nvg * sp.tiles * sp.pv_rows
-    per_stage = _M * d * 2 + (sp.k_rows + nvg * (1 if sp.v_zero == "symmetric" else 2)) * bt * qparam_bytes
+    per_stage = sp.step_blocks * (_M * d * 2 + (sp.k_rows + nvg * (1 if sp.v_zero == "symmetric" else 2)) * bt
+                                  * qparam_bytes)
     scratch = rows * _M * jnp.dtype(_LIMB_DTYPES[sp.limb_path]).itemsize
     qb = (2 if sp.pack_planes else 1) * (d // sp.kc) * _NQ * sp.kc
-    return (min(sp.stages, sp.nbs) * per_stage + qb + 2 * 2 * _NL * 4 + scratch + rows * _M
+    return (min(sp.stages, sp.steps) * per_stage + qb + 2 * 2 * _NL * 4 + scratch + rows * _M
             + (d + nvg + 2) * _NL * 4)
 
 
 #: the :class:`PlanarS8Config` fields the kernel spec carries as they are (the others become ``ns`` / ``stages``)
 _SPEC_FROM_CONFIG = tuple(f.name for f in dataclasses.fields(PlanarS8Config)
-                          if f.name not in ("num_splits", "max_concurrent_steps"))
+                          if f.name not in ("num_splits", "max_concurrent_steps", "pack_planes", "step_blocks"))
+
+#: ``PlanarS8Config.step_blocks=None``: blocks per pipeline step by code width (H100, T = 32K, LLaMA-3-8B shape,
+#: 2026-12-07: INT4 121.7 -> 107.9 us and QServe 124.8 -> 110.6 with 2; INT2 (packed) 76.1 -> 93.2 with 2, and
+#: 4 blocks 1.8-2.6x slower for every format: past the registers)
+AUTO_STEP_BLOCKS = {2: 1, 4: 2}
+
+
+def packs_planes(cfg: PlanarS8Config, g: int) -> bool:
+    """Whether the kernel packs plane pairs for ``g`` query heads per KV head under ``cfg``: ``cfg.pack_planes``
+    when set, else (``None``) wherever the shape allows it (``g <= 4`` and 3 PV limbs)."""
+    if cfg.pack_planes is not None:
+        return bool(cfg.pack_planes)
+    return g <= _NL // 2 and cfg.pv_limbs == 3
 
 
 def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config, allow_wrong: bool = False) -> _S8Spec:
@@ -678,16 +729,29 @@ def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config, allow_wrong: bo
     ns = cfg.num_splits or _auto_splits(ops.k.shape[0], nb)
     if nb % ns:
         raise ValueError(f"num_splits={ns} does not divide the {nb} blocks")
-    sp = _S8Spec(d=ops.head_dim, g=g, bits=ops.bits, ns=ns, nbs=nb // ns, stages=cfg.max_concurrent_steps,
-                 hkv=ops.num_kv_heads, k_zero=ops.k_zero, v_zero=ops.v_zero_kind, vg=ops.v_group,
-                 **{f: getattr(cfg, f) for f in _SPEC_FROM_CONFIG})
-    need = smem_bytes_estimate(sp, ops.k_qparams.dtype.itemsize)
+    sb = cfg.step_blocks
+    if sb is not None and not (isinstance(sb, int) and sb >= 1):
+        raise ValueError(f"PlanarS8Config.step_blocks={sb!r}: a positive int or None")
+    if sb is not None and (nb // ns) % sb:
+        raise ValueError(f"PlanarS8Config.step_blocks={sb} does not divide the {nb // ns} blocks per "
+                         f"split ({nb} blocks, {ns} splits)")
+    make = lambda n: _S8Spec(  # noqa: E731
+        d=ops.head_dim, g=g, bits=ops.bits, ns=ns, nbs=nb // ns, stages=cfg.max_concurrent_steps,
+        hkv=ops.num_kv_heads, k_zero=ops.k_zero, v_zero=ops.v_zero_kind, vg=ops.v_group,
+        **{f: getattr(cfg, f) for f in _SPEC_FROM_CONFIG}, pack_planes=packs_planes(cfg, g), step_blocks=n)
+    qpb = ops.k_qparams.dtype.itemsize
+    if sb is None:      # auto: AUTO_STEP_BLOCKS[bits] where it divides the split's blocks and fits, else 1
+        sb = AUTO_STEP_BLOCKS.get(ops.bits, 1)
+        if (nb // ns) % sb or smem_bytes_estimate(make(sb), qpb) > SMEM_BUDGET:
+            sb = 1
+    sp = make(sb)
+    need = smem_bytes_estimate(sp, qpb)
     if need > SMEM_BUDGET:
         raise NotImplementedError(
             f"decode_attention_mgpu_planar_s8: ~{need // 1024} KB of shared memory (INT{ops.bits}, D {ops.head_dim}, "
-            f"{sp.vgroups} V groups, {sp.stages} stages, limb_path {cfg.limb_path!r}, {cfg.pv_limbs} PV limbs) is "
-            f"over the "
-            f"{SMEM_BUDGET // 1024} KB budget; fewer pipeline stages (max_concurrent_steps) fit")
+            f"{sp.vgroups} V groups, {sp.stages} stages, limb_path {cfg.limb_path!r}, {cfg.pv_limbs} PV limbs, {sp.step_blocks} blocks "
+            f"per step) is over the {SMEM_BUDGET // 1024} KB budget; fewer pipeline stages (max_concurrent_steps) "
+            f"or blocks per step fit")
     return sp
 
 
@@ -757,6 +821,7 @@ def _partials_jnp(q, ops: TokenPlanarOperands, sm_scale, sp: _S8Spec):
     hkv, bits, t, bt = ops.num_kv_heads, ops.bits, ops.rows, ops.block_t
     g = hq // hkv
     half = 2.0 ** (bits - 1)
+    stt = bt * sp.step_blocks                                                          # tokens per step
     qb, qs, qsum = query_limbs(q, hkv, sm_scale)
     ql = [qb[:, li * _NL:(li + 1) * _NL].astype(jnp.int32) for li in range(_LIMBS)]  # [BH, 8, D] each
     uk = _masked_planes(ops.k, bits)                                                  # [BH, T, D]
@@ -783,11 +848,11 @@ def _partials_jnp(q, ops: TokenPlanarOperands, sm_scale, sp: _S8Spec):
     acc = []
     for ci in range(nvg):
         x = jnp.where(valid, p * (sv[:, ci] * xscale)[..., None], 0.0)                # [BH, T, 8]
-        xb = x.reshape(x.shape[0], t // bt, bt, _NL)
-        ub = uv[:, :, ci * ops.v_group:(ci + 1) * ops.v_group].reshape(x.shape[0], t // bt, bt, ops.v_group)
-        # the p sv scale per block and column over the block's tokens, or (packed) over its even planes' tokens
-        # and its odd planes' tokens apart (each column half of the kernel's tile has its own)
-        plane_b = plane[:bt]
+        xb = x.reshape(x.shape[0], t // stt, stt, _NL)
+        ub = uv[:, :, ci * ops.v_group:(ci + 1) * ops.v_group].reshape(x.shape[0], t // stt, stt, ops.v_group)
+        # the p sv scale per step (step_blocks blocks) and column over the step's tokens, or (packed) over its even
+        # planes' tokens and its odd planes' tokens apart (each column half of the kernel's tile has its own)
+        plane_b = plane[:stt]
         subsets = [plane_b % 2 == h for h in (0, 1)] if sp.pack_planes else [plane_b >= 0]
         o = 0.0
         for sub in subsets:
@@ -798,7 +863,7 @@ def _partials_jnp(q, ops: TokenPlanarOperands, sm_scale, sp: _S8Spec):
             part = 0.0
             for g0 in range(0, 8 // bits, sp.pv_group):
                 grp = (plane >= g0) & (plane < g0 + sp.pv_group)                       # [T]
-                gmask = grp.reshape(t // bt, bt)[None, :, :, None].astype(jnp.int32)
+                gmask = grp.reshape(t // stt, stt)[None, :, :, None].astype(jnp.int32)
                 part = part + _from_limbs(*(jnp.einsum("xktc,xktd->xkcd", l_.reshape(xb.shape) * gmask, ub,
                                                        preferred_element_type=jnp.int32) for l_ in xl)) * (
                     2.0 ** (-bits * g0))

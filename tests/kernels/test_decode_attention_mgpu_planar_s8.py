@@ -199,10 +199,11 @@ def test_early_loads_lower_to_other_kernels(rng, bits, kz, vz, vg):
 
     q, reg, kn, vn = _case(rng, bits, kz, vz, vg, 128, 4, b=2, poison=False)
     ops = mp.prepare_token_planar_region(reg)
-    cfgs = [s8.PlanarS8Config(num_splits=2, qparams_early=a, v_early=v, barriers=b)
+    base = s8.PlanarS8Config(num_splits=2, pack_planes=False, unmasked_full_blocks=False)
+    cfgs = [dataclasses.replace(base, qparams_early=a, v_early=v, barriers=b)
             for a in (False, True) for v in (False, True) for b in ("explicit", "auto")]
-    cfgs += [s8.PlanarS8Config(num_splits=2, unmasked_full_blocks=True),
-             s8.PlanarS8Config(num_splits=2, unmasked_full_blocks=True, qparams_early=True, v_early=True)]
+    cfgs += [dataclasses.replace(base, unmasked_full_blocks=True, qparams_early=False, v_early=False),
+             dataclasses.replace(base, unmasked_full_blocks=True)]
     texts = [jax.jit(lambda q, o, c=c: s8.decode_attention_mgpu_planar_s8_prepared(q, o, config=c, interpret=False))
              .trace(q, ops).lower(lowering_platforms=("cuda",)).as_text() for c in cfgs]
     assert all("mosaic_gpu" in t for t in texts) and len(set(texts)) == len(cfgs)
@@ -324,6 +325,61 @@ def test_pack_planes_refusals(rng):
         _run(q, reg, kn, vn, config=s8.PlanarS8Config(pack_planes=True, pv_limbs=2))
 
 
+@pytest.mark.parametrize("bits,kz,vz,vg,d,g,pack", [(2, "symmetric", "symmetric", 0, 128, 4, None),
+                                                    (2, "symmetric", "symmetric", 0, 128, 4, False),
+                                                    (4, "offset", "offset", 64, 128, 3, None),
+                                                    (4, "symmetric", "min", 64, 128, 8, None)])
+def test_twin_with_two_blocks_per_step_matches_oracle(rng, bits, kz, vz, vg, d, g, pack):
+    """``step_blocks=2``: one ``p sv`` scale per column over two blocks' tokens -- within the 3-limb bound, and
+    not the one-block twin's numbers (the knob is live in the twin)."""
+    q, reg, kn, vn = _case(rng, bits, kz, vz, vg, d, g)
+    ref = mp.decode_attention_mgpu_planar_reference_f64(q, reg, k_new=kn, v_new=vn)
+    out = np.asarray(_run(q, reg, kn, vn, config=s8.PlanarS8Config(step_blocks=2, num_splits=1, pack_planes=pack)))
+    one = np.asarray(_run(q, reg, kn, vn, config=s8.PlanarS8Config(num_splits=1, pack_planes=pack, step_blocks=1)))
+    assert np.isfinite(out).all() and _max_rel(out, ref) <= BOUND
+    assert not np.array_equal(out, one)
+
+
+def test_step_blocks_is_checked_and_lowers_for_cuda(rng):
+    """``step_blocks`` must divide the blocks per split (refused by name otherwise, like a non-int); 2 and 4 lower
+    for ``cuda`` to kernels of their own, packed and unpacked, with the early loads on and off."""
+    import jax
+
+    q, reg, kn, vn = _case(rng, 2, "symmetric", "symmetric", 0, 128, 4, b=2, t=2048, poison=False)
+    ops = mp.prepare_token_planar_region(reg)                                    # 8 blocks of 256 tokens
+    with pytest.raises(ValueError, match="step_blocks=3 does not divide the 4 blocks per split"):
+        s8._spec(ops, 4, s8.PlanarS8Config(num_splits=2, step_blocks=3))
+    with pytest.raises(ValueError, match="step_blocks=0: a positive int"):
+        s8._spec(ops, 4, s8.PlanarS8Config(num_splits=2, step_blocks=0))
+    cfgs = [s8.PlanarS8Config(num_splits=2, step_blocks=n, pack_planes=pk, qparams_early=e, v_early=e)
+            for n in (1, 2, 4) for pk in (True, False) for e in (True, False)]
+    texts = [jax.jit(lambda q, o, c=c: s8.decode_attention_mgpu_planar_s8_prepared(q, o, config=c, interpret=False))
+             .trace(q, ops).lower(lowering_platforms=("cuda",)).as_text() for c in cfgs]
+    assert all("mosaic_gpu" in t for t in texts) and len(set(texts)) == len(cfgs)
+
+
+def test_default_packs_where_the_shape_allows(rng):
+    """``pack_planes=None`` (the default) packs with g <= 4 and 3 PV limbs and nowhere else, without refusing;
+    ``True`` / ``False`` are taken as they are.  The default kernel for g = 4 is the packed one, for g = 8 the
+    unpacked one (the same lowered text as the explicit setting)."""
+    import jax
+
+    for g, limbs, want in [(1, 3, True), (4, 3, True), (5, 3, False), (8, 3, False), (4, 2, False)]:
+        assert s8.packs_planes(s8.PlanarS8Config(pv_limbs=limbs), g) is want
+        assert s8.packs_planes(s8.PlanarS8Config(pv_limbs=limbs, pack_planes=False), g) is False
+        assert s8.packs_planes(s8.PlanarS8Config(pv_limbs=limbs, pack_planes=True), g) is True
+    for g in (4, 8):
+        q, reg, _, _ = _case(rng, 2, "symmetric", "symmetric", 0, 128, g, b=2, poison=False)
+        ops = mp.prepare_token_planar_region(reg)
+        texts = [jax.jit(lambda q, o, c=c: s8.decode_attention_mgpu_planar_s8_prepared(q, o, config=c,
+                                                                                       interpret=False))
+                 .trace(q, ops).lower(lowering_platforms=("cuda",)).as_text()
+                 for c in (s8.PlanarS8Config(num_splits=2), s8.PlanarS8Config(num_splits=2, pack_planes=g <= 4),
+                           s8.PlanarS8Config(num_splits=2, pack_planes=False, qparams_early=False))]
+        assert texts[0] == texts[1] != texts[2], g
+        assert s8._spec(ops, g, s8.PlanarS8Config()).pack_planes is (g <= 4)
+
+
 @pytest.mark.parametrize("bits,kz,vz,vg,d,g", [(2, "symmetric", "symmetric", 0, 128, 4), (4, "offset", "min", 64, 128, 3),
                                                (2, "min", "offset", 0, 64, 2)])
 def test_packed_kernel_lowers_for_cuda(rng, bits, kz, vz, vg, d, g):
@@ -332,9 +388,9 @@ def test_packed_kernel_lowers_for_cuda(rng, bits, kz, vz, vg, d, g):
 
     q, reg, _, _ = _case(rng, bits, kz, vz, vg, d, g, b=2, poison=False)
     ops = mp.prepare_token_planar_region(reg)
-    cfgs = [s8.PlanarS8Config(num_splits=2), s8.PlanarS8Config(num_splits=2, pack_planes=True),
-            s8.PlanarS8Config(num_splits=2, pack_planes=True, qparams_early=True, v_early=True,
-                              unmasked_full_blocks=True)]
+    off = s8.PlanarS8Config(num_splits=2, pack_planes=False, qparams_early=False, v_early=False,
+                            unmasked_full_blocks=False)
+    cfgs = [off, dataclasses.replace(off, pack_planes=True), s8.PlanarS8Config(num_splits=2)]
     texts = [jax.jit(lambda q, o, c=c: s8.decode_attention_mgpu_planar_s8_prepared(q, o, config=c, interpret=False))
              .trace(q, ops).lower(lowering_platforms=("cuda",)).as_text() for c in cfgs]
     assert all("mosaic_gpu" in t for t in texts) and len(set(texts)) == len(cfgs)
@@ -386,9 +442,9 @@ def test_splits_must_divide_blocks(rng):
         _run(q, reg, kn, vn, config=s8.PlanarS8Config(num_splits=3))
     assert dataclasses.asdict(s8.PlanarS8Config()) == {"num_splits": None, "max_concurrent_steps": 2,
                                                        "limb_path": "i16", "pv_limbs": 3, "barriers": "explicit",
-                                                       "profile_dir": "", "qparams_early": False,
-                                                       "v_early": False, "unmasked_full_blocks": False,
-                                                       "pack_planes": False}
+                                                       "profile_dir": "", "qparams_early": True,
+                                                       "v_early": True, "unmasked_full_blocks": True,
+                                                       "pack_planes": None, "step_blocks": None}
 
 
 def test_limb_path_is_checked_and_changes_the_kernel(rng):
@@ -488,13 +544,15 @@ def test_check_script_times_each_limb_path_as_a_variant():
 
 
 def test_over_the_smem_budget_is_refused_by_name(rng):
-    """INT2, D 256, four V groups, four pipeline stages: over Hopper's shared memory.  It is refused before Mosaic
-    sees it, the message names the cause and the cure, and two stages fit."""
+    """INT2, D 256, four V groups, four pipeline stages, unpacked: over Hopper's shared memory.  It is refused
+    before Mosaic sees it, the message names the cause and the cure, and two stages fit (packed, the default at
+    g = 4, four fit too: half the limb scratch)."""
     q, reg, kn, vn = _case(rng, 2, "symmetric", "symmetric", 64, 256, 4, b=2, t=2048, poison=False)
     with pytest.raises(NotImplementedError, match=r"shared memory .* 4 stages, limb_path 'i16'.*fewer pipeline stages"):
-        _run(q, reg, kn, vn, config=s8.PlanarS8Config(num_splits=1, max_concurrent_steps=4))
+        _run(q, reg, kn, vn, config=s8.PlanarS8Config(num_splits=1, max_concurrent_steps=4, pack_planes=False))
     ops = mp.prepare_token_planar_region(reg)
-    assert s8._spec(ops, 4, s8.PlanarS8Config(num_splits=1, max_concurrent_steps=2)).stages == 2
+    assert s8._spec(ops, 4, s8.PlanarS8Config(num_splits=1, max_concurrent_steps=2, pack_planes=False)).stages == 2
+    assert s8._spec(ops, 4, s8.PlanarS8Config(num_splits=1, max_concurrent_steps=4)).pack_planes
 
 
 @pytest.mark.parametrize("bits,vz,vg,d,limb_path,stages,pv_limbs,pack", [(2, "symmetric", 64, 256, "i16", 4, 3, False),
