@@ -68,7 +68,7 @@ def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS
     default has the early loads, the unmasked full blocks and (where g <= 4) packed planes: ``qparams late``,
     ``v late``, ``late loads`` (both), ``masked full``, ``unpacked`` turn one off, ``unpacked + late loads + masked
     full`` is the default before 2026-12-07 evening, ``pack planes`` forces packing (refused, and skipped by name,
-    with more than 4 query heads per KV head); ``step blocks <n>`` (with ``+ stages 3``, ``+ unpacked``) takes
+    with more than 4 query heads per KV head); ``step blocks <n>`` (with ``+ stages 3``, ``+ unpacked``, ``+ late loads``: fewer registers) takes
     ``n`` token blocks per pipeline step (its parity rows run with one split where the case's blocks per split are
     too few)."""
     rep = dataclasses.replace
@@ -89,7 +89,8 @@ def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS
                                                       unmasked_full_blocks=False),
             **{f"step blocks {n}": rep(dflt, step_blocks=n) for n in (1, 2, 4)},
             **{f"step blocks {n} + stages 3": rep(dflt, step_blocks=n, max_concurrent_steps=3) for n in (2,)},
-            "step blocks 2 + unpacked": rep(dflt, step_blocks=2, pack_planes=False)}
+            "step blocks 2 + unpacked": rep(dflt, step_blocks=2, pack_planes=False),
+            "step blocks 2 + late loads": rep(dflt, step_blocks=2, qparams_early=False, v_early=False)}
 
 
 #: every --variants name (the bf16 kernel's, then the s8 kernel's own: an impl times the names it has)

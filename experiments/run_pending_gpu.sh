@@ -174,7 +174,7 @@ for job in $JOBS; do
         --out docs/results/decode_mgpu/pending-s8-knobs/prof; $PY experiments/check_mgpu_planar.py --check-only \
         --impls mgpu_s8 --variants 'step blocks 1,unpacked,unpacked + late loads + masked full' --variants-only \
         --out docs/results/decode_mgpu/pending-s8-knobs/parity; for i in 1 2 3; do $PY experiments/check_mgpu_planar.py \
-        --skip-check --T 32768 --repeat 1 --impls mgpu_s8 --variants 'step blocks 1,unpacked + late loads + masked full' \
+        --skip-check --T 32768 --repeat 1 --impls mgpu_s8 --variants 'step blocks 1,step blocks 2,step blocks 2 + late loads,unpacked + late loads + masked full' \
         --out docs/results/decode_mgpu/pending-s8-knobs/time\$i; done; $PY experiments/check_transposed_v_gpu.py \
         --parity-schemes int2_planar qserve4_planar int4_planar --schemes --T 32768 \
         --out docs/results/decode_mgpu/pending-s8-knobs/route" ;;
