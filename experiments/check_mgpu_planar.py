@@ -68,9 +68,9 @@ def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS
     default has the early loads, the unmasked full blocks and (where g <= 4) packed planes: ``qparams late``,
     ``v late``, ``late loads`` (both), ``masked full``, ``unpacked`` turn one off, ``unpacked + late loads + masked
     full`` is the default before 2026-12-07 evening, ``pack planes`` forces packing (refused, and skipped by name,
-    with more than 4 query heads per KV head); ``step blocks <n>`` (with ``+ stages 3``, ``+ unpacked``, ``+ late loads``: fewer registers) takes
-    ``n`` token blocks per pipeline step (its parity rows run with one split where the case's blocks per split are
-    too few)."""
+    with more than 4 query heads per KV head); ``step blocks <n>`` (with ``+ stages 3``, ``+ unpacked``, ``+ late
+    loads``: fewer registers) takes ``n`` token blocks per pipeline step (its parity rows run with one split where
+    the case's blocks per split are too few)."""
     rep = dataclasses.replace
     return {"stages 3": rep(dflt, max_concurrent_steps=3), "stages 4": rep(dflt, max_concurrent_steps=4),
             "splits x2": rep(dflt, num_splits=2 * s0), "splits /2": rep(dflt, num_splits=max(1, s0 // 2)),
@@ -138,15 +138,11 @@ def parity(args, results) -> bool:
                 every = s8_variant_configs(s8.PlanarS8Config(num_splits=2), 2)
                 named.update({every[v]: v for v in args.variants if v in every and every[v] not in named})
             for cfg, vname in named.items() if s8_reads else ():
+                if (ops.rows // ops.block_t // (cfg.num_splits or 1)) % (cfg.step_blocks or 1):
+                    cfg = dataclasses.replace(cfg, num_splits=1)  # (more step blocks than a split has: one split)
                 try:
-                    try:
-                        s8._spec(ops, g, cfg)
-                    except ValueError:                 # (step blocks more than a split's blocks: one split)
-                        if cfg.step_blocks in (None, 1):
-                            raise
-                        cfg = dataclasses.replace(cfg, num_splits=1)
-                        s8._spec(ops, g, cfg)
-                except (NotImplementedError, ValueError) as err:   # (a variant this case's shape refuses)
+                    s8._spec(ops, g, cfg)
+                except NotImplementedError as err:     # (a variant this case's shape refuses: pack planes, g > 4)
                     print(f"case {ci} s8 [{vname}]: skipped, {err}")
                     continue
                 lp, bound = cfg.limb_path, BOUND_S8 if cfg.pv_limbs == 3 else BOUND_S8_PV2

@@ -46,7 +46,8 @@ explicit barriers (4 runs) INT2 94.9-96.4 µs = 3.60-3.73x cuDNN (the bf16 plana
 (docs/results/decode_mgpu/2026-12-07-s8-barriers-h100).  Later that night (docs/results/decode_mgpu/
 2026-12-07-s8-pack-h100) the defaults became packed plane pairs where g <= 4, the early loads, unmasked full
 blocks and (INT4 / QServe) two blocks per step: INT2 76.1-76.8 µs = 4.51-4.53x (2 runs), QServe 110.6 µs = 3.12x
-and INT4 107.9 µs = 3.20x (1 run each); parity cases 0, 1, 3, 5 within 2.9e-6.  The dispatcher serves token-planar layers with it where
+and INT4 107.9 µs = 3.20x (1 run each); parity cases 0, 1, 3, 5 within 2.9e-6.  The dispatcher serves
+token-planar layers with it where
 :func:`token_planar_s8_layout_unsupported` allows (``attention.dispatch``).  ``experiments/debug_mgpu_s8.py``
 checks each integer step on its own.
 """
@@ -626,11 +627,11 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
             def spec_of(nm, h):              # block h of each step: block base + sb i + h of the split
                 blk = lambda i: (base + sb * i + h, 0)       # noqa: E731  (token rows first)
                 blk_t = lambda i: (0, base + sb * i + h)     # noqa: E731  (tokens last)
-                return {"k": lambda: plgpu.BlockSpec((_M, d), blk, transforms=_tile_transforms(i8, d)),
-                        "v": lambda: plgpu.BlockSpec((d, _M), blk_t, transforms=_tile_transforms(i8, _M)),
-                        "ks": lambda: plgpu.BlockSpec((sp.k_rows, bt), blk_t),
-                        "vs": lambda: plgpu.BlockSpec((nvg, bt), blk_t),
-                        "vm": lambda: plgpu.BlockSpec((nvg, bt), blk_t)}[nm]()
+                if nm == "k":
+                    return plgpu.BlockSpec((_M, d), blk, transforms=_tile_transforms(i8, d))
+                if nm == "v":
+                    return plgpu.BlockSpec((d, _M), blk_t, transforms=_tile_transforms(i8, _M))
+                return plgpu.BlockSpec((sp.k_rows if nm == "ks" else nvg, bt), blk_t)      # ks, vs, vm
             zero_t = lambda: plgpu.layout_cast(jnp.full((_M, n), 0.0, _F32), wg)  # noqa: E731
             m0 = plgpu.layout_cast(jnp.full((n,), _NEG, _F32), wg.reduce(0))
             carry0 = ([zero_t() for _ in range(dch)], m0, zero_t(), [zero_t() for _ in range(nvg)])
@@ -749,9 +750,9 @@ def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config, allow_wrong: bo
     if need > SMEM_BUDGET:
         raise NotImplementedError(
             f"decode_attention_mgpu_planar_s8: ~{need // 1024} KB of shared memory (INT{ops.bits}, D {ops.head_dim}, "
-            f"{sp.vgroups} V groups, {sp.stages} stages, limb_path {cfg.limb_path!r}, {cfg.pv_limbs} PV limbs, {sp.step_blocks} blocks "
-            f"per step) is over the {SMEM_BUDGET // 1024} KB budget; fewer pipeline stages (max_concurrent_steps) "
-            f"or blocks per step fit")
+            f"{sp.vgroups} V groups, {sp.stages} stages, limb_path {cfg.limb_path!r}, {cfg.pv_limbs} PV limbs, "
+            f"{sp.step_blocks} blocks per step) is over the {SMEM_BUDGET // 1024} KB budget; fewer pipeline stages "
+            f"(max_concurrent_steps) or blocks per step fit")
     return sp
 
 
