@@ -65,12 +65,16 @@ def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS
     """--variants of the s8 kernel: the names it shares with :func:`variant_configs`, and ``limbs <path>`` for
     each other :data:`~pallas_kernels.decode_attention_mgpu_planar_s8.LIMB_PATHS` entry, ``pv limbs <n>`` for each
     other ``PV_LIMBS`` entry, ``barriers <b>`` for each other ``BARRIERS`` entry, and the two together.  The
-    default has the early loads, the unmasked full blocks and (where g <= 4) packed planes: ``qparams late``,
-    ``v late``, ``late loads`` (both), ``masked full``, ``unpacked`` turn one off, ``unpacked + late loads + masked
-    full`` is the default before 2026-12-07 evening, ``pack planes`` forces packing (refused, and skipped by name,
-    with more than 4 query heads per KV head); ``step blocks <n>`` (with ``+ stages 3``, ``+ unpacked``, ``+ late
-    loads``: fewer registers) takes ``n`` token blocks per pipeline step (its parity rows run with one split where
-    the case's blocks per split are too few)."""
+    default has the unmasked full blocks, (where g <= 4) packed planes, 2 blocks per step and the loads where
+    ``auto_early_loads`` puts them (late for INT2 at 2 blocks, early otherwise): ``qparams late`` / ``v late`` (the
+    other one early), ``late loads`` and ``early loads`` (both) set them whatever the format, ``masked full`` and
+    ``unpacked`` turn one off, ``unpacked + late loads + masked full`` is the default before 2026-12-07 evening,
+    ``pack planes`` forces packing and ``merged pv`` (alone, or with ``step blocks 1 +``, and that with ``+ splits
+    x2``: the CTAs for 3 per SM, should its registers allow them) one PV accumulator for both plane parities (both
+    refused, and skipped by name, with more than 4 query heads per KV head);
+    ``step blocks <n>`` (with ``+ stages 3``, ``+ unpacked``, ``+ late loads``, ``+ early loads``, ``+ qparams
+    late``, ``+ v late``) takes ``n`` token blocks per pipeline step (its parity rows run with one split where the
+    case's blocks per split are too few)."""
     rep = dataclasses.replace
     return {"stages 3": rep(dflt, max_concurrent_steps=3), "stages 4": rep(dflt, max_concurrent_steps=4),
             "splits x2": rep(dflt, num_splits=2 * s0), "splits /2": rep(dflt, num_splits=max(1, s0 // 2)),
@@ -79,18 +83,24 @@ def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS
             **{f"barriers {b}": rep(dflt, barriers=b) for b in s8.BARRIERS if b != dflt.barriers},
             **{f"pv limbs {n} + barriers {b}": rep(dflt, pv_limbs=n, barriers=b)
                for n in s8.PV_LIMBS if n != dflt.pv_limbs for b in s8.BARRIERS if b != dflt.barriers},
-            "qparams late": rep(dflt, qparams_early=False),
-            "v late": rep(dflt, v_early=False),
+            "qparams late": rep(dflt, qparams_early=False, v_early=True),
+            "v late": rep(dflt, qparams_early=True, v_early=False),
             "late loads": rep(dflt, qparams_early=False, v_early=False),
+            "early loads": rep(dflt, qparams_early=True, v_early=True),
             "masked full": rep(dflt, unmasked_full_blocks=False),
             "unpacked": rep(dflt, pack_planes=False),
             "pack planes": rep(dflt, pack_planes=True),
+            "merged pv": rep(dflt, merged_pv=True),
+            "step blocks 1 + merged pv": rep(dflt, step_blocks=1, merged_pv=True),
+            "step blocks 1 + merged pv + splits x2": rep(dflt, step_blocks=1, merged_pv=True, num_splits=2 * s0),
             "unpacked + late loads + masked full": rep(dflt, pack_planes=False, qparams_early=False, v_early=False,
                                                       unmasked_full_blocks=False),
             **{f"step blocks {n}": rep(dflt, step_blocks=n) for n in (1, 2, 4)},
             **{f"step blocks {n} + stages 3": rep(dflt, step_blocks=n, max_concurrent_steps=3) for n in (2,)},
             "step blocks 2 + unpacked": rep(dflt, step_blocks=2, pack_planes=False),
-            "step blocks 2 + late loads": rep(dflt, step_blocks=2, qparams_early=False, v_early=False)}
+            **{f"step blocks 2 + {nm}": rep(dflt, step_blocks=2, qparams_early=a, v_early=v)
+               for nm, a, v in (("late loads", False, False), ("early loads", True, True),
+                                ("qparams late", False, True), ("v late", True, False))}}
 
 
 #: every --variants name (the bf16 kernel's, then the s8 kernel's own: an impl times the names it has)

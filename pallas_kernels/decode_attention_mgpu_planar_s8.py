@@ -46,7 +46,9 @@ explicit barriers (4 runs) INT2 94.9-96.4 µs = 3.60-3.73x cuDNN (the bf16 plana
 (docs/results/decode_mgpu/2026-12-07-s8-barriers-h100).  Later that night (docs/results/decode_mgpu/
 2026-12-07-s8-pack-h100) the defaults became packed plane pairs where g <= 4, the early loads, unmasked full
 blocks and (INT4 / QServe) two blocks per step: INT2 76.1-76.8 µs = 4.51-4.53x (2 runs), QServe 110.6 µs = 3.12x
-and INT4 107.9 µs = 3.20x (1 run each); parity cases 0, 1, 3, 5 within 2.9e-6.  The dispatcher serves
+and INT4 107.9 µs = 3.20x (1 run each); parity cases 0, 1, 3, 5 within 2.9e-6.  2026-12-08 (docs/results/
+decode_mgpu/2026-12-08-s8-int2-steps-h100), 3 runs: two blocks per step for INT2 too, its loads late (INT2 72.7-73.0
+µs = 4.75-4.77x), QServe 110.5-110.9 µs = 3.13-3.14x, INT4 107.7-108.0 µs = 3.20-3.23x.  The dispatcher serves
 token-planar layers with it where
 :func:`token_planar_s8_layout_unsupported` allows (``attention.dispatch``).  ``experiments/debug_mgpu_s8.py``
 checks each integer step on its own.
@@ -159,13 +161,14 @@ class PlanarS8Config:
         ``s8_softmax``, ``s8_limbs``, ``s8_copy``, ``s8_pv``, ``s8_acc``) per warpgroup in SM clock cycles and writes
         one Perfetto trace per call there (``experiments/profile_mgpu_s8.py``); a diagnostic (the timer reads cost
         a few cycles each), not for serving.
-    qparams_early: (default on) load every plane's K and V qparams (scales, zeros) from the stage right after
-        issuing the QK wgmmas, while they run, instead of where the softmax uses them (more registers live across the
-        QK wait).
-    v_early: (default on) load the V codes (the PV wgmma's register operand) right after issuing the QK wgmmas instead of before
+    qparams_early: load every plane's K and V qparams (scales, zeros) from the stage right after issuing the QK
+        wgmmas, while they run, instead of where the softmax uses them (more registers live across the QK wait).
+        ``None`` (default): :func:`auto_early_loads` (on, but for INT2 with more than one block per step).
+    v_early: load the V codes (the PV wgmma's register operand) right after issuing the QK wgmmas instead of before
         the PV wgmmas; the stage's last read then precedes the B-operand copy's second ``commit_smem``, which also
         releases the stage (under ``barriers="explicit"`` the end-of-step barrier goes: one warpgroup barrier per
-        step fewer).  16 more registers live through the softmax and the limb split.
+        step fewer).  16 more registers live through the softmax and the limb split.  ``None`` (default): as
+        ``qparams_early``.
     unmasked_full_blocks: (default on) a block wholly inside the live rows ``[lo, hi)`` (every block of a sequence but its
         first and last) takes a branch without the row masks (four ``where`` per logit and the row compares); the
         other blocks the masked path.  The same numbers (the masks select nothing there).  These three together,
@@ -183,8 +186,15 @@ class PlanarS8Config:
         ``p sv`` scale (one per column over the step's tokens), commits, accumulator update and pipeline wait are
         paid once for ``step_blocks`` blocks, at ``step_blocks`` times the tiles in registers and the stage's
         shared memory.  It must divide the blocks per split.  ``None`` (default): :data:`AUTO_STEP_BLOCKS` by
-        code width (INT4 / QServe 2, INT2 1) where that divides the split's blocks and fits the shared memory, else
-        1.
+        code width (2 for INT2, INT4 and QServe) where that divides the split's blocks and fits the shared memory,
+        else 1.
+    merged_pv: (packed planes only) both plane parities' PV wgmmas accumulate into ONE ``[64, 32]`` int32
+        accumulator per 64-channel tile instead of one per parity: the converting copy writes the int8 B operands
+        twice, once with the odd plane's columns zero (the even planes' wgmmas read it) and once with the even
+        plane's zero, so a wgmma adds nothing to the other parity's columns.  The sums are the same integers
+        (bit-identical outputs); 16 accumulator registers per channel tile fewer and no parity select after the
+        PV, for a second int8 store in the copy and twice the int8 B-operand rows (INT2, 1 block per step: +4 KB).
+        Refused without packed planes.
     """
 
     num_splits: Optional[int] = None
@@ -193,11 +203,12 @@ class PlanarS8Config:
     pv_limbs: int = 3
     barriers: str = "explicit"
     profile_dir: str = ""
-    qparams_early: bool = True
-    v_early: bool = True
+    qparams_early: Optional[bool] = None
+    v_early: Optional[bool] = None
     unmasked_full_blocks: bool = True
     pack_planes: Optional[bool] = None
     step_blocks: Optional[int] = None
+    merged_pv: bool = False
 
 
 #: the ways :class:`PlanarS8Config.limb_path` may take (the default first)
@@ -243,8 +254,16 @@ def _limb_scratch_to_i8(x_rows, path: str):
     if path == "i32":
         copy_layout = plgpu.Layout.SMEM_GMEM_COPY((x_rows.shape[0], _M), jnp.int8, 64)
         return plgpu.load(x_rows, (), layout=copy_layout, optimized=False).astype(jnp.int8)
+    return _limb_scratch_wide(x_rows, path).astype(jnp.int8)
+
+
+def _limb_scratch_wide(x_rows, path: str):
+    """Scratch rows ``[R, 64]`` (16-bit paths) -> ``WGMMA``-layout registers of the exact limbs in a type wider than
+    8 bits (Mosaic GPU computes on 8-bit registers only bitwise): int16 (``"i16"``) or int32 (``"bf16"``)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
     xv = plgpu.load(x_rows, (), layout=plgpu.Layout.WGMMA)
-    return (xv.astype(_F32).astype(jnp.int32) if path == "bf16" else xv).astype(jnp.int8)
+    return xv.astype(_F32).astype(jnp.int32) if path == "bf16" else xv
 
 
 def _group_unsupported(g: int) -> Optional[str]:
@@ -343,6 +362,7 @@ class _S8Spec(_PlaneBlock):
     unmasked_full_blocks: bool = False
     pack_planes: bool = False
     step_blocks: int = 1
+    merged_pv: bool = False
 
     n = _NL            # query columns (the outputs' N; one limb tile)
     dup = 0            # (no hi / lo column halves: ``_kernel_partials`` reads it)
@@ -406,7 +426,7 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
     # the pipeline's inputs: every array once per block of a step (step_blocks > 1: one TMA per block, as for one)
     pipe = [(nm, h) for h in range(sb) for nm in names]
     half = 2.0 ** (sp.bits - 1)
-    npl, nlv, lim_pv, pvn, pgs = sp.pv_rows, sp.pv_limbs, sp.lim_pv, sp.pv_n, sp.pv_group
+    nlv, lim_pv, pvn, pgs = sp.pv_limbs, sp.lim_pv, sp.pv_n, sp.pv_group
     npg = pln // pgs                                    # PV accumulators per d-tile (plane groups)
     r0 = lambda r: (r // pgs) * pgs                     # noqa: E731  (the first plane of r's group)
     pk, nt = sp.pack_planes, sp.tiles
@@ -415,9 +435,12 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
     # packed: tile k holds planes 2k (query columns [0, 4)) and 2k + 1 (columns [4, 8)), each column half its own
     # online softmax ("even" / "odd" virtual heads, merged outside like two splits); PV accumulators per parity
     tile_planes = (lambda k: (2 * k, 2 * k + 1)) if pk else (lambda k: (k,))   # noqa: E731
-    nacc = 2 if pk else npg                             # PV accumulators per d-tile
-    acc_of = (lambda r: r % 2) if pk else (lambda r: r // pgs)                  # noqa: E731
-    prows = nt * npl                                    # rows of one channel group's PV B operands (all tiles)
+    mg = sp.merged_pv                                   # (packed only: one accumulator for both parities)
+    nacc = 1 if mg else 2 if pk else npg                # PV accumulators per d-tile
+    acc_of = (lambda r: 0) if mg else (lambda r: r % 2) if pk else (lambda r: r // pgs)   # noqa: E731
+    npl = sp.pv_rows                                    # limb rows per tile
+    prows = nt * npl                                    # rows of one channel group's limbs (all tiles)
+    pcopies = 2 if mg else 1                            # int8 B-operand copies (merged: even columns, odd columns)
     lp = sp.limb_path
 
     def body(start_ref, end_ref, qb_ref, qaux_ref, *refs):
@@ -583,7 +606,16 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                     with jax.named_scope("cp_convert"):
                         for ci in range(nvg):
                             xr = pl.ds(ci * prows, prows)
-                            p_smem.at[xr][...] = _limb_scratch_to_i8(x_smem.at[xr], lp)
+                            if not mg:
+                                p_smem.at[xr][...] = _limb_scratch_to_i8(x_smem.at[xr], lp)
+                                continue
+                            # merged: the even copy keeps the even planes' columns (limb rows 8 li + c, c < 4), the
+                            # odd copy the others; a thread's rows all share r % 8 (one select per register)
+                            xw = _limb_scratch_wide(x_smem.at[xr], lp)
+                            even = (plgpu.broadcasted_iota(i32, (prows, _M), 0, layout=wg) & (n - 1)) < n // 2
+                            zero = jnp.zeros((prows, _M), xw.dtype)
+                            p_smem.at[pl.ds(2 * ci * prows, prows)][...] = jnp.where(even, xw, zero).astype(i8)
+                            p_smem.at[pl.ds((2 * ci + 1) * prows, prows)][...] = jnp.where(even, zero, xw).astype(i8)
                     with jax.named_scope("cp_commit2"):
                         plgpu.commit_smem()
 
@@ -598,8 +630,8 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                                 for r in range(pln):
                                     vr = vbytes & jnp.full(vbytes.shape, _plane_mask(r, sp.bits), i8)
                                     tile = (h * pln + r) // 2 if pk else h * pln + r
-                                    plgpu.wgmma(acc_refs[j * nacc + acc_of(r)], vr,
-                                                p_smem.at[pl.ds(ci * prows + tile * npl, pvn)].T)
+                                    row = (ci * pcopies + (r % 2 if mg else 0)) * prows + tile * npl
+                                    plgpu.wgmma(acc_refs[j * nacc + acc_of(r)], vr, p_smem.at[pl.ds(row, pvn)].T)
                         with jax.named_scope("pv_wait"):
                             return [a_[...] for a_ in acc_refs]
 
@@ -612,7 +644,9 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                     for j in range(dch):
                         ci = j * _M // sp.vg
                         part = None
-                        if pk:                      # the even planes' dot in the low half, the odd ones' in the high
+                        if mg:                      # one accumulator: even planes' columns low, odd ones' high
+                            part = _from_limbs(*(pvr[j][:, li * n:(li + 1) * n] for li in range(nlv)))
+                        elif pk:                    # the even planes' dot in the low half, the odd ones' in the high
                             pe, po = (_from_limbs(*(pvr[j * 2 + h][:, li * n:(li + 1) * n] for li in range(nlv)))
                                       for h in range(2))
                             part = jnp.where(col_lo, pe, po)
@@ -649,7 +683,7 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
             plgpu.SMEM(((2 if pk else 1) * dq, _NQ, kc), i8, transforms=_tile_transforms(i8, kc)),
             plgpu.SMEM((2, 2 * n), _F32),
             _limb_scratch(nvg * prows, lp),
-            plgpu.SMEM((nvg * prows, _M), i8, transforms=_tile_transforms(i8, _M)),
+            plgpu.SMEM((nvg * pcopies * prows, _M), i8, transforms=_tile_transforms(i8, _M)),
             plgpu.SMEM((d, n), _F32),
             plgpu.SMEM((nvg, n), _F32),
             plgpu.SMEM((n,), _F32),
@@ -676,25 +710,36 @@ SMEM_BUDGET = 232448 - 8192
 def smem_bytes_estimate(sp: _S8Spec, qparam_bytes: int) -> int:
     """Shared memory the s8 kernel allocates for ``sp``, in bytes, without barriers and alignment (Mosaic GPU counts
     ~6 KB more): the pipeline stages of K / V codes and their qparams, the query limbs, the limb scratch in
-    ``sp.limb_path``'s dtype, the int8 B operands, the outputs."""
+    ``sp.limb_path``'s dtype, the int8 B operands (two copies with ``merged_pv``), the outputs."""
     d, bt, nvg = sp.d, sp.bt, sp.vgroups
     rows = nvg * sp.tiles * sp.pv_rows
     per_stage = sp.step_blocks * (_M * d * 2 + (sp.k_rows + nvg * (1 if sp.v_zero == "symmetric" else 2)) * bt
                                   * qparam_bytes)
     scratch = rows * _M * jnp.dtype(_LIMB_DTYPES[sp.limb_path]).itemsize
     qb = (2 if sp.pack_planes else 1) * (d // sp.kc) * _NQ * sp.kc
-    return (min(sp.stages, sp.steps) * per_stage + qb + 2 * 2 * _NL * 4 + scratch + rows * _M
-            + (d + nvg + 2) * _NL * 4)
+    return (min(sp.stages, sp.steps) * per_stage + qb + 2 * 2 * _NL * 4 + scratch
+            + rows * _M * (2 if sp.merged_pv else 1) + (d + nvg + 2) * _NL * 4)
 
 
 #: the :class:`PlanarS8Config` fields the kernel spec carries as they are (the others become ``ns`` / ``stages``)
 _SPEC_FROM_CONFIG = tuple(f.name for f in dataclasses.fields(PlanarS8Config)
-                          if f.name not in ("num_splits", "max_concurrent_steps", "pack_planes", "step_blocks"))
+                          if f.name not in ("num_splits", "max_concurrent_steps", "pack_planes", "step_blocks",
+                                            "qparams_early", "v_early"))
 
 #: ``PlanarS8Config.step_blocks=None``: blocks per pipeline step by code width (H100, T = 32K, LLaMA-3-8B shape,
-#: 2026-12-07: INT4 121.7 -> 107.9 us and QServe 124.8 -> 110.6 with 2; INT2 (packed) 76.1 -> 93.2 with 2, and
-#: 4 blocks 1.8-2.6x slower for every format: past the registers)
-AUTO_STEP_BLOCKS = {2: 1, 4: 2}
+#: 2026-12-07: INT4 121.7 -> 107.9 us and QServe 124.8 -> 110.6 with 2; 4 blocks 1.8-2.6x slower for every format,
+#: past the registers.  2026-12-08, three calls: INT2 76.7-76.9 -> 72.7-73.0 us with 2 blocks and late loads
+#: (:func:`auto_early_loads`; with the early loads 93.2, once), INT4 107.7-108.0, QServe 110.5-110.9)
+AUTO_STEP_BLOCKS = {2: 2, 4: 2}
+
+
+def auto_early_loads(bits: int, step_blocks: int) -> bool:
+    """``PlanarS8Config.qparams_early`` / ``v_early`` when ``None``: the loads go under the QK wgmmas everywhere but
+    INT2 with more than one block per step, where the early V codes and qparams (twice a 4-plane block's) cost
+    more in registers than they hide (H100, T = 32K, LLaMA-3-8B shape: INT2 with 2 blocks 93.2 us early against
+    72.7-73.0 late; INT4 / QServe with 2 blocks 107.7-108.0 / 110.5-110.9 early against 108.0-108.3 /
+    111.1-111.3 late, three calls, 2026-12-08; with 1 block early wins for every format, 2026-12-07)."""
+    return not (bits == 2 and step_blocks > 1)
 
 
 def packs_planes(cfg: PlanarS8Config, g: int) -> bool:
@@ -723,6 +768,10 @@ def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config, allow_wrong: bo
     if cfg.pack_planes and g > _NL // 2:
         raise NotImplementedError(f"decode_attention_mgpu_planar_s8: pack_planes needs at most {_NL // 2} query heads "
                                   f"per KV head (a plane pair shares the 8 columns), got {g}")
+    if cfg.merged_pv and not packs_planes(cfg, g):   # (a shape without the free column half: NotImplementedError)
+        err = NotImplementedError if g > _NL // 2 else ValueError
+        raise err(f"PlanarS8Config.merged_pv needs packed plane pairs (pack_planes: at most {_NL // 2} query heads "
+                  f"per KV head and 3 PV limbs), got g={g}, pv_limbs={cfg.pv_limbs}, pack_planes={cfg.pack_planes}")
     if cfg.pack_planes and cfg.pv_limbs != 3:
         raise ValueError(f"PlanarS8Config.pack_planes takes 3 PV limbs (one accumulator group), got pv_limbs="
                          f"{cfg.pv_limbs}")
@@ -739,7 +788,9 @@ def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config, allow_wrong: bo
     make = lambda n: _S8Spec(  # noqa: E731
         d=ops.head_dim, g=g, bits=ops.bits, ns=ns, nbs=nb // ns, stages=cfg.max_concurrent_steps,
         hkv=ops.num_kv_heads, k_zero=ops.k_zero, v_zero=ops.v_zero_kind, vg=ops.v_group,
-        **{f: getattr(cfg, f) for f in _SPEC_FROM_CONFIG}, pack_planes=packs_planes(cfg, g), step_blocks=n)
+        **{f: getattr(cfg, f) for f in _SPEC_FROM_CONFIG}, pack_planes=packs_planes(cfg, g), step_blocks=n,
+        **{f: auto_early_loads(ops.bits, n) if getattr(cfg, f) is None else bool(getattr(cfg, f))
+           for f in ("qparams_early", "v_early")})
     qpb = ops.k_qparams.dtype.itemsize
     if sb is None:      # auto: AUTO_STEP_BLOCKS[bits] where it divides the split's blocks and fits, else 1
         sb = AUTO_STEP_BLOCKS.get(ops.bits, 1)

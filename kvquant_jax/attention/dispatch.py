@@ -122,8 +122,8 @@ def _transposed_v_route(q, fmt: TransposedVFormat, state) -> tuple[Any, Any, str
 
 
 #: why a token-planar layer on a GPU goes to the s8 kernel (the measurement behind the route)
-S8_ROUTE_REASON = ("s8 tensor cores: H100 2026-12-07, T=32768: INT2 76 µs, QServe 111, INT4 108 (today's defaults) "
-                   "vs 181-192, 185, 179 for the bf16 planar kernel")
+S8_ROUTE_REASON = ("s8 tensor cores: H100 2026-12-08, T=32768: INT2 73 µs, QServe 111, INT4 108 (today's defaults, "
+                   "3 runs) vs 181-192, 185, 179 for the bf16 planar kernel")
 
 
 def _token_planar_route(q, fmt: TokenPlanarFormat, operand) -> tuple[Any, str]:

@@ -380,6 +380,67 @@ def test_default_packs_where_the_shape_allows(rng):
         assert s8._spec(ops, g, s8.PlanarS8Config()).pack_planes is (g <= 4)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_default_step_blocks_and_loads_follow_the_auto_rules(rng, bits):
+    """``step_blocks=None`` takes 2 blocks where they divide a split's blocks (INT2, INT4 alike) and 1 where they do
+    not; ``qparams_early`` / ``v_early`` = ``None`` then follow :func:`auto_early_loads` on the RESOLVED blocks
+    (INT2 at 2 blocks late, everything else early), and an explicit setting wins over the rule.  The default kernel
+    is the same lowered text as the explicit resolved config and differs from the other loads (the rule is live)."""
+    import jax
+
+    q, reg, _, _ = _case(rng, bits, "symmetric", "symmetric", 0, 128, 4, b=2, t=2048, poison=False)
+    ops = mp.prepare_token_planar_region(reg)
+    nb = ops.rows // ops.block_t
+    assert s8.auto_early_loads(2, 2) is False and s8.auto_early_loads(2, 1) and s8.auto_early_loads(4, 2)
+    sp = s8._spec(ops, 4, s8.PlanarS8Config(num_splits=2))
+    early = bits != 2
+    assert (sp.step_blocks, sp.qparams_early, sp.v_early) == (2, early, early)
+    one = s8._spec(ops, 4, s8.PlanarS8Config(num_splits=nb))          # one block per split: 2 cannot divide it
+    assert (one.step_blocks, one.qparams_early, one.v_early) == (1, True, True)
+    forced = s8._spec(ops, 4, s8.PlanarS8Config(num_splits=2, qparams_early=not early, v_early=early))
+    assert (forced.qparams_early, forced.v_early) == (not early, early)
+    cfgs = (s8.PlanarS8Config(num_splits=2),
+            s8.PlanarS8Config(num_splits=2, step_blocks=2, qparams_early=early, v_early=early),
+            s8.PlanarS8Config(num_splits=2, step_blocks=2, qparams_early=not early, v_early=not early))
+    texts = [jax.jit(lambda q, o, c=c: s8.decode_attention_mgpu_planar_s8_prepared(q, o, config=c, interpret=False))
+             .trace(q, ops).lower(lowering_platforms=("cuda",)).as_text() for c in cfgs]
+    assert texts[0] == texts[1] != texts[2]
+
+
+@pytest.mark.parametrize("bits,kz,vz,vg,d,g", [(2, "symmetric", "symmetric", 0, 128, 4), (4, "offset", "min", 64, 128, 3)])
+def test_merged_pv_lowers_to_its_own_kernel_and_counts_its_copies(rng, bits, kz, vz, vg, d, g):
+    """``merged_pv`` (one PV accumulator for both plane parities, two masked int8 copies of the B operands) lowers
+    for ``cuda`` to a kernel of its own, at 1 and 2 blocks per step; the shared-memory estimate grows by exactly the
+    second int8 copy (the limb rows x 64 bytes)."""
+    import jax
+
+    q, reg, _, _ = _case(rng, bits, kz, vz, vg, d, g, b=2, t=2048, poison=False)
+    ops = mp.prepare_token_planar_region(reg)
+    cfgs = [s8.PlanarS8Config(num_splits=2, step_blocks=n, merged_pv=m) for n in (1, 2) for m in (False, True)]
+    texts = [jax.jit(lambda q, o, c=c: s8.decode_attention_mgpu_planar_s8_prepared(q, o, config=c, interpret=False))
+             .trace(q, ops).lower(lowering_platforms=("cuda",)).as_text() for c in cfgs]
+    assert all("mosaic_gpu" in t for t in texts) and len(set(texts)) == len(cfgs)
+    qpb = ops.k_qparams.dtype.itemsize
+    for n in (1, 2):
+        plain, merged = (s8._spec(ops, g, s8.PlanarS8Config(num_splits=2, step_blocks=n, merged_pv=m)) for m in (0, 1))
+        assert merged.merged_pv and not plain.merged_pv
+        rows = merged.vgroups * merged.tiles * merged.pv_rows
+        assert s8.smem_bytes_estimate(merged, qpb) - s8.smem_bytes_estimate(plain, qpb) == rows * 64
+
+
+def test_merged_pv_needs_packed_planes(rng):
+    """Without packed plane pairs there is no free column half to zero: g > 4 is refused as a shape the kernel does
+    not take (NotImplementedError, which the check script skips by name), an explicit ``pack_planes=False`` or 2 PV
+    limbs as a config conflict (ValueError); both name the knob."""
+    q, reg, kn, vn = _case(rng, 4, "symmetric", "symmetric", 0, 128, 8, b=2, poison=False)
+    with pytest.raises(NotImplementedError, match="merged_pv needs packed plane pairs .* g=8"):
+        _run(q, reg, kn, vn, config=s8.PlanarS8Config(merged_pv=True))
+    q, reg, kn, vn = _case(rng, 2, "symmetric", "symmetric", 0, 128, 4, b=2, poison=False)
+    for bad in (dict(pack_planes=False), dict(pv_limbs=2)):
+        with pytest.raises(ValueError, match="merged_pv needs packed plane pairs"):
+            _run(q, reg, kn, vn, config=s8.PlanarS8Config(merged_pv=True, **bad))
+
+
 @pytest.mark.parametrize("bits,kz,vz,vg,d,g", [(2, "symmetric", "symmetric", 0, 128, 4), (4, "offset", "min", 64, 128, 3),
                                                (2, "min", "offset", 0, 64, 2)])
 def test_packed_kernel_lowers_for_cuda(rng, bits, kz, vz, vg, d, g):
@@ -442,9 +503,10 @@ def test_splits_must_divide_blocks(rng):
         _run(q, reg, kn, vn, config=s8.PlanarS8Config(num_splits=3))
     assert dataclasses.asdict(s8.PlanarS8Config()) == {"num_splits": None, "max_concurrent_steps": 2,
                                                        "limb_path": "i16", "pv_limbs": 3, "barriers": "explicit",
-                                                       "profile_dir": "", "qparams_early": True,
-                                                       "v_early": True, "unmasked_full_blocks": True,
-                                                       "pack_planes": None, "step_blocks": None}
+                                                       "profile_dir": "", "qparams_early": None,
+                                                       "v_early": None, "unmasked_full_blocks": True,
+                                                       "pack_planes": None, "step_blocks": None,
+                                                       "merged_pv": False}
 
 
 def test_limb_path_is_checked_and_changes_the_kernel(rng):

@@ -376,8 +376,9 @@ def test_planar_s8_child_runs_the_twin_on_cpu(nd, capsys):
     info = json.loads(line.split(" ", 1)[1])
     assert (info["impl"], info["format"], info["interpret"]) == ("mgpu_planar_s8", "int2", True)
     assert info["config"] == {"num_splits": None, "max_concurrent_steps": 3, "limb_path": "i16", "pv_limbs": 3,
-                              "barriers": "explicit", "profile_dir": "", "qparams_early": True, "v_early": True,
-                              "unmasked_full_blocks": True, "pack_planes": None, "step_blocks": None}
+                              "barriers": "explicit", "profile_dir": "", "qparams_early": None, "v_early": None,
+                              "unmasked_full_blocks": True, "pack_planes": None, "step_blocks": None,
+                              "merged_pv": False}
     assert info["num_splits"] >= 1
 
 
