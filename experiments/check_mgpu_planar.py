@@ -69,9 +69,10 @@ def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS
     ``auto_early_loads`` puts them (late for INT2 at 2 blocks, early otherwise): ``qparams late`` / ``v late`` (the
     other one early), ``late loads`` and ``early loads`` (both) set them whatever the format, ``masked full`` and
     ``unpacked`` turn one off, ``unpacked + late loads + masked full`` is the default before 2026-12-07 evening,
-    ``pack planes`` forces packing and ``merged pv`` (alone, or with ``step blocks 1 +``, and that with ``+ splits
-    x2``: the CTAs for 3 per SM, should its registers allow them) one PV accumulator for both plane parities (both
-    refused, and skipped by name, with more than 4 query heads per KV head);
+    ``pack planes`` forces packing and ``merged pv`` (alone, or with ``step blocks 1 +``, that with ``+ late
+    loads`` and / or ``+ splits x2``: fewer registers, and the CTAs for 3 per SM should the registers allow them)
+    one PV accumulator for both plane parities (both refused, and skipped by name, with more than 4 query heads per
+    KV head);
     ``step blocks <n>`` (with ``+ stages 3``, ``+ unpacked``, ``+ late loads``, ``+ early loads``, ``+ qparams
     late``, ``+ v late``) takes ``n`` token blocks per pipeline step (its parity rows run with one split where the
     case's blocks per split are too few)."""
@@ -91,8 +92,10 @@ def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS
             "unpacked": rep(dflt, pack_planes=False),
             "pack planes": rep(dflt, pack_planes=True),
             "merged pv": rep(dflt, merged_pv=True),
-            "step blocks 1 + merged pv": rep(dflt, step_blocks=1, merged_pv=True),
-            "step blocks 1 + merged pv + splits x2": rep(dflt, step_blocks=1, merged_pv=True, num_splits=2 * s0),
+            **{f"step blocks 1 + merged pv{late}{sx}": rep(dflt, step_blocks=1, merged_pv=True,
+                                                           **(dict(qparams_early=False, v_early=False) if late else {}),
+                                                           **(dict(num_splits=2 * s0) if sx else {}))
+               for late in ("", " + late loads") for sx in ("", " + splits x2")},
             "unpacked + late loads + masked full": rep(dflt, pack_planes=False, qparams_early=False, v_early=False,
                                                       unmasked_full_blocks=False),
             **{f"step blocks {n}": rep(dflt, step_blocks=n) for n in (1, 2, 4)},
