@@ -55,11 +55,16 @@
 #                  4K / 32K beside the bf16 planar kernel and cuDNN (int2, qserve, int4), variants at the first;
 #                  ALONE.  Then `planar` (the dispatcher route).  Its counters:
 #                  `ncu_decode.py --T 32768 --formats int2,qserve --impls mgpu_planar,mgpu_planar_s8`
-#   s8_knobs       J: the s8 kernel's defaults of 2026-12-07 night (packed planes where g <= 4, early loads,
-#                  unmasked full blocks, auto step_blocks: 2 for INT4 / QServe), timed once or twice so far: the
-#                  in-kernel profile (INT2 / INT4), GPU parity with the old settings as variants, three timing
-#                  calls at 32K against the 1-block step and the default before (ranges), then the token-planar
-#                  route's parity (check_transposed_v_gpu.py); ALONE
+#   s8_knobs       J: the s8 kernel's knobs: the in-kernel profile (INT2 / INT4), GPU parity with the old settings
+#                  as variants, three timing calls at 32K against the 1-block step and the default before (ranges),
+#                  then the token-planar route's parity (check_transposed_v_gpu.py); ALONE.  The timing and route
+#                  parts ran 2026-12-08 (docs/results/decode_mgpu/2026-12-08-s8-int2-steps-h100); the profile and
+#                  the variant parity with 2 blocks per step for INT2 (today's default) have not
+#   s8_merged      J: `merged_pv` (one PV accumulator for both plane parities; written 2026-12-08, NOT yet run on a
+#                  GPU): parity of the merged kernel (its outputs must equal the unmerged ones bit for bit), INT2 at
+#                  32K with 1 block per step + late loads (+ twice the splits: room for 3 CTAs / SM if the registers
+#                  drop to <= 168), ncu's registers for it, then the INT2 route's parity with 2 blocks per step
+#                  (the default since 2026-12-08, checked on GPU only as the kernel's timing error); ALONE
 #   kivi_block     J: KIVI-2/4 with the opt-in whole-block update (`kivi_update=block`, one softmax update + one
 #                  PV per block) against today's per-group path and cuDNN at 32K (timed twice, 2026-12-03 / 04:
 #                  no gain; rerun only to repeat it); ALONE
@@ -83,7 +88,7 @@ JOBS=${*:-engine_kivi2 engine_smollm2 sweeps fixed_order decode ws}
 PY=${PY:-python3}
 
 SEQUENTIAL=${SEQUENTIAL:-0}      # 1: the jobs run one after another (timing jobs: each alone on the GPU)
-KNOWN="v1_barriers s8_knobs paged_check engine engine_static engine_kivi2 engine_smollm2 engine_probe tv_check decode_shapes mosaic_shapes fp8_tune kivi_offsets planar s8 kivi_block gemma_passkey sweeps intactkv fixed_order decode ws ncu"
+KNOWN="v1_barriers s8_knobs s8_merged paged_check engine engine_static engine_kivi2 engine_smollm2 engine_probe tv_check decode_shapes mosaic_shapes fp8_tune kivi_offsets planar s8 kivi_block gemma_passkey sweeps intactkv fixed_order decode ws ncu"
 for job in $JOBS; do                # every name checked before anything starts
   case " $KNOWN " in *" $job "*) ;; *) echo "unknown job $job ($KNOWN)" >&2; exit 2 ;; esac
 done
@@ -178,6 +183,16 @@ for job in $JOBS; do
         --out docs/results/decode_mgpu/pending-s8-knobs/time\$i; done; $PY experiments/check_transposed_v_gpu.py \
         --parity-schemes int2_planar qserve4_planar int4_planar --schemes --T 32768 \
         --out docs/results/decode_mgpu/pending-s8-knobs/route" ;;
+    s8_merged)
+      start_job s8_merged 0.20 bash -c "$PY experiments/check_mgpu_planar.py --check-only --cases 0,1,3,5 \
+        --impls mgpu_s8 --variants 'step blocks 1,merged pv,step blocks 1 + merged pv + late loads' --variants-only \
+        --out docs/results/decode_mgpu/pending-s8-merged/parity; for i in 1 2 3; do $PY experiments/check_mgpu_planar.py \
+        --skip-check --T 32768 --repeat 1 --formats int2,int4 --impls mgpu_s8 --variants 'step blocks 1,merged pv,step blocks 1 + merged pv,step blocks 1 + merged pv + late loads,step blocks 1 + merged pv + late loads + splits x2,step blocks 1 + merged pv + splits x2' \
+        --out docs/results/decode_mgpu/pending-s8-merged/time\$i; done; $PY experiments/ncu_decode.py --T 32768 \
+        --formats int2 --impls mgpu_planar_s8 --configs 'mgpu_planar_s8={\"step_blocks\": 1, \"merged_pv\": true, \"qparams_early\": false, \"v_early\": false}' \
+        --configs 'mgpu_planar_s8={\"step_blocks\": 1, \"qparams_early\": false, \"v_early\": false}' \
+        --out docs/results/decode_mgpu/pending-s8-merged/ncu; $PY experiments/check_transposed_v_gpu.py \
+        --parity-schemes int2_planar --schemes --T 32768 --out docs/results/decode_mgpu/pending-s8-merged/route" ;;
     v1_barriers)
       start_job v1_barriers 0.10 $PY experiments/check_mgpu_decode.py --no-check --T 32768,4096 --impls mgpu \
         --formats int8,e4m3,int4,bf16 --variants --variants-at 32768,4096 --variant-names 'barriers explicit' \
