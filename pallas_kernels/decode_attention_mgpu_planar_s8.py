@@ -186,8 +186,9 @@ class PlanarS8Config:
         ``p sv`` scale (one per column over the step's tokens), commits, accumulator update and pipeline wait are
         paid once for ``step_blocks`` blocks, at ``step_blocks`` times the tiles in registers and the stage's
         shared memory.  It must divide the blocks per split.  ``None`` (default): :data:`AUTO_STEP_BLOCKS` by
-        code width (2 for INT2, INT4 and QServe) where that divides the split's blocks and fits the shared memory,
-        else 1.
+        code width (2 for INT2, INT4 and QServe) where that divides the split's blocks and its shared memory
+        still lets as many CTAs share an SM as one block's would (:func:`ctas_per_sm_by_smem`: at D 256 two
+        blocks would leave room for one CTA per SM instead of two), else 1.
     merged_pv: (packed planes only) both plane parities' PV wgmmas accumulate into ONE ``[64, 32]`` int32
         accumulator per 64-channel tile instead of one per parity: the converting copy writes the int8 B operands
         twice, once with the odd plane's columns zero (the even planes' wgmmas read it) and once with the even
@@ -705,6 +706,18 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
 #: :func:`smem_bytes_estimate` does not count (barriers, alignment: Mosaic's count was 5.9-6.4 KB above the
 #: estimate in seven configurations, tested)
 SMEM_BUDGET = 232448 - 8192
+#: Hopper's shared memory per SM, and what a CTA takes beyond :func:`smem_bytes_estimate` (Mosaic's ~4-6 KB, ncu
+#: 2026-12-08: INT2 58 -> 62 KB, INT4 90 -> 96 KB, plus the 1 KB the SM reserves per CTA): for the CTAs per SM
+#: that the shared memory allows (:func:`ctas_per_sm_by_smem`)
+SM_SMEM = 233472
+CTA_SMEM_EXTRA = 7 * 1024
+
+
+def ctas_per_sm_by_smem(smem_estimate: int, cap: int = 2) -> int:
+    """CTAs of the s8 kernel per SM that its shared memory allows, at most ``cap``: 2, what the registers allow at
+    D 128 (ncu, H100, 2026-12-08: 195 registers per thread for INT2, 209 for INT4, 128 threads) and what the split
+    count is sized for (:func:`_auto_splits`)."""
+    return min(cap, SM_SMEM // (smem_estimate + CTA_SMEM_EXTRA))
 
 
 def smem_bytes_estimate(sp: _S8Spec, qparam_bytes: int) -> int:
@@ -792,10 +805,13 @@ def _spec(ops: TokenPlanarOperands, g: int, cfg: PlanarS8Config, allow_wrong: bo
         **{f: auto_early_loads(ops.bits, n) if getattr(cfg, f) is None else bool(getattr(cfg, f))
            for f in ("qparams_early", "v_early")})
     qpb = ops.k_qparams.dtype.itemsize
-    if sb is None:      # auto: AUTO_STEP_BLOCKS[bits] where it divides the split's blocks and fits, else 1
-        sb = AUTO_STEP_BLOCKS.get(ops.bits, 1)
-        if (nb // ns) % sb or smem_bytes_estimate(make(sb), qpb) > SMEM_BUDGET:
-            sb = 1
+    if sb is None:      # auto: AUTO_STEP_BLOCKS[bits] where it divides the split's blocks, fits, and keeps the CTAs
+        sb = AUTO_STEP_BLOCKS.get(ops.bits, 1)      # per SM that one block's shared memory allows; else 1
+        if sb > 1:
+            need = smem_bytes_estimate(make(sb), qpb)
+            if ((nb // ns) % sb or need > SMEM_BUDGET
+                    or ctas_per_sm_by_smem(need) < ctas_per_sm_by_smem(smem_bytes_estimate(make(1), qpb))):
+                sb = 1
     sp = make(sb)
     need = smem_bytes_estimate(sp, qpb)
     if need > SMEM_BUDGET:

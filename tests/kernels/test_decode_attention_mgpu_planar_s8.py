@@ -407,6 +407,23 @@ def test_default_step_blocks_and_loads_follow_the_auto_rules(rng, bits):
     assert texts[0] == texts[1] != texts[2]
 
 
+@pytest.mark.parametrize("bits,d,want", [(2, 128, 2), (4, 128, 2), (2, 256, 1), (4, 256, 1), (2, 64, 2)])
+def test_auto_step_blocks_keeps_the_ctas_per_sm(rng, bits, d, want):
+    """Two blocks per step only where their shared memory still lets as many CTAs share an SM as one block's (2 at
+    most): at D 256 two blocks fit the kernel's budget but leave room for one CTA per SM, so the default takes 1."""
+    q, reg, _, _ = _case(rng, bits, "symmetric", "symmetric", 0, d, 4, b=2, t=4096, poison=False)
+    ops = mp.prepare_token_planar_region(reg)
+    qpb = ops.k_qparams.dtype.itemsize
+    sp = s8._spec(ops, 4, s8.PlanarS8Config(num_splits=2))
+    two = s8._spec(ops, 4, s8.PlanarS8Config(num_splits=2, step_blocks=2))        # (explicit: always taken)
+    one = s8._spec(ops, 4, s8.PlanarS8Config(num_splits=2, step_blocks=1))
+    assert sp.step_blocks == want and s8.smem_bytes_estimate(two, qpb) <= s8.SMEM_BUDGET
+    fewer = s8.ctas_per_sm_by_smem(s8.smem_bytes_estimate(two, qpb)) < s8.ctas_per_sm_by_smem(
+        s8.smem_bytes_estimate(one, qpb))
+    assert fewer is (want == 1)
+    assert s8.ctas_per_sm_by_smem(0) == 2 and s8.ctas_per_sm_by_smem(s8.SM_SMEM) == 0
+
+
 @pytest.mark.parametrize("bits,kz,vz,vg,d,g", [(2, "symmetric", "symmetric", 0, 128, 4), (4, "offset", "min", 64, 128, 3)])
 def test_merged_pv_lowers_to_its_own_kernel_and_counts_its_copies(rng, bits, kz, vz, vg, d, g):
     """``merged_pv`` (one PV accumulator for both plane parities, two masked int8 copies of the B operands) lowers
