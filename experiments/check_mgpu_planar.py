@@ -61,6 +61,11 @@ def variant_configs(dflt: mk.KiviMgpuConfig, s0: int) -> dict[str, mk.KiviMgpuCo
             **{f"barriers {b}": rep(dflt, barriers=b) for b in mk.BARRIER_MODES if b != dflt.barriers}}
 
 
+#: the s8 kernel's load variants: (name, qparams_early, v_early), set explicitly (the default depends on the format)
+LOAD_VARIANTS = (("qparams late", False, True), ("v late", True, False), ("late loads", False, False),
+                 ("early loads", True, True))
+
+
 def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS8Config]:
     """--variants of the s8 kernel: the names it shares with :func:`variant_configs`, and ``limbs <path>`` for
     each other :data:`~pallas_kernels.decode_attention_mgpu_planar_s8.LIMB_PATHS` entry, ``pv limbs <n>`` for each
@@ -84,10 +89,7 @@ def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS
             **{f"barriers {b}": rep(dflt, barriers=b) for b in s8.BARRIERS if b != dflt.barriers},
             **{f"pv limbs {n} + barriers {b}": rep(dflt, pv_limbs=n, barriers=b)
                for n in s8.PV_LIMBS if n != dflt.pv_limbs for b in s8.BARRIERS if b != dflt.barriers},
-            "qparams late": rep(dflt, qparams_early=False, v_early=True),
-            "v late": rep(dflt, qparams_early=True, v_early=False),
-            "late loads": rep(dflt, qparams_early=False, v_early=False),
-            "early loads": rep(dflt, qparams_early=True, v_early=True),
+            **{nm: rep(dflt, qparams_early=a, v_early=v) for nm, a, v in LOAD_VARIANTS},
             "masked full": rep(dflt, unmasked_full_blocks=False),
             "unpacked": rep(dflt, pack_planes=False),
             "pack planes": rep(dflt, pack_planes=True),
@@ -102,8 +104,7 @@ def s8_variant_configs(dflt: s8.PlanarS8Config, s0: int) -> dict[str, s8.PlanarS
             **{f"step blocks {n} + stages 3": rep(dflt, step_blocks=n, max_concurrent_steps=3) for n in (2,)},
             "step blocks 2 + unpacked": rep(dflt, step_blocks=2, pack_planes=False),
             **{f"step blocks 2 + {nm}": rep(dflt, step_blocks=2, qparams_early=a, v_early=v)
-               for nm, a, v in (("late loads", False, False), ("early loads", True, True),
-                                ("qparams late", False, True), ("v late", True, False))}}
+               for nm, a, v in LOAD_VARIANTS}}
 
 
 #: every --variants name (the bf16 kernel's, then the s8 kernel's own: an impl times the names it has)

@@ -605,15 +605,15 @@ def _s8_call(start, end, qb, qaux, k, v, ks, vs, vm, sp: _S8Spec):
                     with jax.named_scope("cp_commit1"):
                         plgpu.commit_smem()
                     with jax.named_scope("cp_convert"):
+                        if mg:  # the even copy keeps the even planes' columns (limb rows 8 li + c, c < 4), the odd
+                            #     copy the others; a thread's rows all share r % 8 (one select per register)
+                            even = (plgpu.broadcasted_iota(i32, (prows, _M), 0, layout=wg) & (n - 1)) < n // 2
                         for ci in range(nvg):
                             xr = pl.ds(ci * prows, prows)
                             if not mg:
                                 p_smem.at[xr][...] = _limb_scratch_to_i8(x_smem.at[xr], lp)
                                 continue
-                            # merged: the even copy keeps the even planes' columns (limb rows 8 li + c, c < 4), the
-                            # odd copy the others; a thread's rows all share r % 8 (one select per register)
                             xw = _limb_scratch_wide(x_smem.at[xr], lp)
-                            even = (plgpu.broadcasted_iota(i32, (prows, _M), 0, layout=wg) & (n - 1)) < n // 2
                             zero = jnp.zeros((prows, _M), xw.dtype)
                             p_smem.at[pl.ds(2 * ci * prows, prows)][...] = jnp.where(even, xw, zero).astype(i8)
                             p_smem.at[pl.ds((2 * ci + 1) * prows, prows)][...] = jnp.where(even, zero, xw).astype(i8)
@@ -734,7 +734,8 @@ def smem_bytes_estimate(sp: _S8Spec, qparam_bytes: int) -> int:
             + rows * _M * (2 if sp.merged_pv else 1) + (d + nvg + 2) * _NL * 4)
 
 
-#: the :class:`PlanarS8Config` fields the kernel spec carries as they are (the others become ``ns`` / ``stages``)
+#: the :class:`PlanarS8Config` fields the kernel spec carries as they are (the others become ``ns`` / ``stages``,
+#: or are resolved in :func:`_spec`: ``pack_planes``, ``step_blocks``, ``qparams_early``, ``v_early``)
 _SPEC_FROM_CONFIG = tuple(f.name for f in dataclasses.fields(PlanarS8Config)
                           if f.name not in ("num_splits", "max_concurrent_steps", "pack_planes", "step_blocks",
                                             "qparams_early", "v_early"))
